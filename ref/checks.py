@@ -1,0 +1,57 @@
+"""Input validation shared by every `qpn.ref` entry point.
+
+Every failure is a `ValueError` that names the argument, the rule, the value and the fix
+(DESIGN.md, "Bad input"). Checks run before any work, so a rejected call changes nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def require_array(name: str, value, dtype, ndim: int | None = None) -> np.ndarray:
+    """`value` must be a numpy array of exactly `dtype` (no silent casts) and `ndim` dims."""
+    if not isinstance(value, np.ndarray):
+        raise ValueError(
+            f"{name} must be a numpy.ndarray of dtype {np.dtype(dtype)}, got {type(value).__name__}; "
+            f"convert it with np.asarray(..., dtype=np.{np.dtype(dtype).name})"
+        )
+    if value.dtype != np.dtype(dtype):
+        raise ValueError(
+            f"{name} must have dtype {np.dtype(dtype)}, got {value.dtype}; "
+            f"e4m3 scales travel as their uint8 bit patterns (view float8 data as uint8)"
+            if np.dtype(dtype) == np.uint8
+            else f"{name} must have dtype {np.dtype(dtype)}, got {value.dtype}; cast it explicitly"
+        )
+    if ndim is not None and value.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {value.shape}")
+    return value
+
+
+def require_multiple(name: str, value: int, multiple: int, layout: str, fix: str) -> None:
+    """`value` (a dimension) must be a positive multiple of `multiple`."""
+    if value <= 0 or value % multiple != 0:
+        raise ValueError(
+            f"{name} must be a positive multiple of {multiple} for {layout}, got {name}={value}; {fix}"
+        )
+
+
+def require_shape(name: str, value: np.ndarray, shape: tuple) -> None:
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(value.shape)}")
+
+
+def require_no_nan_e4m3(name: str, bits: np.ndarray) -> None:
+    """e4m3 bit patterns 0x7F and 0xFF are NaN; a NaN scale would decode as +-480/256."""
+    bad = (bits & 0x7F) == 0x7F  # 0x7F = 0111_1111: exponent and mantissa all ones
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} holds NaN e4m3 codes (0x7F/0xFF) at {int(bad.sum())} places, first at index {idx} "
+            f"(byte 0x{int(bits[idx]):02X}); the checkpoint is corrupt or not e4m3 - re-export it"
+        )
+
+
+def require_finite(name: str, value: np.ndarray) -> None:
+    if not np.all(np.isfinite(value)):
+        raise ValueError(f"{name} must be finite, got {int((~np.isfinite(value)).sum())} NaN/inf values")
