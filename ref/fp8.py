@@ -1,0 +1,217 @@
+"""FP8 (e4m3fn) weights: the ModelOpt / DeepSeek quantizer and checkpoint-semantics dequantization.
+
+Tensors (spec/FORMATS.md, "FP8 weights"), N = output features, K = input features:
+
+    weight        uint8   [N, K]   e4m3fn bit patterns
+    weight_scale  float32 ()                              granularity "tensor"
+                          [N]   (or [N, 1] on input)      granularity "channel"
+                          [ceil(N/128), ceil(K/128)]      granularity "block": scale (i, j) covers
+                          rows 128i..128i+127 and columns 128j..128j+127, cropped at ragged edges
+    value = e4m3(weight[n, k]) * scale(n, k)   (DeepSeek's `weight_scale_inv` is this multiplier)
+
+Numerics policy
+- Quantizer (`fp8_quantize`): per group (whole tensor, one row, one 128x128 block) the scale is
+  RN32(amax(|w|) / 448), one fp32 division (ModelOpt's `amax / maxbound`, DeepSeek's `amax / 448`);
+  codes = encode_e4m3(RN32(w / scale)): one fp32 division, then round-to-nearest-even to e4m3,
+  saturating at +-448 (the quotient can exceed 448 by rounding). float16 input is converted to
+  float32 exactly first.
+- All-zero group: amax = 0 would make ModelOpt and DeepSeek divide 0/0 (NaN codes); qpn gives that
+  group the scale 1.0, so its codes are 0x00 and it dequantizes to exact zeros.
+- Signed zero: -0.0 quantizes to 0x80 (the sign follows np.signbit, as torch's cast does) and
+  dequantizes to -0.0.
+- Dequantization (`fp8_dequantize`): the checkpoint semantics W16 = RN16(RN32(e4m3 * s)). (QPN8's
+  kernel contract RN16(e4m3 * 2^-8 * RN16(256 * s)) lives in ref/qpn8.py.)
+- NaN: NaN/inf weights are rejected by the quantizer; e4m3 NaN bytes (0x7F/0xFF) in `weight` and
+  non-finite or non-positive scales are rejected by the dequantizer.
+- Overflow: a group whose largest possible weight RN16(RN32(448 * s)) is inf, i.e.
+  RN32(448 * s) >= 65520, is rejected (a rule on scales only, as for NVFP4).
+- Subnormals: e4m3 subnormal codes and fp32/fp16 subnormal results are kept (no flush to zero).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .checks import require_array, require_no_nan_e4m3
+from .codecs import E4M3_MAX, decode_e4m3, encode_e4m3
+
+FP8_GRANULARITIES = ("tensor", "channel", "block")
+FP8_BLOCK = 128  # DeepSeek / Qwen-FP8 block scales cover 128 x 128 weights
+FP8_SCALE_DIVISOR = np.float32(E4M3_MAX)  # 448
+# RN16(v) is inf exactly when |v| >= 65520 (midpoint of 65504 and 2^16, ties to the even 2^16).
+FP16_OVERFLOW_THRESHOLD = np.float32(65520.0)
+
+_QUANTIZE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+
+
+class FP8Weight(NamedTuple):
+    """One FP8 linear weight (see the module docstring). `fp8_dequantize(*fp8_quantize(w, g))` works."""
+
+    weight: np.ndarray  # uint8 [N, K], e4m3 bit patterns
+    weight_scale: np.ndarray  # float32: () tensor, [N] channel, [ceil(N/128), ceil(K/128)] block
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def fp8_quantize(w, granularity: str) -> FP8Weight:
+    """float32/float16 weight [N, K] -> FP8Weight with scale RN32(amax/448) per group.
+
+    granularity: "tensor" (scale shape ()), "channel" (one per row, [N]) or "block" (one per
+    128x128 block, [ceil(N/128), ceil(K/128)], ragged edge blocks cover what is there).
+    codes = encode_e4m3(RN32(w / scale)), RNE, saturating. An all-zero group gets scale 1.0.
+    """
+    if granularity not in FP8_GRANULARITIES:
+        raise ValueError(
+            f"granularity must be one of {FP8_GRANULARITIES}, got {granularity!r}; "
+            "pick the checkpoint's scale layout"
+        )
+    w32 = _validate_weight_to_quantize(w)
+    n, k = w32.shape
+    abs_w = np.abs(w32)
+
+    if granularity == "tensor":
+        group_amax = abs_w.max()[()]
+    elif granularity == "channel":
+        group_amax = abs_w.max(axis=1)
+    else:
+        nb, kb = _ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK)
+        padded = np.zeros((nb * FP8_BLOCK, kb * FP8_BLOCK), dtype=np.float32)  # zeros never raise amax
+        padded[:n, :k] = abs_w
+        group_amax = padded.reshape(nb, FP8_BLOCK, kb, FP8_BLOCK).max(axis=(1, 3))
+    group_amax = np.asarray(group_amax, dtype=np.float32)
+
+    scale = group_amax / FP8_SCALE_DIVISOR  # one fp32 division per group
+    if np.any((scale == 0) & (group_amax > 0)):
+        tiny = float(group_amax[(scale == 0) & (group_amax > 0)].max())
+        raise ValueError(
+            f"w has a {granularity} group with amax(|w|) = {tiny:.3e}, so amax/448 underflows to 0 in fp32; "
+            "rescale the weight (multiply by a power of two) before quantizing"
+        )
+    scale = np.where(group_amax == 0, np.float32(1.0), scale).astype(np.float32)
+
+    scale_map = _expand_scale(scale, granularity, n, k)
+    codes = encode_e4m3(w32 / scale_map)  # RN32 quotient, then e4m3 RNE with saturation
+    return FP8Weight(weight=codes, weight_scale=scale)
+
+
+def _validate_weight_to_quantize(w) -> np.ndarray:
+    if not isinstance(w, np.ndarray):
+        raise ValueError(
+            f"w must be a numpy.ndarray of dtype float32 or float16, got {type(w).__name__}; "
+            "convert it with np.asarray(w, dtype=np.float32)"
+        )
+    if w.dtype not in _QUANTIZE_DTYPES:
+        raise ValueError(
+            f"w must have dtype float32 or float16 (converted to float32 exactly), got {w.dtype}; "
+            "cast bf16 weights to float32 first (exact), never quantize from float64 or integers"
+        )
+    if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] == 0:
+        raise ValueError(f"w must be 2-D [N, K] with N, K >= 1, got shape {w.shape}")
+    if not np.all(np.isfinite(w)):
+        bad = ~np.isfinite(w)
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"w must be finite, got {int(bad.sum())} NaN/inf values, first at index {first} "
+            f"(value {w[first]}); clean the weight before quantizing"
+        )
+    return w.astype(np.float32)  # exact for float16
+
+
+# ----------------------------------------------------------------------------- scales
+
+
+def fp8_scale_granularity(weight_scale, n: int, k: int) -> str:
+    """Granularity of an fp32 FP8 scale for an [n, k] weight, from its shape alone.
+
+    () or (1,) -> "tensor"; (n,) or (n, 1) -> "channel"; (ceil(n/128), ceil(k/128)) -> "block".
+    Where two readings fit (n == 1, or a single 128x128 block) they give the same scale map.
+    """
+    weight_scale = _as_float32_scale(weight_scale)
+    shape = tuple(weight_scale.shape)
+    block_shape = (_ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK))
+    if shape in ((), (1,)):
+        return "tensor"
+    if shape in ((n,), (n, 1)):
+        return "channel"
+    if shape == block_shape:
+        return "block"
+    raise ValueError(
+        f"weight_scale has shape {shape}, which fits no FP8 granularity for a [{n}, {k}] weight; "
+        f"expected () for tensor, ({n},) or ({n}, 1) for channel, or {block_shape} for 128x128 block "
+        "scales (ceil(N/128), ceil(K/128)); check that the weight is stored [N, K], not transposed"
+    )
+
+
+def fp8_scale_map(weight_scale, n: int, k: int) -> np.ndarray:
+    """float32 FP8 scale (any granularity, see `fp8_scale_granularity`) -> float32 [n, k], one per element.
+
+    Validates the shape and that every scale is finite and > 0. Values are copied, never rounded.
+    """
+    granularity, scale = _validated_scale(weight_scale, n, k)
+    return _expand_scale(scale, granularity, n, k)
+
+
+def _validated_scale(weight_scale, n: int, k: int) -> tuple[str, np.ndarray]:
+    granularity = fp8_scale_granularity(weight_scale, n, k)
+    scale = _as_float32_scale(weight_scale)
+    bad = ~(np.isfinite(scale) & (scale > 0))
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"weight_scale must be finite and > 0, got {int(bad.sum())} bad values, first "
+            f"{scale[first]} at index {first}; the checkpoint's scale is corrupt"
+        )
+    if granularity == "channel":
+        scale = scale.reshape(n)
+    return granularity, scale
+
+
+def _as_float32_scale(weight_scale) -> np.ndarray:
+    if isinstance(weight_scale, np.float32):
+        weight_scale = np.asarray(weight_scale)
+    return require_array("weight_scale", weight_scale, np.float32)
+
+
+def _expand_scale(scale: np.ndarray, granularity: str, n: int, k: int) -> np.ndarray:
+    if granularity == "tensor":
+        return np.full((n, k), scale.reshape(()), dtype=np.float32)
+    if granularity == "channel":
+        return np.repeat(scale.reshape(n, 1), k, axis=1)
+    rows = np.repeat(scale, FP8_BLOCK, axis=0)[:n]
+    return np.repeat(rows, FP8_BLOCK, axis=1)[:, :k]
+
+
+# ----------------------------------------------------------------------------- dequantize
+
+
+def fp8_dequantize(weight, weight_scale) -> np.ndarray:
+    """FP8 checkpoint tensors -> float16 [N, K] = RN16(RN32(e4m3(weight) * scale)).
+
+    weight: uint8 e4m3 bits [N, K]; weight_scale: float32, granularity inferred from its shape
+    (`fp8_scale_granularity`). Rejects e4m3 NaN bytes in weight, non-finite or non-positive
+    scales, and scales whose largest weight RN16(RN32(448 * s)) would be inf.
+    """
+    weight = require_array("weight", weight, np.uint8, ndim=2)
+    n, k = weight.shape
+    if n == 0 or k == 0:
+        raise ValueError(f"weight must have N, K >= 1, got shape {weight.shape}")
+    granularity, scale = _validated_scale(weight_scale, n, k)
+    require_no_nan_e4m3("weight", weight)
+    with np.errstate(over="ignore"):  # an fp32 inf here is an answer (overflow), not an error
+        over = np.float32(E4M3_MAX) * scale >= FP16_OVERFLOW_THRESHOLD  # RN32(448 * s) vs RN16's inf
+    if over.any():
+        first = tuple(int(i) for i in np.argwhere(over)[0])
+        s = float(scale[first])
+        raise ValueError(
+            f"weight_scale{list(first)} = {s:g} ({granularity} scale; {int(over.sum())} of {scale.size} overflow) "
+            f"lets a weight reach 448 * {s:g} = {448 * s:.6g}, beyond fp16's 65504; the fp16 contract cannot "
+            "represent this layer: keep it in higher precision or re-quantize it with a smaller scale"
+        )
+    return (decode_e4m3(weight) * _expand_scale(scale, granularity, n, k)).astype(np.float16)  # RN32, RN16

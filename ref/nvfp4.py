@@ -1,0 +1,276 @@
+"""NVFP4 weights as ModelOpt writes them: quantizer, checkpoint-semantics dequantization, nibbles.
+
+Tensors of one linear layer (spec/FORMATS.md), N = output features, K = input features:
+
+    weight_packed   uint8   [N, K/2]   byte j of row n: k=2j in the LOW nibble, k=2j+1 in the HIGH
+    weight_scale    uint8   [N, K/16]  e4m3 bit patterns, one block scale per 16 consecutive k
+    weight_scale_2  float32 ()         global multiplier g = amax(|W|) / 2688   (2688 = 6 * 448)
+
+    byte j of row n:   bit 7 6 5 4 | 3 2 1 0
+                           code k=2j+1 | code k=2j
+
+Numerics policy
+- Quantizer (`nvfp4_quantize`) = ModelOpt's `NVFP4QTensor.quantize` bit for bit: every step is a
+  float32 operation rounded once (RN32), in ModelOpt's order; block scales are cast to e4m3 by
+  round-to-nearest-even (RNE) after clamping to [2^-9, 448]; elements are cast to e2m1 by RNE on
+  the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6, saturating at 6.
+- Signed zero: ModelOpt sets the e2m1 sign bit only for x < 0, so a scaled value of -0.0 gets
+  code 0 (+0). `encode_e2m1` follows np.signbit (the format's own view, as ml_dtypes does), so
+  the quantizer maps -0.0 to +0.0 before encoding. Negative values that round to 0 keep the sign
+  (code 8) in both conventions.
+- Dequantization (`nvfp4_dequantize`) is the qpn numerics contract (DESIGN.md):
+  W16[n,k] = RN16(RN32(e2m1(code) * RN32(e4m3(scale[n,k/16]) * g(n)))); code 8 gives -0.0
+  (fp16 bits 0x8000). `nvfp4_dequantize_fp32` stops before RN16 (ModelOpt's fp32 result).
+- NaN: NaN/inf weights are rejected by the quantizer; NaN scale bytes (0x7F/0xFF) are rejected
+  by the dequantizers. e2m1 has no NaN.
+- Overflow: a block whose largest possible weight RN16(RN32(6 * RN32(|e4m3| * g))) is inf is
+  rejected (`nvfp4_block_overflows`); the rule reads scales only, never the codes, so GPU kernels
+  can apply the same check at prepack time.
+- Subnormals: e4m3 subnormal scales (down to 2^-9) and fp32/fp16 subnormal results are kept
+  (no flush to zero anywhere).
+- All-zero weight: ModelOpt's torch quantizer computes 0/0 there and writes NaN scale bytes and
+  code 7 (6.0) everywhere, a checkpoint qpn must reject. qpn follows ModelOpt's ONNX exporter
+  (modelopt/onnx/quantization/quant_utils.py, `get_weights_scaling_factor_2`), which maps a zero
+  global scale to 1.0: weight_scale_2 = 1.0, every block scale 1.0 (0x38), every code 0.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape
+from .codecs import E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3
+from .geometry import GROUP_K
+from .global_scale import global_scale_per_row
+
+NVFP4_BLOCK = GROUP_K  # 16 consecutive k share one e4m3 block scale
+NVFP4_GLOBAL_DIVISOR = np.float32(E2M1_MAX * E4M3_MAX)  # 2688 = 6 * 448, exact in fp32
+E4M3_MIN_SUBNORMAL = np.float32(2.0**-9)  # smallest positive e4m3 value (0x01)
+# RN16(v) is inf exactly when |v| >= 65520: fp16's largest finite value is 65504 (0x7BFF, odd
+# mantissa) and its spacing there is 32, so the midpoint 65520 rounds to the even 65536 = inf.
+FP16_OVERFLOW_THRESHOLD = np.float32(65520.0)
+
+_LOW_NIBBLE = 0x0F  # 0000_1111
+_QUANTIZE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+
+
+class NVFP4Weight(NamedTuple):
+    """One NVFP4 linear weight in ModelOpt's checkpoint layout (see the module docstring).
+
+    A NamedTuple, so `nvfp4_dequantize(*nvfp4_quantize(w))` works.
+    """
+
+    weight_packed: np.ndarray  # uint8 [N, K/2], element 2j -> low nibble, 2j+1 -> high nibble
+    weight_scale: np.ndarray  # uint8 [N, K/16], e4m3 bit patterns
+    weight_scale_2: np.ndarray  # float32, shape ()
+
+
+# ----------------------------------------------------------------------------- nibbles
+
+
+def pack_nibbles(codes) -> np.ndarray:
+    """uint8 4-bit codes [..., K] -> uint8 bytes [..., K/2]; element 2j -> LOW nibble, 2j+1 -> HIGH.
+
+    K must be even. Exact inverse: `unpack_nibbles`.
+    """
+    codes = require_array("codes", codes, np.uint8)
+    if codes.ndim < 1 or codes.shape[-1] % 2 != 0:
+        raise ValueError(
+            f"codes must have an even last dimension (two 4-bit codes per byte), got shape {codes.shape}; "
+            "NVFP4 rows hold K % 16 == 0 elements"
+        )
+    if codes.size and codes.max() > _LOW_NIBBLE:
+        raise ValueError(
+            f"codes must be 4-bit values 0..15, got a value {int(codes.max())}; "
+            "encode with encode_e2m1 first"
+        )
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed) -> np.ndarray:
+    """uint8 bytes [..., K/2] -> uint8 4-bit codes [..., K]; LOW nibble -> element 2j, HIGH -> 2j+1.
+
+    Exact inverse of `pack_nibbles`.
+    """
+    packed = require_array("packed", packed, np.uint8)
+    if packed.ndim < 1:
+        raise ValueError(f"packed must have at least one dimension, got shape {packed.shape}")
+    codes = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), dtype=np.uint8)
+    codes[..., 0::2] = packed & _LOW_NIBBLE
+    codes[..., 1::2] = packed >> 4
+    return codes
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def nvfp4_quantize(w) -> NVFP4Weight:
+    """float32/float16 weight [N, K] (K % 16 == 0) -> NVFP4Weight, ModelOpt's bytes bit for bit.
+
+    float16 input is converted to float32 exactly first (ModelOpt's arithmetic then runs in fp32
+    for fp16/bf16 weights too). Steps, each rounded once in fp32 (spec/FORMATS.md):
+      1. weight_scale_2 = amax(|W|) / 2688
+      2. block_scale = block_amax / RN32(6 * weight_scale_2); 0 -> 1.0; clamp [2^-9, 448]; e4m3 RNE
+      3. scaled = W / RN32(e4m3(block_scale) * weight_scale_2)
+      4. code = (sign bit iff scaled < 0) | e2m1 RNE magnitude of |scaled|, saturating at 6
+      5. pack, element 2j in the low nibble.
+    Rejects NaN/inf (ValueError). An all-zero W gives weight_scale_2 = 1.0 (module docstring).
+    """
+    w32 = _validate_weight_to_quantize(w)
+    n, k = w32.shape
+    blocks = w32.reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    abs_blocks = np.abs(blocks)
+    block_amax = abs_blocks.max(axis=-1)  # float32 [N, K/16], exact
+    amax = block_amax.max()
+
+    if amax == 0:
+        weight_scale_2 = np.float32(1.0)  # ModelOpt ONNX exporter's rule; its torch path gives NaN
+    else:
+        weight_scale_2 = np.float32(amax) / NVFP4_GLOBAL_DIVISOR  # step 1: one fp32 division
+        if weight_scale_2 == 0:
+            raise ValueError(
+                f"w has amax(|w|) = {float(amax):.3e}, so weight_scale_2 = amax/2688 underflows to 0 in fp32 "
+                "and every block scale would divide by zero; rescale the weight (multiply by a power of two)"
+            )
+
+    # step 2 (the divisor 6 * weight_scale_2 is its own fp32 product, as in ModelOpt)
+    block_scale = block_amax / (np.float32(6.0) * weight_scale_2)
+    block_scale[block_scale == 0] = np.float32(1.0)
+    block_scale = np.clip(block_scale, E4M3_MIN_SUBNORMAL, np.float32(E4M3_MAX))
+    weight_scale = encode_e4m3(block_scale)
+
+    # step 3
+    block_multiplier = decode_e4m3(weight_scale) * weight_scale_2  # RN32, float32 [N, K/16]
+    if np.any(block_multiplier == 0):  # only for amax deep in fp32's subnormals (below ~1e-36)
+        raise ValueError(
+            f"w has amax(|w|) = {float(amax):.3e}, so e4m3 block scale * weight_scale_2 underflows to 0 in fp32 "
+            "and the weights would divide by zero; rescale the weight (multiply by a power of two)"
+        )
+    scaled = (blocks / block_multiplier[..., None]).reshape(n, k)
+
+    # step 4: ModelOpt's sign is (x < 0); -0.0 must therefore encode as +0 (code 0), see docstring
+    scaled = np.where(scaled == 0, np.float32(0.0), scaled)
+    codes = encode_e2m1(scaled)
+
+    return NVFP4Weight(
+        weight_packed=pack_nibbles(codes),
+        weight_scale=weight_scale,
+        weight_scale_2=np.array(weight_scale_2, dtype=np.float32),
+    )
+
+
+def _validate_weight_to_quantize(w) -> np.ndarray:
+    if not isinstance(w, np.ndarray):
+        raise ValueError(
+            f"w must be a numpy.ndarray of dtype float32 or float16, got {type(w).__name__}; "
+            "convert it with np.asarray(w, dtype=np.float32)"
+        )
+    if w.dtype not in _QUANTIZE_DTYPES:
+        raise ValueError(
+            f"w must have dtype float32 or float16 (converted to float32 exactly), got {w.dtype}; "
+            "cast bf16 weights to float32 first (exact), never quantize from float64 or integers"
+        )
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [N, K], got shape {w.shape}")
+    n, k = w.shape
+    if n == 0:
+        raise ValueError(f"w must have at least one output row, got shape {w.shape}")
+    require_multiple("K", k, NVFP4_BLOCK, "NVFP4 (one e4m3 scale per 16 consecutive k)", "pad the input features")
+    if not np.all(np.isfinite(w)):
+        bad = ~np.isfinite(w)
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"w must be finite, got {int(bad.sum())} NaN/inf values, first at index {first} "
+            f"(value {w[first]}); clean the weight before quantizing"
+        )
+    return w.astype(np.float32)  # exact for float16; a copy for float32, so w is never touched
+
+
+# ----------------------------------------------------------------------------- dequantize
+
+
+def nvfp4_block_overflows(weight_scale, g_rows) -> np.ndarray:
+    """bool [N, K/16]: True where the block's largest possible fp16 weight is inf.
+
+    weight_scale: uint8 e4m3 bits [N, K/16]; g_rows: float32 [N], one global scale per row (see
+    `global_scale_per_row`). The largest |W16| a block can produce is
+    RN16(RN32(6 * RN32(|e4m3| * g))) (6 = largest e2m1 magnitude; every rounding is monotone), and
+    it is inf exactly when RN32(6 * RN32(|e4m3| * g)) >= 65520. Depends on scales only, not codes.
+    NaN scale bytes are not judged here (they compare False); callers reject them first.
+    """
+    weight_scale = require_array("weight_scale", weight_scale, np.uint8, ndim=2)
+    g_rows = require_array("g_rows", g_rows, np.float32, ndim=1)
+    require_shape("g_rows", g_rows, (weight_scale.shape[0],))
+    with np.errstate(over="ignore"):  # an fp32 inf here is an answer (overflow), not an error
+        block_multiplier = np.abs(decode_e4m3(weight_scale)) * g_rows[:, None]  # RN32
+        largest = np.float32(E2M1_MAX) * block_multiplier  # RN32
+    return largest >= FP16_OVERFLOW_THRESHOLD
+
+
+def require_nvfp4_fits_fp16(weight_scale, g_rows, name: str = "weight_scale") -> None:
+    """ValueError naming the first block whose largest fp16 weight would be inf (`nvfp4_block_overflows`)."""
+    over = nvfp4_block_overflows(weight_scale, g_rows)
+    if over.any():
+        row, block = (int(i) for i in np.argwhere(over)[0])
+        scale = float(decode_e4m3(weight_scale[row, block]))
+        g = float(g_rows[row])
+        raise ValueError(
+            f"{name}[{row}, {block}] = 0x{int(weight_scale[row, block]):02X} (e4m3 {scale:g}) with global scale "
+            f"g[{row}] = {g:g} lets the block reach 6 * {scale:g} * {g:g} = {6 * scale * g:.6g}, beyond fp16's "
+            f"65504 ({int(over.sum())} blocks overflow); the fp16 contract cannot represent this layer: keep it "
+            "in higher precision (nvfp4_dequantize_fp32) or re-quantize the weight at a smaller scale"
+        )
+
+
+def nvfp4_dequantize(weight_packed, weight_scale, global_scale) -> np.ndarray:
+    """NVFP4 checkpoint tensors -> float16 [N, K], W16 = RN16(RN32(e2m1 * RN32(e4m3 * g(n)))).
+
+    weight_packed: uint8 [N, K/2] (element 2j in the low nibble); weight_scale: uint8 e4m3 bits
+    [N, K/16]; global_scale: float32 scalar or one value per 32-row output tile
+    (`global_scale_per_row`). K = 2 * weight_packed.shape[1] must be a multiple of 16.
+    Code 8 gives -0.0 (0x8000). Rejects NaN scale bytes and blocks that would overflow fp16.
+    """
+    g_rows = _validate_dequantize_inputs(weight_packed, weight_scale, global_scale)
+    require_nvfp4_fits_fp16(weight_scale, g_rows)
+    return _dequantize_rn32(weight_packed, weight_scale, g_rows).astype(np.float16)  # RN16
+
+
+def nvfp4_dequantize_fp32(weight_packed, weight_scale, global_scale) -> np.ndarray:
+    """NVFP4 checkpoint tensors -> float32 [N, K] = RN32(e2m1 * RN32(e4m3 * g(n))).
+
+    ModelOpt's own fp32 dequantization (before its final cast); for notebooks comparing variants.
+    Same inputs and validation as `nvfp4_dequantize`, except that no fp16 overflow rule applies
+    (a product beyond fp32's range is inf, as in ModelOpt). Code 8 gives -0.0.
+    """
+    g_rows = _validate_dequantize_inputs(weight_packed, weight_scale, global_scale)
+    return _dequantize_rn32(weight_packed, weight_scale, g_rows)
+
+
+def _validate_dequantize_inputs(weight_packed, weight_scale, global_scale) -> np.ndarray:
+    weight_packed = require_array("weight_packed", weight_packed, np.uint8, ndim=2)
+    weight_scale = require_array("weight_scale", weight_scale, np.uint8, ndim=2)
+    n, half_k = weight_packed.shape
+    k = 2 * half_k
+    if n == 0:
+        raise ValueError(f"weight_packed must have at least one row (N >= 1), got shape {weight_packed.shape}")
+    require_multiple(
+        "K",
+        k,
+        NVFP4_BLOCK,
+        "NVFP4 (K = 2 * weight_packed.shape[1]; one e4m3 scale per 16 consecutive k)",
+        "pad the input features to a multiple of 16",
+    )
+    require_shape("weight_scale", weight_scale, (n, k // NVFP4_BLOCK))
+    require_no_nan_e4m3("weight_scale", weight_scale)
+    return global_scale_per_row(global_scale, n)
+
+
+def _dequantize_rn32(weight_packed: np.ndarray, weight_scale: np.ndarray, g_rows: np.ndarray) -> np.ndarray:
+    n = weight_packed.shape[0]
+    values = decode_e2m1(unpack_nibbles(weight_packed))  # float32 [N, K], exact
+    with np.errstate(over="ignore"):  # only reachable from the fp32 variant (fp16 path checked first)
+        block_multiplier = decode_e4m3(weight_scale) * g_rows[:, None]  # RN32(e4m3 * g), [N, K/16]
+        blocks = values.reshape(n, -1, NVFP4_BLOCK) * block_multiplier[..., None]  # RN32
+    return blocks.reshape(n, -1)
