@@ -1,11 +1,14 @@
 """qpn.ref: the pure-numpy, bit-exact reference of NVFP4/FP8 decoding and the QPN2/QPN8 layouts.
 
 This package is the specification that the CUDA kernels and the CPU backend must match byte
+for byte. It imports numpy only (and safetensors for checkpoint I/O), never torch or cupy.
 e4m3 values travel as uint8 bit patterns.
 """
 
 from .codecs import decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3
 from .geometry import KORDER, column_of_lane, k_of_position, lane_of_column, position_of_k
 from .global_scale import global_scale_per_row
+from .safetensors_io import SafetensorsError, StoredTensor, read_safetensors, read_safetensors_header, write_safetensors
+from .checkpoint import Checkpoint, CheckpointError, FP8Linear, NVFP4Linear, fuse_fp8_shards, fuse_nvfp4_shards, load_checkpoint, save_checkpoint
 from .nvfp4 import NVFP4Weight, nvfp4_block_overflows, nvfp4_dequantize, nvfp4_dequantize_fp32, nvfp4_quantize, pack_nibbles, require_nvfp4_fits_fp16, unpack_nibbles
 from .fp8 import FP8Weight, fp8_dequantize, fp8_quantize, fp8_scale_granularity, fp8_scale_map

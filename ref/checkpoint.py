@@ -1,0 +1,1014 @@
+"""Quantized checkpoints (ModelOpt, compressed-tensors) -> one validated object per linear layer.
+
+A checkpoint is a folder: `config.json` (its `quantization_config`) and/or the older ModelOpt
+`hf_quant_config.json`, plus `model.safetensors` or shards listed in
+`model.safetensors.index.json` ("weight_map": tensor -> file). Tensors are read with
+`safetensors_io` (memory-mapped: loading a large checkpoint copies nothing).
+
+Data model (frozen dataclasses; arrays are numpy, e4m3 travels as uint8 bit patterns):
+
+- `NVFP4Linear(name, weight_packed, weight_scale, global_scale, input_scale=None)`:
+  weight_packed uint8 [N, K/2] (element 2j in the LOW nibble), weight_scale uint8 e4m3 bits
+  [N, K/16], global_scale float32 0-d, input_scale float32 0-d or None.
+  Convention: global_scale and input_scale are MULTIPLIERS, i.e. ModelOpt's `weight_scale_2`
+  and `input_scale`; value = e2m1 * e4m3(scale) * global_scale (spec/FORMATS.md).
+- `FP8Linear(name, weight, weight_scale, granularity, input_scale=None, scale_name="weight_scale")`:
+  weight uint8 e4m3 bits [N, K]; weight_scale float32, a multiplier: 0-d ("tensor"), [N]
+  ("channel"; [N, 1] on disk is accepted and flattened) or [ceil(N/128), ceil(K/128)]
+  ("block"). `scale_name` is the on-disk name, "weight_scale" or "weight_scale_inv" (block
+  checkpoints in the DeepSeek style; a multiplier despite the name), kept so saving writes it back.
+- `Checkpoint(format, quant_algo, linears, tensors, config, hf_quant_config=None)`:
+  format "modelopt" | "compressed-tensors"; quant_algo as the config says it, upper-cased
+  ("NVFP4", "W4A16_NVFP4", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MIXED_PRECISION";
+  always "NVFP4" for compressed-tensors); linears {layer name: NVFP4Linear | FP8Linear};
+  tensors {name: StoredTensor} = everything else (biases, embeddings, norms, unquantized
+  weights, kv-cache scales), kept with their dtype tags; config = config.json as a dict ({} if
+  absent); hf_quant_config = hf_quant_config.json as a dict, or None.
+
+On-disk layouts (per layer X):
+
+- ModelOpt NVFP4 / W4A16_NVFP4: X.weight U8 [N, K/2], X.weight_scale F8_E4M3 [N, K/16],
+  X.weight_scale_2 F32 [], X.input_scale F32 [] (optional).
+- ModelOpt FP8 (tensor / channel / block): X.weight F8_E4M3 [N, K], X.weight_scale or
+  X.weight_scale_inv F32 ([], [N] or [N, 1], or the block grid), X.input_scale F32 [] (optional).
+- compressed-tensors nvfp4-pack-quantized: X.weight_packed U8 [N, K/2], X.weight_scale F8_E4M3
+  [N, K/16], X.weight_global_scale F32 [1], X.input_global_scale F32 [1] (optional).
+
+compressed-tensors stores RECIPROCAL global scales (weight_global_scale = 2688 / amax).
+Loading converts to multipliers, global_scale = RN32(1 / weight_global_scale) (one correctly
+rounded fp32 division, as vLLM does), and saving converts back with the same operation.
+Exactness caveat: x -> RN32(1/RN32(1/x)) is not the identity in fp32. About 17 % of fp32
+values in every binade are never the result of RN32(1/r) for any r, and exactly those fail
+the round trip. Consequences: (a) load -> save of a compressed-tensors file can change the
+bytes of weight_global_scale (several stored values map to one multiplier), yet load -> save ->
+load returns the identical global_scale (a loaded multiplier is always reachable); (b) saving
+a multiplier that is not reachable (e.g. a ModelOpt amax / 2688) as compressed-tensors and
+loading it back returns the neighbouring reachable value, 1 ulp away. Dequantizing with the
+multiplier, RN32(e4m3 * g), can also differ by 1 ulp from compressed-tensors' own
+RN32(e4m3 / weight_global_scale). tests/test_checkpoint.py pins both effects on real values.
+
+What the config decides, and what is checked (every error is a CheckpointError, a ValueError
+naming the file and the tensor or config entry at fault):
+
+- ModelOpt single algorithm: every stored quantized layer must be of the config's kind (NVFP4
+  family <-> NVFP4Linear; FP8 -> granularity tensor, FP8_PER_CHANNEL_PER_TOKEN -> channel,
+  FP8_PB_WO -> block) and must not be excluded (`ignore` / `exclude_modules`, exact names or
+  fnmatch wildcards). NVFP4 group_size must be 16.
+- ModelOpt MIXED_PRECISION: `quantized_layers` maps a layer (exact name, a fused name such as
+  `...qkv_proj` / `...gate_up_proj` that covers its q/k/v or gate/up shards, or an ancestor
+  prefix) to {"quant_algo", "group_size"}; unlisted layers must be stored unquantized, listed
+  ones quantized with the listed algorithm, and every listed entry must match a layer.
+- compressed-tensors: `config_groups` (all in format nvfp4-pack-quantized, weights num_bits 4,
+  type float, strategy tensor_group, group_size 16), `targets` and `ignore` (exact names or
+  "re:" regexes, re.match as compressed-tensors does; a class target such as "Linear" matches
+  every non-ignored quantized layer). quantization_status, if present, must be "compressed".
+- Exact-name and regex targets / quantized_layers are EXPLICIT: a 2-D X.weight stored
+  unquantized that such an entry covers is an error. Class targets and ModelOpt's
+  exclude-list form cannot tell a linear from an embedding by its tensors, so there the stored
+  tensors decide which layers are quantized.
+- Per layer: every companion tensor present (a scale without its weight or a weight without
+  its scale is an error), exact dtypes, weight_scale shape [N, K/16] for weight [N, K/2], FP8
+  scale shape by granularity, no NaN e4m3 codes (0x7F/0xFF) in block scales or FP8 weights,
+  global scales and FP8 weight scales finite and > 0 (as fp8_dequantize requires).
+- Sharded: every file in the weight_map exists, holds exactly the tensors mapped to it, and no
+  tensor appears in two files.
+
+Saving (`save_checkpoint`) serializes, then runs the complete load-side validation on the
+in-memory result before writing a byte; it writes the whole folder into a temporary sibling
+folder and renames it into place (an existing non-empty folder is refused unless
+overwrite=True, which swaps it atomically with renameat2(RENAME_EXCHANGE) where Linux offers
+it, else with two renames). On any failure the temporary folder is removed and the target is
+untouched. Output bytes are deterministic (sorted JSON, sorted tensors, fixed shard names).
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import fnmatch
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from .checks import require_no_nan_e4m3
+from .geometry import GROUP_K, TILE_N
+from .safetensors_io import StoredTensor, _fsync_dir, as_stored_tensor, read_safetensors, write_safetensors
+
+CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+FP8_GRANULARITY_OF_ALGO = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
+FP8_GRANULARITIES = ("tensor", "channel", "block")
+LAYER_ALGOS = NVFP4_ALGOS + tuple(FP8_GRANULARITY_OF_ALGO)
+MODELOPT_ALGOS = LAYER_ALGOS + ("MIXED_PRECISION",)
+CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
+FP8_BLOCK = 128  # rows and columns per FP8 block scale
+
+CONFIG_FILE = "config.json"
+HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_METADATA = {"format": "pt"}  # what transformers expects in every shard
+
+# role -> on-disk suffix, per layout
+_MODELOPT_NVFP4 = {"weight_packed": "weight", "weight_scale": "weight_scale", "global_scale": "weight_scale_2",
+                   "input_scale": "input_scale"}
+_CT_NVFP4 = {"weight_packed": "weight_packed", "weight_scale": "weight_scale", "global_scale": "weight_global_scale",
+             "input_scale": "input_global_scale"}
+_NVFP4_DTYPES = {"weight_packed": "U8", "weight_scale": "F8_E4M3", "global_scale": "F32", "input_scale": "F32"}
+_FP8_SCALE_NAMES = ("weight_scale", "weight_scale_inv")
+# every suffix that belongs to some quantized linear (a tensor of another layer with one of
+# these names could never be told apart from a linear's, so `tensors` may not use them)
+_LINEAR_SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_scale_2", "weight_scale_inv",
+                    "weight_global_scale", "input_scale", "input_global_scale")
+_FUSED_OF_SHARD = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                   "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint breaks a rule. `path` is the file at fault, `tensor` the tensor or config entry (or None)."""
+
+    def __init__(self, path, tensor: str | None, message: str):
+        self.path = os.fspath(path)
+        self.tensor = tensor
+        where = f"{self.path}: tensor {tensor!r}: " if tensor is not None else f"{self.path}: "
+        super().__init__(where + message)
+
+
+class _FieldError(ValueError):
+    """A dataclass field is invalid; `role` lets the loader name the tensor and file behind it."""
+
+    def __init__(self, role: str, message: str):
+        self.role = role
+        super().__init__(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# data model
+
+
+def _scalar_f32(value, owner: str, role: str, *, positive: bool, optional: bool = False):
+    """0-d float32 from a float32 array / numpy scalar of size 1 (nothing is cast)."""
+    if value is None:
+        if optional:
+            return None
+        raise _FieldError(role, f"{owner}: {role} is required (a float32 scalar), got None")
+    array = np.asarray(value) if isinstance(value, (np.ndarray, np.generic)) else None
+    if array is None or array.dtype != np.float32 or array.size != 1 or array.ndim > 1:
+        got = f"dtype {array.dtype}, shape {array.shape}" if array is not None else type(value).__name__
+        raise _FieldError(
+            role,
+            f"{owner}: {role} must be a float32 scalar (shape () or (1,)), got {got}; "
+            "checkpoints store it as fp32 - pass it unchanged (np.float32(x) for a Python float)",
+        )
+    array = array.reshape(())
+    ok = np.isfinite(array) and (array > 0 if positive else array >= 0)
+    if not ok:
+        raise _FieldError(role, f"{owner}: {role} must be finite and {'> 0' if positive else '>= 0'}, got {array}")
+    return array
+
+
+def _uint8_matrix(value, owner: str, role: str, what: str) -> np.ndarray:
+    if not isinstance(value, np.ndarray) or value.dtype != np.uint8 or value.ndim != 2:
+        got = f"dtype {value.dtype}, shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+        raise _FieldError(role, f"{owner}: {role} must be a 2-D uint8 array ({what}), got {got}; "
+                                "view float8 data as uint8")
+    if value.shape[0] == 0 or value.shape[1] == 0:
+        raise _FieldError(role, f"{owner}: {role} must not be empty, got shape {value.shape}")
+    return value
+
+
+def _no_nan_e4m3(bits: np.ndarray, owner: str, role: str) -> None:
+    try:
+        require_no_nan_e4m3(f"{owner}: {role}", bits)
+    except ValueError as exc:
+        raise _FieldError(role, str(exc)) from None
+
+
+def _check_name(name) -> None:
+    if not isinstance(name, str) or not name:
+        raise _FieldError("name", f"a linear's name must be a non-empty string (its module prefix), got {name!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class NVFP4Linear:
+    """One NVFP4 linear: uint8 [N, K/2] codes (low nibble first), e4m3 [N, K/16] scales, fp32 multipliers."""
+
+    name: str
+    weight_packed: np.ndarray
+    weight_scale: np.ndarray
+    global_scale: np.ndarray
+    input_scale: np.ndarray | None = None
+
+    def __post_init__(self):
+        _check_name(self.name)
+        owner = f"NVFP4 layer {self.name!r}"
+        wp = _uint8_matrix(self.weight_packed, owner, "weight_packed", "[N, K/2], two e2m1 codes per byte")
+        n, half_k = wp.shape
+        ws = _uint8_matrix(self.weight_scale, owner, "weight_scale", "[N, K/16] e4m3 bit patterns")
+        if half_k % (GROUP_K // 2) != 0 or ws.shape != (n, half_k * 2 // GROUP_K):
+            raise _FieldError(
+                "weight_scale",
+                f"{owner}: weight_scale must have shape (N, K/16) = ({n}, {half_k * 2 / GROUP_K:g}) for weight_packed "
+                f"shape ({n}, {half_k}) (K = {half_k * 2}), got {ws.shape}; NVFP4 has one e4m3 scale per "
+                f"{GROUP_K} weights (group_size 16) and K must be a multiple of 16",
+            )
+        _no_nan_e4m3(ws, owner, "weight_scale")
+        object.__setattr__(self, "global_scale", _scalar_f32(self.global_scale, owner, "global_scale", positive=True))
+        object.__setattr__(self, "input_scale",
+                           _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))
+
+    @property
+    def n(self) -> int:
+        return int(self.weight_packed.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.weight_packed.shape[1] * 2)
+
+
+def fp8_block_scale_shape(n: int, k: int) -> tuple[int, int]:
+    """Shape of a 128x128 block-scale grid for an [n, k] weight: (ceil(n/128), ceil(k/128))."""
+    return (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+
+
+@dataclass(frozen=True, eq=False)
+class FP8Linear:
+    """One FP8 linear: e4m3 uint8 [N, K] and an fp32 multiplier per tensor / channel / 128x128 block."""
+
+    name: str
+    weight: np.ndarray
+    weight_scale: np.ndarray
+    granularity: str
+    input_scale: np.ndarray | None = None
+    scale_name: str = "weight_scale"
+
+    def __post_init__(self):
+        _check_name(self.name)
+        owner = f"FP8 layer {self.name!r}"
+        w = _uint8_matrix(self.weight, owner, "weight", "[N, K] e4m3 bit patterns")
+        n, k = w.shape
+        if self.granularity not in FP8_GRANULARITIES:
+            raise _FieldError("granularity", f"{owner}: granularity must be one of {FP8_GRANULARITIES}, "
+                                             f"got {self.granularity!r}")
+        if self.scale_name not in _FP8_SCALE_NAMES:
+            raise _FieldError("scale_name", f"{owner}: scale_name must be one of {_FP8_SCALE_NAMES}, "
+                                            f"got {self.scale_name!r}")
+        s = self.weight_scale
+        if not isinstance(s, (np.ndarray, np.generic)) or np.asarray(s).dtype != np.float32:
+            got = np.asarray(s).dtype if isinstance(s, (np.ndarray, np.generic)) else type(s).__name__
+            raise _FieldError("weight_scale", f"{owner}: weight_scale must be float32, got {got}; "
+                                              "checkpoints store fp32 scales - pass them unchanged")
+        s = np.asarray(s)
+        if self.granularity == "tensor":
+            s = _scalar_f32(s, owner, "weight_scale", positive=True)
+        else:
+            if self.granularity == "channel":
+                expected, accepted = (n,), ((n,), (n, 1))
+                rule = "one scale per output channel, shape (N,) or (N, 1)"
+            else:
+                expected = accepted = fp8_block_scale_shape(n, k)
+                accepted = (accepted,)
+                rule = f"one scale per {FP8_BLOCK}x{FP8_BLOCK} block, shape (ceil(N/128), ceil(K/128))"
+            if s.shape not in accepted:
+                raise _FieldError(
+                    "weight_scale",
+                    f"{owner}: a {self.granularity} weight_scale must have shape {expected} for weight shape {w.shape} "
+                    f"({rule}), got {s.shape}",
+                )
+            s = s.reshape(expected)
+            if not (np.all(np.isfinite(s)) and np.all(s > 0)):
+                raise _FieldError("weight_scale", f"{owner}: weight_scale must be finite and > 0, got "
+                                                  f"{int((~(np.isfinite(s) & (s > 0))).sum())} bad values")
+        if self.scale_name == "weight_scale_inv" and self.granularity != "block":
+            raise _FieldError("scale_name", f"{owner}: weight_scale_inv is the block-checkpoint name; a "
+                                            f"{self.granularity} scale is stored as weight_scale")
+        _no_nan_e4m3(w, owner, "weight")
+        object.__setattr__(self, "weight_scale", s)
+        object.__setattr__(self, "input_scale",
+                           _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))
+
+    @property
+    def n(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.weight.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A loaded (or to-be-saved) checkpoint; see the module docstring. Treat the dicts as read-only."""
+
+    format: str
+    quant_algo: str
+    linears: Mapping[str, NVFP4Linear | FP8Linear]
+    tensors: Mapping[str, StoredTensor]
+    config: Mapping
+    hf_quant_config: Mapping | None = None
+
+    def __post_init__(self):
+        if self.format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"format must be one of {CHECKPOINT_FORMATS}, got {self.format!r}")
+        if not isinstance(self.quant_algo, str) or not self.quant_algo:
+            raise ValueError(f"quant_algo must be a non-empty string such as 'NVFP4', got {self.quant_algo!r}")
+        linears = {}
+        for key, linear in dict(self.linears).items():
+            if not isinstance(linear, (NVFP4Linear, FP8Linear)):
+                raise ValueError(f"linears[{key!r}] must be an NVFP4Linear or FP8Linear, got {type(linear).__name__}")
+            if key != linear.name:
+                raise ValueError(f"linears[{key!r}] holds a layer named {linear.name!r}; key by the layer's name")
+            linears[key] = linear
+        tensors = {name: as_stored_tensor(value, name=f"tensors[{name!r}]")
+                   for name, value in dict(self.tensors).items()}
+        if not isinstance(self.config, Mapping):
+            raise ValueError(f"config must be a mapping (config.json), got {type(self.config).__name__}")
+        if self.hf_quant_config is not None and not isinstance(self.hf_quant_config, Mapping):
+            raise ValueError(f"hf_quant_config must be a mapping or None, got {type(self.hf_quant_config).__name__}")
+        object.__setattr__(self, "linears", dict(sorted(linears.items())))
+        object.__setattr__(self, "tensors", dict(sorted(tensors.items())))
+
+
+# ----------------------------------------------------------------------------------------------
+# fused shards
+
+
+class FusedNVFP4(NamedTuple):
+    weight_packed: np.ndarray  # uint8 [sum N, K/2]
+    weight_scale: np.ndarray  # uint8 [sum N, K/16]
+    global_scale: np.ndarray  # float32 [sum N / 32], one multiplier per 32-row tile
+
+
+class FusedFP8(NamedTuple):
+    weight: np.ndarray  # uint8 [sum N, K]
+    weight_scale: np.ndarray  # float32 [sum N] ("channel") or block grid ("block")
+    granularity: str  # "channel" or "block"
+
+
+def _same_k(linears: Sequence, cls, name: str) -> int:
+    if isinstance(linears, (str, bytes)) or not isinstance(linears, Sequence) or len(linears) == 0:
+        raise ValueError(f"linears for fused layer {name!r} must be a non-empty list of {cls.__name__}")
+    for shard in linears:
+        if not isinstance(shard, cls):
+            raise ValueError(f"fused layer {name!r}: every shard must be a {cls.__name__}, got "
+                             f"{type(shard).__name__} ({getattr(shard, 'name', '?')!r}); shards of one fused "
+                             "layer must share one quantization format")
+    ks = {shard.k for shard in linears}
+    if len(ks) != 1:
+        raise ValueError(f"fused layer {name!r}: shards must share K (input features), got "
+                         f"{ {shard.name: shard.k for shard in linears} }")
+    return ks.pop()
+
+
+def fuse_nvfp4_shards(linears: Sequence[NVFP4Linear], name: str) -> FusedNVFP4:
+    """Stack NVFP4 shards (q/k/v, gate/up) along N, keeping each shard's global scale per 32-row tile.
+
+    Returns FusedNVFP4(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/16],
+    global_scale float32 [N/32]), N = sum of shard N; tile t takes the global scale of the
+    shard holding rows [32t, 32t+32). Each shard's N must be a multiple of 32, so no tile
+    straddles two global scales. No value changes (block scales are not requantized).
+    """
+    _same_k(linears, NVFP4Linear, name)
+    for shard in linears:
+        if shard.n % TILE_N != 0:
+            raise ValueError(
+                f"fused layer {name!r}: shard {shard.name!r} has N={shard.n}, not a multiple of {TILE_N}; "
+                f"per-tile global scales need every shard boundary on a {TILE_N}-row tile - keep this shard "
+                "as its own linear or pad its rows to a multiple of 32"
+            )
+    return FusedNVFP4(
+        np.concatenate([s.weight_packed for s in linears], axis=0),
+        np.concatenate([s.weight_scale for s in linears], axis=0),
+        np.concatenate([np.full(s.n // TILE_N, s.global_scale, dtype=np.float32) for s in linears]),
+    )
+
+
+def fuse_fp8_shards(linears: Sequence[FP8Linear], name: str) -> FusedFP8:
+    """Stack FP8 shards along N. Per-tensor and per-channel shards give a per-channel [N] scale.
+
+    A per-tensor shard's scalar is repeated over its rows, which is exact (each row keeps its
+    multiplier). Block shards give the stacked block grid; every shard but the last must then
+    have N a multiple of 128. Mixing block with non-block shards is an error.
+    """
+    _same_k(linears, FP8Linear, name)
+    blocks = {s.granularity == "block" for s in linears}
+    if len(blocks) != 1:
+        raise ValueError(f"fused layer {name!r}: cannot fuse block-scaled with per-tensor/per-channel shards "
+                         f"({ {s.name: s.granularity for s in linears} }); requantize them to one granularity")
+    weight = np.concatenate([s.weight for s in linears], axis=0)
+    if blocks.pop():
+        for shard in linears[:-1]:
+            if shard.n % FP8_BLOCK != 0:
+                raise ValueError(f"fused layer {name!r}: block-scaled shard {shard.name!r} has N={shard.n}, not a "
+                                 f"multiple of {FP8_BLOCK}, so its last block row would straddle the next shard")
+        return FusedFP8(weight, np.concatenate([s.weight_scale for s in linears], axis=0), "block")
+    scale = np.concatenate([np.broadcast_to(s.weight_scale, (s.n,)) for s in linears]).astype(np.float32)
+    return FusedFP8(weight, scale, "channel")
+
+
+# ----------------------------------------------------------------------------------------------
+# quantization config -> plan
+
+
+def _nvfp4_algo(linear: NVFP4Linear) -> str:
+    return "NVFP4" if linear.input_scale is not None else "W4A16_NVFP4"
+
+
+def _fp8_algo(linear: FP8Linear) -> str:
+    return {v: k for k, v in FP8_GRANULARITY_OF_ALGO.items()}[linear.granularity]
+
+
+class _Plan:
+    """What a quantization config says about each layer prefix."""
+
+    def __init__(self, fmt: str, quant_algo: str, source: str):
+        self.format, self.quant_algo, self.source = fmt, quant_algo, source
+        self.exclude: list[str] = []  # ModelOpt exact names / fnmatch wildcards
+        self.layers: dict[str, str] = {}  # ModelOpt MIXED_PRECISION: key -> algo
+        self.ct_targets: list[str] = []
+        self.ct_ignore: list[str] = []
+        self.used: set[str] = set()  # explicit entries that matched some layer
+
+    def _ct_match(self, prefix: str, entry: str) -> bool:
+        if entry.startswith("re:"):
+            return re.match(entry[3:], prefix) is not None
+        return entry == prefix
+
+    @staticmethod
+    def _is_class_target(entry: str) -> bool:
+        return not entry.startswith("re:") and "." not in entry and entry[:1].isupper()
+
+    def algo_for(self, prefix: str) -> tuple[str | None, bool]:
+        """(algo or None for unquantized, explicit?). explicit: an entry names this layer by name/regex."""
+        if self.format == "compressed-tensors":
+            if any(self._ct_match(prefix, e) for e in self.ct_ignore):
+                return None, False
+            for entry in self.ct_targets:
+                if not self._is_class_target(entry) and self._ct_match(prefix, entry):
+                    self.used.add(entry)
+                    return "NVFP4", True
+            if any(self._is_class_target(e) for e in self.ct_targets):
+                return "NVFP4", False
+            return None, bool(self.ct_targets)
+        if any(prefix == e or fnmatch.fnmatchcase(prefix, e) for e in self.exclude):
+            return None, False
+        if self.quant_algo != "MIXED_PRECISION":
+            return self.quant_algo, False
+        parent, _, leaf = prefix.rpartition(".")
+        keys = [prefix]
+        if leaf in _FUSED_OF_SHARD:
+            keys.append(f"{parent}.{_FUSED_OF_SHARD[leaf]}" if parent else _FUSED_OF_SHARD[leaf])
+        parts = prefix.split(".")
+        keys += [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]  # ancestors, nearest first
+        for key in keys:
+            if key in self.layers:
+                self.used.add(key)
+                return self.layers[key], True
+        return None, True
+
+    def explicit_entries(self) -> list[str]:
+        if self.format == "compressed-tensors":
+            return [e for e in self.ct_targets if not e.startswith("re:") and not self._is_class_target(e)]
+        return list(self.layers) if self.quant_algo == "MIXED_PRECISION" else []
+
+
+def _config_error(source: str, entry: str | None, message: str) -> CheckpointError:
+    return CheckpointError(source, entry, message)
+
+
+def _str_list(value, source: str, key: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _config_error(source, key, f"{key} must be a list of strings, got {value!r}")
+    return list(value)
+
+
+def _check_group_size(value, expected: int, source: str, entry: str, what: str) -> None:
+    if value is not None and value != expected:
+        raise _config_error(source, entry, f"group_size must be {expected} for {what}, got {value!r}; "
+                                           "qpn reads NVFP4 with 16-element groups and FP8 blocks of 128x128")
+
+
+def _modelopt_plan(section: Mapping, source: str) -> _Plan:
+    algo = section.get("quant_algo")
+    if not isinstance(algo, str) or not algo:
+        raise _config_error(source, "quant_algo", f"quant_algo is missing or not a string: {algo!r}")
+    algo = algo.upper()
+    if algo not in MODELOPT_ALGOS:
+        raise _config_error(source, "quant_algo", f"quant_algo {algo!r} is not supported; supported: {MODELOPT_ALGOS}")
+    plan = _Plan("modelopt", algo, source)
+    key = "ignore" if "ignore" in section else "exclude_modules"
+    plan.exclude = _str_list(section.get(key), source, key)
+    if algo in NVFP4_ALGOS:
+        group_size = section.get("group_size")
+        if group_size is None:  # config.json form may only carry it inside config_groups
+            groups = section.get("config_groups")
+            for gname, group in (groups.items() if isinstance(groups, Mapping) else ()):
+                weights = group.get("weights") if isinstance(group, Mapping) else None
+                if isinstance(weights, Mapping):
+                    _check_group_size(weights.get("group_size"), GROUP_K, source, f"config_groups.{gname}", algo)
+        _check_group_size(group_size, GROUP_K, source, "group_size", algo)
+    if algo == "MIXED_PRECISION":
+        layers = section.get("quantized_layers")
+        if not isinstance(layers, Mapping) or not layers:
+            raise _config_error(source, "quantized_layers",
+                                "MIXED_PRECISION needs a non-empty quantized_layers mapping {layer: {quant_algo, ...}}")
+        for name, entry in layers.items():
+            layer_algo = entry.get("quant_algo") if isinstance(entry, Mapping) else None
+            if not isinstance(layer_algo, str) or layer_algo.upper() not in LAYER_ALGOS:
+                raise _config_error(source, name, f"quantized_layers entry must have a quant_algo in {LAYER_ALGOS}, "
+                                                  f"got {entry!r}")
+            layer_algo = layer_algo.upper()
+            if layer_algo in NVFP4_ALGOS:
+                _check_group_size(entry.get("group_size"), GROUP_K, source, name, layer_algo)
+            elif layer_algo == "FP8_PB_WO":
+                _check_group_size(entry.get("group_size"), FP8_BLOCK, source, name, layer_algo)
+            plan.layers[name] = layer_algo
+    return plan
+
+
+def _ct_plan(qc: Mapping, source: str) -> _Plan:
+    status = qc.get("quantization_status")
+    if status is not None and status != "compressed":
+        raise _config_error(source, "quantization_status", f"quantization_status must be 'compressed' (packed "
+                                                           f"weights on disk), got {status!r}")
+    top_format = qc.get("format")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise _config_error(source, "config_groups", "compressed-tensors config needs a non-empty config_groups")
+    plan = _Plan("compressed-tensors", "NVFP4", source)
+    for gname, group in groups.items():
+        entry = f"config_groups.{gname}"
+        if not isinstance(group, Mapping):
+            raise _config_error(source, entry, f"must be an object, got {group!r}")
+        fmt = group.get("format") or top_format
+        if fmt != CT_NVFP4_FORMAT:
+            raise _config_error(source, entry, f"format {fmt!r} is not supported; qpn reads compressed-tensors "
+                                               f"{CT_NVFP4_FORMAT!r} only")
+        weights = group.get("weights")
+        if not isinstance(weights, Mapping):
+            raise _config_error(source, entry, "weights must be an object {num_bits, type, strategy, group_size}")
+        rules = {"num_bits": 4, "type": "float", "group_size": GROUP_K}
+        for field, expected in rules.items():
+            if weights.get(field) != expected:
+                raise _config_error(source, f"{entry}.weights.{field}",
+                                    f"{field} must be {expected!r} for {CT_NVFP4_FORMAT}, got {weights.get(field)!r}")
+        if weights.get("strategy", "tensor_group") != "tensor_group":
+            raise _config_error(source, f"{entry}.weights.strategy",
+                                f"strategy must be 'tensor_group' for {CT_NVFP4_FORMAT}, "
+                                f"got {weights.get('strategy')!r}")
+        plan.ct_targets += _str_list(group.get("targets"), source, f"{entry}.targets")
+    if top_format not in (None, CT_NVFP4_FORMAT, "mixed-precision"):
+        raise _config_error(source, "format", f"format {top_format!r} is not supported; qpn reads {CT_NVFP4_FORMAT!r}")
+    plan.ct_ignore = _str_list(qc.get("ignore"), source, "ignore")
+    return plan
+
+
+def _plan_from_configs(config: Mapping | None, config_path: str, hf_quant_config: Mapping | None,
+                       hf_path: str, folder: str) -> _Plan:
+    qc = config.get("quantization_config") if config is not None else None
+    hf_plan = None
+    if hf_quant_config is not None:
+        section = hf_quant_config.get("quantization")
+        if not isinstance(section, Mapping):
+            raise _config_error(hf_path, "quantization", "hf_quant_config.json must hold a 'quantization' object "
+                                                         "{quant_algo, group_size, exclude_modules, ...}")
+        hf_plan = _modelopt_plan(section, hf_path)
+    if qc is None:
+        if hf_plan is None:
+            raise CheckpointError(folder, None, f"no quantization config: neither {CONFIG_FILE} 'quantization_config' "
+                                                f"nor {HF_QUANT_CONFIG_FILE}; this is not a quantized checkpoint")
+        return hf_plan
+    if not isinstance(qc, Mapping):
+        raise _config_error(config_path, "quantization_config", f"must be an object, got {type(qc).__name__}")
+    method = str(qc.get("quant_method", "")).lower()
+    if method.startswith("modelopt"):
+        plan = _modelopt_plan(qc, config_path)
+        if hf_plan is not None and hf_plan.quant_algo != plan.quant_algo:
+            raise _config_error(hf_path, "quantization.quant_algo",
+                                f"says {hf_plan.quant_algo!r} but {config_path} says {plan.quant_algo!r}; "
+                                "the two quantization configs must agree")
+        return plan
+    if method == "compressed-tensors":
+        if hf_plan is not None:
+            raise _config_error(hf_path, None, f"a ModelOpt config next to a compressed-tensors {config_path}; "
+                                               "remove the one that does not describe the weights")
+        return _ct_plan(qc, config_path)
+    raise _config_error(config_path, "quantization_config.quant_method",
+                        f"quant_method {qc.get('quant_method')!r} is not supported; qpn reads 'modelopt' and "
+                        "'compressed-tensors' (nvfp4-pack-quantized)")
+
+
+# ----------------------------------------------------------------------------------------------
+# tensors -> linears (shared by load and save)
+
+
+def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], plan: _Plan,
+              config: Mapping, hf_quant_config: Mapping | None) -> Checkpoint:
+    """Group tensors into linears, validate everything against the plan, return the Checkpoint."""
+
+    def fail(tensor: str, message: str):
+        raise CheckpointError(file_of[tensor], tensor, message)
+
+    def require(prefix: str, suffix: str, dtype: str, present: str) -> str:
+        name = f"{prefix}.{suffix}"
+        if name not in stored:
+            fail(present, f"layer {prefix!r} is quantized (this tensor exists) but its companion {name!r} is "
+                          "missing; the checkpoint is incomplete (a shard missing from the index?)")
+        if stored[name].dtype != dtype:
+            fail(name, f"must have dtype {dtype}, got {stored[name].dtype}")
+        return name
+
+    def stray(prefix: str, suffix: str, kind: str):
+        name = f"{prefix}.{suffix}"
+        if name in stored:
+            fail(name, f"does not belong to a {kind} layer in a {plan.format} checkpoint; the layer's tensors "
+                       "are inconsistent")
+
+    def expect(prefix: str, kind: str, weight_name: str) -> str:
+        algo, _ = plan.algo_for(prefix)
+        if algo is None:
+            fail(weight_name, f"layer {prefix!r} is stored quantized ({kind}) but {plan.source} says it is "
+                              "unquantized (excluded, ignored, or not listed); fix the config or the weights")
+        if (algo in NVFP4_ALGOS) != (kind == "NVFP4"):
+            fail(weight_name, f"layer {prefix!r} is stored as {kind} but {plan.source} says {algo}")
+        return algo
+
+    def build(cls, prefix: str, names: dict[str, str], **fields):
+        try:
+            return cls(name=prefix, **fields)
+        except _FieldError as exc:
+            tensor = names.get(exc.role, next(iter(names.values())))
+            raise CheckpointError(file_of[tensor], tensor, str(exc)) from None
+
+    ct = plan.format == "compressed-tensors"
+    foreign = ("weight_scale_2", "weight_scale_inv") if ct else ("weight_packed", "weight_global_scale",
+                                                                  "input_global_scale")
+    candidates = set()
+    for name, tensor in stored.items():
+        prefix, _, suffix = name.rpartition(".")
+        if not prefix:
+            continue
+        if suffix in foreign:
+            fail(name, f"is a {'ModelOpt' if ct else 'compressed-tensors'} tensor name, but {plan.source} describes "
+                       f"a {plan.format} checkpoint")
+        if ct:
+            if suffix in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+                candidates.add(prefix)
+            elif suffix == "weight" and tensor.dtype in ("U8", "F8_E4M3"):
+                fail(name, f"a {tensor.dtype} weight in a compressed-tensors checkpoint: only {CT_NVFP4_FORMAT!r} "
+                           "(weight_packed) is supported")
+        elif suffix in ("weight_scale", "weight_scale_2", "weight_scale_inv") or (
+                suffix == "weight" and tensor.dtype in ("U8", "F8_E4M3")):
+            candidates.add(prefix)
+
+    linears: dict[str, NVFP4Linear | FP8Linear] = {}
+    consumed: set[str] = set()
+    for prefix in sorted(candidates):
+        present = next(f"{prefix}.{s}" for s in _LINEAR_SUFFIXES if f"{prefix}.{s}" in stored)
+        if ct:
+            if f"{prefix}.weight" in stored:
+                fail(f"{prefix}.weight", f"layer {prefix!r} has both weight and compressed tensors ({present}); "
+                                         f"{CT_NVFP4_FORMAT} stores weight_packed only")
+            layout = _CT_NVFP4
+        else:
+            weight_name = f"{prefix}.weight"
+            if weight_name not in stored:
+                fail(present, f"layer {prefix!r} has quantization scales but no {weight_name!r}; the checkpoint is "
+                              "incomplete")
+            weight_dtype = stored[weight_name].dtype
+            if weight_dtype not in ("U8", "F8_E4M3"):
+                fail(weight_name, f"has dtype {weight_dtype}, but layer {prefix!r} carries quantization scales "
+                                  f"({present}); a ModelOpt quantized weight is U8 (NVFP4) or F8_E4M3 (FP8)")
+            layout = _MODELOPT_NVFP4 if weight_dtype == "U8" else None
+
+        if layout is not None:  # NVFP4
+            if not ct:
+                stray(prefix, "weight_scale_inv", "NVFP4")
+            names = {role: require(prefix, suffix, _NVFP4_DTYPES[role], present)
+                     for role, suffix in layout.items() if role != "input_scale"}
+            if f"{prefix}.{layout['input_scale']}" in stored:
+                names["input_scale"] = require(prefix, layout["input_scale"], "F32", present)
+            expect(prefix, "NVFP4", names["weight_packed"])
+            arrays = {role: stored[name].array for role, name in names.items()}
+            if ct:  # reciprocal -> multiplier: one correctly rounded fp32 division
+                for role in ("global_scale", "input_scale"):
+                    if role in arrays:
+                        raw = arrays[role]
+                        if raw.size != 1 or raw.ndim > 1 or not (np.isfinite(raw).all() and (raw > 0).all()):
+                            fail(names[role], f"must be one finite fp32 value > 0 (compressed-tensors stores the "
+                                              f"reciprocal scale, e.g. 2688/amax), got shape {raw.shape}, "
+                                              f"values {raw.reshape(-1)[:4]}")
+                        arrays[role] = np.float32(1) / raw.reshape(())
+            linears[prefix] = build(NVFP4Linear, prefix, names, weight_packed=arrays["weight_packed"],
+                                    weight_scale=arrays["weight_scale"], global_scale=arrays["global_scale"],
+                                    input_scale=arrays.get("input_scale"))
+        else:  # ModelOpt FP8
+            stray(prefix, "weight_scale_2", "FP8")
+            scale_names = [s for s in _FP8_SCALE_NAMES if f"{prefix}.{s}" in stored]
+            if not scale_names:
+                fail(f"{prefix}.weight", f"is an F8_E4M3 weight but {prefix + '.weight_scale'!r} (or "
+                                         "weight_scale_inv) is missing; the checkpoint is incomplete")
+            if len(scale_names) == 2:
+                fail(f"{prefix}.weight_scale_inv", f"layer {prefix!r} has both weight_scale and weight_scale_inv; "
+                                                   "keep the one the exporter wrote")
+            names = {"weight": f"{prefix}.weight",
+                     "weight_scale": require(prefix, scale_names[0], "F32", present)}
+            if f"{prefix}.input_scale" in stored:
+                names["input_scale"] = require(prefix, "input_scale", "F32", present)
+            names["granularity"] = names["scale_name"] = names["weight_scale"]
+            algo = expect(prefix, "FP8", names["weight"])
+            linears[prefix] = build(FP8Linear, prefix, names, weight=stored[names["weight"]].array,
+                                    weight_scale=stored[names["weight_scale"]].array,
+                                    granularity=FP8_GRANULARITY_OF_ALGO[algo],
+                                    input_scale=stored[names["input_scale"]].array if "input_scale" in names else None,
+                                    scale_name=scale_names[0])
+        consumed.update(v for k, v in names.items() if k not in ("granularity", "scale_name"))
+
+    tensors = {name: tensor for name, tensor in stored.items() if name not in consumed}
+    for name, tensor in sorted(tensors.items()):
+        prefix, _, suffix = name.rpartition(".")
+        if prefix and suffix == "weight" and len(tensor.shape) == 2:
+            algo, explicit = plan.algo_for(prefix)
+            if algo is not None and explicit:
+                fail(name, f"{plan.source} says layer {prefix!r} is quantized ({algo}) but it is stored unquantized "
+                           f"({tensor.dtype}); fix the config or re-export the weights")
+    for entry in plan.explicit_entries():
+        if entry not in plan.used:
+            raise _config_error(plan.source, entry, f"the config lists layer {entry!r} as quantized but the "
+                                                    "checkpoint holds no tensors for it (missing shard or wrong name?)")
+    return Checkpoint(plan.format, plan.quant_algo, linears, tensors, dict(config or {}),
+                      dict(hf_quant_config) if hf_quant_config is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# load
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(path, None, f"is not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(path, None, f"must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _weight_files(folder: str) -> tuple[list[str], dict[str, str] | None, str | None]:
+    """(files to read, weight_map or None, index path or None)."""
+    index_path = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index_path):
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(index_path, "weight_map", "must be a non-empty object {tensor name: file name}")
+        for tensor, file in weight_map.items():
+            if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+                raise CheckpointError(index_path, tensor, f"maps to {file!r}; expected a file name in the folder")
+            if not os.path.isfile(os.path.join(folder, file)):
+                raise CheckpointError(index_path, tensor, f"maps to {file!r}, which does not exist in {folder}")
+        return sorted(set(weight_map.values())), weight_map, index_path
+    if os.path.isfile(os.path.join(folder, SINGLE_FILE)):
+        return [SINGLE_FILE], None, None
+    raise CheckpointError(folder, None, f"holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def load_checkpoint(path, *, mmap: bool = True) -> Checkpoint:
+    """Load and validate the checkpoint folder `path` (see the module docstring for the rules).
+
+    mmap=True (default) keeps arrays as read-only views of memory-mapped files.
+    """
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise CheckpointError(folder, None, "is not a folder; pass the checkpoint directory")
+    config_path = os.path.join(folder, CONFIG_FILE)
+    hf_path = os.path.join(folder, HF_QUANT_CONFIG_FILE)
+    config = _read_json(config_path) if os.path.exists(config_path) else None
+    hf_quant_config = _read_json(hf_path) if os.path.exists(hf_path) else None
+    plan = _plan_from_configs(config, config_path, hf_quant_config, hf_path, folder)
+
+    files, weight_map, index_path = _weight_files(folder)
+    stored: dict[str, StoredTensor] = {}
+    file_of: dict[str, str] = {}
+    for file in files:
+        file_path = os.path.join(folder, file)
+        for name, tensor in read_safetensors(file_path, mmap=mmap).tensors.items():
+            if name in stored:
+                raise CheckpointError(file_path, name, f"also stored in {file_of[name]}; a tensor may live in one file")
+            if weight_map is not None and weight_map.get(name) != file:
+                raise CheckpointError(file_path, name, f"is in this file but {index_path} maps it to "
+                                                       f"{weight_map.get(name)!r}; the index is stale")
+            stored[name] = tensor
+            file_of[name] = file_path
+    if weight_map is not None:
+        for name, file in weight_map.items():
+            if name not in stored:
+                raise CheckpointError(os.path.join(folder, file), name, f"is listed in {index_path} but missing "
+                                                                        "from this file; the shard is incomplete")
+    return _assemble(stored, file_of, plan, config or {}, hf_quant_config)
+
+
+# ----------------------------------------------------------------------------------------------
+# save
+
+
+def _serialize(checkpoint: Checkpoint) -> dict[str, StoredTensor]:
+    stored: dict[str, StoredTensor] = {}
+    ct = checkpoint.format == "compressed-tensors"
+    one = np.float32(1)
+    for name, linear in checkpoint.linears.items():
+        if isinstance(linear, NVFP4Linear):
+            layout = _CT_NVFP4 if ct else _MODELOPT_NVFP4
+            shape = (1,) if ct else ()
+            stored[f"{name}.{layout['weight_packed']}"] = StoredTensor(linear.weight_packed, "U8")
+            stored[f"{name}.{layout['weight_scale']}"] = StoredTensor(linear.weight_scale, "F8_E4M3")
+            for role in ("global_scale", "input_scale"):
+                value = getattr(linear, role)
+                if value is not None:  # compressed-tensors: back to the reciprocal, RN32(1/x)
+                    value = (one / value) if ct else value
+                    stored[f"{name}.{layout[role]}"] = StoredTensor(np.asarray(value, np.float32).reshape(shape), "F32")
+        else:
+            if ct:
+                raise ValueError(f"linear {name!r} is FP8, but a compressed-tensors checkpoint here holds "
+                                 f"{CT_NVFP4_FORMAT} layers only; save it as format='modelopt'")
+            stored[f"{name}.weight"] = StoredTensor(linear.weight, "F8_E4M3")
+            stored[f"{name}.{linear.scale_name}"] = StoredTensor(linear.weight_scale, "F32")
+            if linear.input_scale is not None:
+                stored[f"{name}.input_scale"] = StoredTensor(linear.input_scale, "F32")
+    linear_names = set(checkpoint.linears)
+    for name, tensor in checkpoint.tensors.items():
+        prefix, _, suffix = name.rpartition(".")
+        if name in stored or (prefix in linear_names and suffix in _LINEAR_SUFFIXES):
+            raise ValueError(f"tensors[{name!r}] collides with the tensors of quantized linear {prefix!r}; "
+                             "a linear's weight and scales live in Checkpoint.linears only")
+        stored[name] = tensor
+    return stored
+
+
+def _default_quantization_config(checkpoint: Checkpoint) -> dict:
+    """config.json 'quantization_config' for a checkpoint built in memory (explicit layer names)."""
+    unquantized = sorted(name.rpartition(".")[0] for name, t in checkpoint.tensors.items()
+                         if name.endswith(".weight") and len(t.shape) == 2)
+    producer = {"name": "qpn", "version": "0.1.0"}
+    if checkpoint.format == "compressed-tensors":
+        weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": GROUP_K,
+                   "symmetric": True, "dynamic": False}
+        groups = {}
+        for with_input in (True, False):
+            targets = sorted(n for n, lin in checkpoint.linears.items() if (lin.input_scale is not None) == with_input)
+            if targets:
+                groups[f"group_{len(groups)}"] = {
+                    "targets": targets, "weights": dict(weights), "format": CT_NVFP4_FORMAT,
+                    "input_activations": dict(weights, dynamic="local") if with_input else None,
+                }
+        return {"quant_method": "compressed-tensors", "format": CT_NVFP4_FORMAT, "quantization_status": "compressed",
+                "config_groups": groups, "ignore": unquantized}
+    config = {"quant_method": "modelopt", "quant_algo": checkpoint.quant_algo, "ignore": unquantized,
+              "producer": producer}
+    if checkpoint.quant_algo in NVFP4_ALGOS:
+        config["group_size"] = GROUP_K
+    if checkpoint.quant_algo == "MIXED_PRECISION":
+        layers = {}
+        for name, linear in checkpoint.linears.items():
+            if isinstance(linear, NVFP4Linear):
+                layers[name] = {"quant_algo": _nvfp4_algo(linear), "group_size": GROUP_K}
+            elif linear.granularity == "block":
+                layers[name] = {"quant_algo": _fp8_algo(linear), "group_size": FP8_BLOCK}
+            else:
+                layers[name] = {"quant_algo": _fp8_algo(linear)}
+        config["quantized_layers"] = layers
+    return config
+
+
+def _shards(stored: Mapping[str, StoredTensor], max_shard_bytes: int | None) -> list[tuple[str, list[str]]]:
+    names = sorted(stored)
+    if max_shard_bytes is None:
+        return [(SINGLE_FILE, names)]
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive int or None (one file), got {max_shard_bytes!r}")
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = stored[name].nbytes
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    count = len(groups)
+    return [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups)]
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unavailable."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    return False  # EINVAL / ENOSYS (filesystem or kernel without exchange): fall back
+
+
+def _install(tmp: str, target: str, overwrite: bool) -> None:
+    """Move the finished folder `tmp` to `target`; an existing `target` ends up in `tmp` (or gone)."""
+    if not os.path.lexists(target) or (os.path.isdir(target) and not os.listdir(target)):
+        os.replace(tmp, target)  # POSIX rename also replaces an empty directory
+        return
+    if not overwrite:  # it filled up while we were writing
+        raise ValueError(f"{target} became a non-empty folder during the save; pass overwrite=True to replace it")
+    if _exchange(tmp, target):
+        return
+    backup = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".old", dir=os.path.dirname(target))
+    os.rmdir(backup)  # reserve a unique name, then move the old folder there
+    os.rename(target, backup)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(backup, target)
+        raise
+    os.rename(backup, tmp)  # the caller removes tmp, which now holds the old folder
+
+
+def save_checkpoint(path, checkpoint: Checkpoint, *, overwrite: bool = False,
+                    max_shard_bytes: int | None = None) -> None:
+    """Write `checkpoint` as a folder at `path` in its own format (ModelOpt or compressed-tensors).
+
+    Writes config.json (checkpoint.config; when it has no quantization_config and there is no
+    hf_quant_config, one is generated that names every linear explicitly), hf_quant_config.json
+    if checkpoint.hf_quant_config is set, and model.safetensors, or shards of at most
+    max_shard_bytes (a single larger tensor gets its own shard) plus model.safetensors.index.json.
+    Compressed-tensors global/input scales are written as RN32(1/x) (see the module docstring).
+    Everything is validated as load_checkpoint would before anything is written; the folder
+    appears atomically; an existing non-empty folder needs overwrite=True.
+    """
+    if not isinstance(checkpoint, Checkpoint):
+        raise ValueError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
+    target = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+        raise ValueError(f"the parent folder of {target} does not exist; create it first")
+    if os.path.lexists(target):
+        if os.path.islink(target) or not os.path.isdir(target):
+            raise ValueError(f"{target} exists and is not a folder; choose another path")
+        if os.listdir(target) and not overwrite:
+            raise ValueError(f"{target} is a non-empty folder; pass overwrite=True to replace it atomically")
+
+    config = copy.deepcopy(dict(checkpoint.config))
+    hf_quant_config = None
+    if checkpoint.hf_quant_config is not None:
+        hf_quant_config = copy.deepcopy(dict(checkpoint.hf_quant_config))
+    if "quantization_config" not in config and hf_quant_config is None:
+        config["quantization_config"] = _default_quantization_config(checkpoint)
+    config_path = os.path.join(target, CONFIG_FILE)
+    hf_path = os.path.join(target, HF_QUANT_CONFIG_FILE)
+    plan = _plan_from_configs(config, config_path, hf_quant_config, hf_path, target)
+    if (plan.format, plan.quant_algo) != (checkpoint.format, checkpoint.quant_algo.upper()):
+        raise CheckpointError(plan.source, None, f"describes a {plan.format} {plan.quant_algo} checkpoint but the "
+                                                 f"Checkpoint says {checkpoint.format} {checkpoint.quant_algo}")
+    stored = _serialize(checkpoint)
+    shards = _shards(stored, max_shard_bytes)
+    file_of = {name: os.path.join(target, file) for file, names in shards for name in names}
+    _assemble(stored, file_of, plan, config, hf_quant_config)  # the whole load-side validation, in memory
+
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=parent)
+    try:
+        _write_json(os.path.join(tmp, CONFIG_FILE), config)
+        if hf_quant_config is not None:
+            _write_json(os.path.join(tmp, HF_QUANT_CONFIG_FILE), hf_quant_config)
+        for file, names in shards:
+            write_safetensors(os.path.join(tmp, file), {name: stored[name] for name in names}, SAFETENSORS_METADATA)
+        if len(shards) > 1:
+            total = sum(t.nbytes for t in stored.values())
+            _write_json(os.path.join(tmp, INDEX_FILE), {
+                "metadata": {"total_size": total},
+                "weight_map": {name: file for file, names in shards for name in names},
+            })
+        _fsync_dir(tmp)
+        _install(tmp, target, overwrite)
+        _fsync_dir(parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = [
+    "CHECKPOINT_FORMATS", "Checkpoint", "CheckpointError", "FP8Linear", "FusedFP8", "FusedNVFP4", "NVFP4Linear",
+    "fp8_block_scale_shape", "fuse_fp8_shards", "fuse_nvfp4_shards", "load_checkpoint", "save_checkpoint",
+]
