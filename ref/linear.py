@@ -1,0 +1,157 @@
+"""Reference linear layer, the gated SiLU-and-mul epilogue, and the error bound for kernels.
+
+- `linear(x, w16)`: y[m, n] = RN16(sum_k x[m, k] * w16[n, k]). Every fp16 x fp16 product is exact
+  in float64 (11 + 11 significant bits, magnitudes 2^-48 .. 2^32); the sum is a float64 sum
+  (BLAS order, not specified) rounded once to fp16 (RNE, overflow to +-inf at |S| >= 65520,
+  subnormals kept). The float64 sum is exact whenever the products' binary span fits 53 bits
+  (e.g. small K with moderate exponents, as in the tests); in general its error is at most
+  gamma64_K * sum|x*w| (gamma64_K = K*2^-53 / (1 - K*2^-53)), which can only move y where the
+  exact sum lies that close to an fp16 rounding midpoint. No bias: the contract is
+  `linear(x, w16)` (DESIGN.md); a bias would be one more RN16 add, done by the caller.
+- `linear_bounds` / `linear_error_bound`: what an implementation that accumulates in fp32 (or
+  wider), in any order, may return. Derivation:
+    S   = exact sum of the products,   S64 = this module's float64 sum,   S' = the kernel's sum.
+    Summing K exactly representable terms in any order (a tree of K - 1 additions, each rounded
+    with relative error <= u) gives |S' - S| <= gamma_K(u) * sum|x*w|, gamma_K(u) = K*u / (1 - K*u)
+    (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., Sec. 4.2). The products
+    themselves are exact in fp32 (22 significant bits, |p| >= 2^-48 is far above fp32's normal
+    minimum), so only the additions round. u = 2^-24 for round-to-nearest fp32 adds; the default
+    u = 2^-23 also covers adders that truncate or round toward zero (tensor-core accumulation is
+    known to truncate inside its multi-term adds).
+    Hence |S' - S64| <= d = (gamma_K(u) + gamma64_K) * sum|x*w|, where sum|x*w| is itself a
+    float64 matmul of non-negative exact products (bounded by (1 + gamma64_K) times its result).
+    RN16 is monotone, so S' in [S64 - d, S64 + d] gives RN16(S') in
+    [RN16(S64 - d), RN16(S64 + d)]; both ends are computed with outward float64 rounding
+    (one nextafter each) so the interval is never too small. This interval (lo, hi) is the
+    tightest statement the bound d allows: it already contains the "one fp16 ulp" of the final
+    rounding, and |y - linear(x, w16)| <= max(hi - ref, ref - lo) <= d + ulp16(|S64| + d).
+    Overflow: if S64 + d >= 65520, hi is +inf and a kernel may return inf there.
+- `silu_and_mul(gate16, up16)`: vLLM's silu_and_mul CUDA kernel, element by element:
+  silu16 = RN16(silu32(gate)) with silu32(v) = RN32(v / RN32(1 + expf(-v))) in fp32, then
+  out = RN16(silu16 * up16) (a half * half multiply: the exact product rounded once).
+  expf here is float64 exp rounded to fp32: correctly rounded except when exp(-v) lies within
+  about 2^-53 relative of an fp32 midpoint. CUDA's expf is specified to within 2 fp32 ulp (1 ulp
+  typical), so a GPU result can differ from this reference; kernel tests need a bound for the
+  gated path (one fp16 ulp of silu16, carried through the multiply). Inputs propagate as IEEE
+  says: silu(+inf) = +inf, silu(-inf) = NaN (-inf / inf), exp overflow gives -0.0 for very
+  negative gates. NaN is not rejected here.
+- `linear_gated(x, w16)`: gate = rows [0, N/2) of w16, up = rows [N/2, N);
+  out = silu_and_mul(linear(x, gate rows), linear(x, up rows)), i.e. "linear, then vLLM's
+  silu_and_mul kernel" (DESIGN.md, gated epilogue).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .checks import require_array, require_finite
+
+FP32_UNIT_ROUNDOFF = 2.0**-24  # round-to-nearest fp32 addition
+FP32_TRUNCATING_UNIT_ROUNDOFF = 2.0**-23  # fp32 addition that truncates (tensor-core accumulators)
+FP64_UNIT_ROUNDOFF = 2.0**-53
+
+
+def _validate_linear_inputs(x, w16) -> tuple[np.ndarray, np.ndarray]:
+    x = require_array("x", x, np.float16, ndim=2)
+    w16 = require_array("w16", w16, np.float16, ndim=2)
+    if x.shape[1] != w16.shape[1]:
+        raise ValueError(
+            f"x is [M, K] = {x.shape} and w16 is [N, K] = {w16.shape}: their K must agree; "
+            "w16 is stored [out_features, in_features], not transposed"
+        )
+    if x.shape[1] == 0:
+        raise ValueError(f"K must be >= 1, got x of shape {x.shape}")
+    require_finite("x", x)
+    require_finite("w16", w16)
+    return x, w16
+
+
+def _float64_sums(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
+    """float64 [M, N]: sum_k x[m,k] * w16[n,k], every product exact, the sum in float64."""
+    return x.astype(np.float64) @ w16.astype(np.float64).T
+
+
+def linear(x, w16) -> np.ndarray:
+    """x float16 [M, K], w16 float16 [N, K] -> float16 [M, N] = RN16(float64 sum of exact products).
+
+    Rejects non-finite inputs and mismatched K (ValueError).
+    """
+    x, w16 = _validate_linear_inputs(x, w16)
+    with np.errstate(over="ignore"):  # |S| >= 65520 rounds to inf: an answer, not an error
+        return _float64_sums(x, w16).astype(np.float16)
+
+
+def _gamma(k: int, u: float) -> float:
+    if k * u >= 0.5:
+        raise ValueError(f"K = {k} is too large for the accumulation bound with unit roundoff {u} (needs K*u < 1/2)")
+    return k * u / (1.0 - k * u)
+
+
+def linear_bounds(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi), float16 [M, N] each: every fp32-or-wider accumulation of x @ w16.T, in any order,
+    rounded once to fp16, lies in [lo, hi] (module docstring for the derivation).
+
+    unit_roundoff: 2^-23 (default: covers truncating adders) or 2^-24 (round-to-nearest adds).
+    A kernel test asserts `(lo <= y) & (y <= hi)`, which also handles +-inf correctly.
+    """
+    x, w16 = _validate_linear_inputs(x, w16)
+    k = x.shape[1]
+    s64 = _float64_sums(x, w16)
+    abs_sum = np.abs(x.astype(np.float64)) @ np.abs(w16.astype(np.float64)).T
+    gamma64 = _gamma(k, FP64_UNIT_ROUNDOFF)
+    # d = (gamma_K(u) + gamma64_K) * (1 + gamma64_K) * abs_sum: the true sum|x*w| is at most
+    # abs_sum / (1 - gamma64_K); the factor (1 + 2^-50) covers the rest of that and the few
+    # float64 roundings of this very expression.
+    d = (_gamma(k, unit_roundoff) + gamma64) * (1.0 + gamma64) * (1.0 + 2.0**-50) * abs_sum
+    with np.errstate(over="ignore"):
+        lo = np.nextafter(s64 - d, -np.inf).astype(np.float16)
+        hi = np.nextafter(s64 + d, np.inf).astype(np.float16)
+    return lo, hi
+
+
+def linear_error_bound(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> np.ndarray:
+    """float64 [M, N]: |y - linear(x, w16)| may not exceed this for any y that `linear_bounds` admits.
+
+    = max(hi - ref, ref - lo) with ref = linear(x, w16); 0 where lo == hi == ref (also at +-inf),
+    +inf where the interval reaches an fp16 overflow that ref does not share.
+    """
+    lo, hi = linear_bounds(x, w16, unit_roundoff)
+    ref = linear(x, w16).astype(np.float64)
+    lo64, hi64 = lo.astype(np.float64), hi.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf where the interval is a single infinity
+        above = np.where(hi64 == ref, 0.0, hi64 - ref)
+        below = np.where(lo64 == ref, 0.0, ref - lo64)
+    return np.maximum(above, below)
+
+
+def _expf(v: np.ndarray) -> np.ndarray:
+    """fp32 exp: float64 exp rounded once to fp32 (overflow -> inf, as expf does)."""
+    with np.errstate(over="ignore"):
+        return np.exp(v.astype(np.float64)).astype(np.float32)
+
+
+def silu_and_mul(gate16, up16) -> np.ndarray:
+    """vLLM's silu_and_mul on fp16 tensors of one shape: RN16(RN16(silu32(gate)) * up) (module docstring)."""
+    gate16 = require_array("gate16", gate16, np.float16)
+    up16 = require_array("up16", up16, np.float16)
+    if gate16.shape != up16.shape:
+        raise ValueError(f"gate16 and up16 must have one shape, got {gate16.shape} and {up16.shape}")
+    v = gate16.astype(np.float32)  # exact
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        denominator = np.float32(1.0) + _expf(-v)  # RN32
+        silu16 = (v / denominator).astype(np.float16)  # RN32 division, then RN16
+        # half * half: 22 significant bits and |product| >= 2^-48, exact in fp32; then one RN16
+        return (silu16.astype(np.float32) * up16.astype(np.float32)).astype(np.float16)
+
+
+def linear_gated(x, w16) -> np.ndarray:
+    """x float16 [M, K], fused w16 float16 [N, K] (gate rows [0, N/2), up rows [N/2, N)) ->
+    float16 [M, N/2] = silu_and_mul(linear(x, gate), linear(x, up)). N must be even."""
+    x, w16 = _validate_linear_inputs(x, w16)
+    n = w16.shape[0]
+    if n == 0 or n % 2 != 0:
+        raise ValueError(
+            f"w16 must stack gate rows [0, N/2) and up rows [N/2, N), so N must be even and >= 2, got N={n}"
+        )
+    half = n // 2
+    return silu_and_mul(linear(x, w16[:half]), linear(x, w16[half:]))

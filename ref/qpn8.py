@@ -1,0 +1,259 @@
+"""QPN8: the FP8 (e4m3) decode layout (spec/QPN8.md), its exact inverse and its weight semantics.
+
+Layout (N output features, K input features, T = N/32 tiles, G = K/16 groups; geometry = QPN2's):
+
+    codes         uint8 [N, K]   flat ((t*G + g)*32 + lane)*16 + p holds the e4m3 byte
+                                 W[32t + col(lane)][16g + KORDER[p]]
+    group_scales  float16        channel / tensor: [1, N],         S16[0, n]  = RN16(256 * s[n])
+                                 128x128 block:    [K/128, N/32],  S16[kb, t] = RN16(256 * s[t // 4, kb])
+                                 group g of column n uses S16[0, n] (channel) or S16[g // 8, n // 32] (block)
+
+    one lane's 16 bytes of one group:  p  0  1  2  3  4  5  6  7 | 8  9 10 11 12 13 14 15
+                                       k  0  2  4  6  1  3  5  7 | 8 10 12 14  9 11 13 15
+    bytes (i, 4+i) of each 8-byte half are the consecutive pair (2i, 2i+1): one half2.
+
+Alignment: channel / tensor scales need N % 32 == 0 and K % 16 == 0; 128x128 block scales need
+N % 128 == 0 and K % 128 == 0. The code permutation is the QPN2 one with 1-byte elements (16-byte
+units gathered by the tile transpose, then two in-place delta swaps inside every 8 bytes).
+
+Scale input (`qpn8_prepack`'s weight_scale, float32), the granularity read from the shape:
+- size 1 ((), (1,), (1, 1)): per tensor, broadcast to every channel -> [1, N] layout;
+- (N,) or (N, 1): per channel -> [1, N];
+- (N/128, K/128): 128x128 block -> [K/128, N/32].
+The only shape that two readings share is a single 128x128 block of a 128x128 weight ((1, 1));
+it is read as per tensor (identical weights either way) unless `granularity="block"` is passed.
+`granularity=` ("tensor" | "channel" | "block") may always be given; the shape must then fit it.
+
+Numerics policy
+- S16 = RN16(256 * s): 256 * s is exact in float64, then one RNE cast to fp16 (subnormal S16
+  kept: s < 2^-22 loses precision, s < 2^-33 gives 0, which only an all-zero channel survives).
+- Contract weight (`qpn8_dequantize`): W16 = RN16(e4m3 * 2^-8 * S16), one rounding. The product
+  is exact in float32 (at most 4 + 11 = 15 significant bits; |product| between 2^-41 and 2^17,
+  inside fp32's normal range), then one RNE cast to fp16. The kernels' bit trick gives
+  e4m3 * 2^-8 exactly as an fp16 (byte b -> bits ((b & 0x80) << 8) | ((b & 0x7F) << 7)), so one
+  fp16 multiply by S16 reproduces this value.
+- The checkpoint semantics RN16(RN32(e4m3 * s)) (`fp8_dequantize`) differ from the contract by
+  at most one fp16 ulp, and only where RN16(256 * s) != 256 * s.
+- NaN: e4m3 NaN bytes (0x7F / 0xFF) in the weight are rejected; so are non-finite and
+  non-positive scales.
+- Overflow (a rule on scales only, so a GPU prepack applies the same): rejected when S16 is inf
+  (256 * s >= 65520) or when the largest weight RN16(448 * 2^-8 * S16) = RN16(1.75 * S16) is inf
+  (S16 >= 37440, i.e. s >= 146.1875). Nothing saturates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape
+from .codecs import E4M3_MAX, decode_e4m3
+from .geometry import GROUP_K, TILE_N
+from .qpn2 import PAD_N_FIX, _korder_shuffle, _korder_unshuffle, _lanes_to_rows, _rows_to_lanes
+
+QPN8_GRANULARITIES = ("tensor", "channel", "block")
+QPN8_BLOCK = 128  # 128x128 block scales (DeepSeek / Qwen-FP8)
+QPN8_SCALE_FACTOR = 256.0  # S16 = RN16(256 * s) undoes the bit trick's 2^-8
+QPN8_MAX_WEIGHT_FACTOR = E4M3_MAX / QPN8_SCALE_FACTOR  # 448 * 2^-8 = 1.75, exact
+PAD_K16_FIX = "pad K with zero columns to a multiple of 16"
+
+_UNIT = np.dtype("V16")  # one lane's 16 bytes of one group, moved as raw bytes
+_U64 = np.dtype("<u8")
+
+
+def _channel_or_tensor_shape(shape: tuple, n: int) -> str | None:
+    if int(np.prod(shape, dtype=np.int64)) == 1 and len(shape) <= 2:
+        return "tensor"
+    if shape in ((n,), (n, 1)):
+        return "channel"
+    return None
+
+
+def qpn8_scale_granularity(weight_scale, n: int, k: int, granularity: str | None = None) -> str:
+    """The granularity QPN8 reads from a float32 scale of an [n, k] weight (module docstring).
+
+    With `granularity` given, checks that the shape fits it and returns it. Also applies the
+    QPN8 alignment rules (channel / tensor: N % 32, K % 16; block: N % 128, K % 128).
+    """
+    shape = tuple(np.shape(weight_scale))
+    ceil_block_shape = (-(-n // QPN8_BLOCK), -(-k // QPN8_BLOCK))
+    if granularity is not None and granularity not in QPN8_GRANULARITIES:
+        raise ValueError(f"granularity must be None or one of {QPN8_GRANULARITIES}, got {granularity!r}")
+
+    inferred = _channel_or_tensor_shape(shape, n)
+    if granularity == "block" or (granularity is None and inferred is None and shape == ceil_block_shape):
+        if shape != ceil_block_shape:
+            raise ValueError(
+                f"weight_scale must have shape {ceil_block_shape} (ceil(N/128), ceil(K/128)) for 128x128 block "
+                f"scales of a [{n}, {k}] weight, got {shape}"
+            )
+        fix = "QPN8 cannot split a 128x128 scale block; pad the weight (and its scales) to whole blocks"
+        require_multiple("N", n, QPN8_BLOCK, "QPN8 with 128x128 block scales", fix)
+        require_multiple("K", k, QPN8_BLOCK, "QPN8 with 128x128 block scales", fix)
+        return "block"
+    if inferred is None or (granularity is not None and granularity != inferred):
+        raise ValueError(
+            f"weight_scale has shape {shape}, which does not fit "
+            f"{'granularity ' + repr(granularity) if granularity else 'any FP8 granularity'} for a [{n}, {k}] weight; "
+            f"expected () / (1,) / (1, 1) for tensor, ({n},) or ({n}, 1) for channel, or {ceil_block_shape} for "
+            "128x128 block scales; check that the weight is stored [N, K], not transposed"
+        )
+    require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
+    require_multiple("K", k, GROUP_K, "QPN8", PAD_K16_FIX)
+    return inferred
+
+
+def _s16_of_scale(scale: np.ndarray) -> np.ndarray:
+    """fp32 scales (validated finite, > 0) -> S16 = RN16(256 * s) (256 * s exact in float64)."""
+    with np.errstate(over="ignore"):  # inf is judged by _require_s16_fits_fp16
+        return (scale.astype(np.float64) * QPN8_SCALE_FACTOR).astype(np.float16)
+
+
+def _largest_weight(s16: np.ndarray) -> np.ndarray:
+    """RN16(448 * 2^-8 * S16): the largest |W16| a group can produce (1.75 * S16 exact in float64)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (s16.astype(np.float64) * QPN8_MAX_WEIGHT_FACTOR).astype(np.float16)
+
+
+def _require_s16_fits_fp16(name: str, s16: np.ndarray, scale: np.ndarray | None = None) -> None:
+    largest = _largest_weight(s16)
+    bad = ~np.isfinite(largest)  # also catches S16 = inf
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        what = f"{name}{list(first)} = {float(scale[first]):g} gives S16 = RN16(256 * s) = {float(s16[first]):g}" \
+            if scale is not None else f"{name}{list(first)} = {float(s16[first]):g}"
+        raise ValueError(
+            f"{what}, and the largest weight RN16(448 * 2^-8 * S16) is inf in fp16 ({int(bad.sum())} scales "
+            "overflow; s must stay below 146.1875); the fp16 contract cannot represent this layer: keep it in "
+            "higher precision or re-quantize it with a smaller scale"
+        )
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def qpn8_prepack(weight, weight_scale, granularity: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 checkpoint tensors -> QPN8 (codes, group_scales).
+
+    weight: uint8 e4m3 bits [N, K]; weight_scale: float32, per tensor (size 1), per channel
+    ((N,) or (N, 1)) or 128x128 block ((N/128, K/128)); see the module docstring for the shape
+    rule and `granularity`. Returns codes uint8 [N, K] in QPN8 byte order and group_scales
+    float16 [1, N] (tensor / channel) or [K/128, N/32] (block). Rejects NaN weight bytes,
+    non-finite or non-positive scales and scales that overflow fp16 (module docstring).
+    Exact inverse of the code permutation: `qpn8_unpack`.
+    """
+    weight = require_array("weight", weight, np.uint8, ndim=2)
+    if isinstance(weight_scale, np.float32):
+        weight_scale = np.asarray(weight_scale)
+    scale = require_array("weight_scale", weight_scale, np.float32)
+    n, k = weight.shape
+    granularity = qpn8_scale_granularity(scale, n, k, granularity)
+
+    bad = ~(np.isfinite(scale) & (scale > 0))
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"weight_scale must be finite and > 0, got {int(bad.sum())} bad values, first {scale[first]} at "
+            f"index {list(first)}; the checkpoint's scale is corrupt"
+        )
+    s16 = _s16_of_scale(scale)
+    _require_s16_fits_fp16("weight_scale", s16, scale)
+    require_no_nan_e4m3("weight", weight)
+
+    if granularity == "block":
+        group_scales = np.repeat(s16.T, QPN8_BLOCK // TILE_N, axis=1)  # [K/128, N/32], [kb, t] = s16[t//4, kb]
+    else:
+        group_scales = np.broadcast_to(s16.reshape(-1), (n,)).reshape(1, n).copy()  # [1, N]
+
+    units = np.ascontiguousarray(weight).view(_UNIT)  # [N, G]: one lane-group of 16 bytes per unit
+    codes = _rows_to_lanes(units).view(np.uint8).reshape(-1)  # a fresh array
+    _korder_unshuffle(codes.view(_U64), 8)
+    return codes.reshape(n, k), np.ascontiguousarray(group_scales)
+
+
+def _group_scales_granularity(group_scales, n: int, k: int) -> str:
+    group_scales = require_array("group_scales", group_scales, np.float16, ndim=2)
+    if tuple(group_scales.shape) == (1, n):
+        require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
+        require_multiple("K", k, GROUP_K, "QPN8", PAD_K16_FIX)
+        return "channel"
+    if k % QPN8_BLOCK == 0 and n % TILE_N == 0 and tuple(group_scales.shape) == (k // QPN8_BLOCK, n // TILE_N):
+        return "block"
+    raise ValueError(
+        f"group_scales must be float16 [1, {n}] (channel / tensor) or [K/128, N/32] = "
+        f"[{k // QPN8_BLOCK}, {n // TILE_N}] (128x128 block, needs K % 128 == 0 and N % 32 == 0) for a "
+        f"[{n}, {k}] weight, got shape {tuple(group_scales.shape)}; pass what qpn8_prepack returned"
+    )
+
+
+def _require_dims(n, k) -> tuple[int, int]:
+    for name, value in (("n", n), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name} must be an int (the QPN8 weight's dimension), got {type(value).__name__}")
+    n, k = int(n), int(k)
+    require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
+    require_multiple("K", k, GROUP_K, "QPN8", PAD_K16_FIX)
+    return n, k
+
+
+def _require_codes(codes, n: int, k: int) -> np.ndarray:
+    codes = require_array("codes", codes, np.uint8)
+    if tuple(codes.shape) not in ((n, k), (n * k,)):
+        raise ValueError(
+            f"codes must have shape ({n}, {k}) (as qpn8_prepack returns it) or ({n * k},), got "
+            f"{tuple(codes.shape)}; pass the buffer qpn8_prepack produced, with the same n and k"
+        )
+    return codes
+
+
+def _s16_map(group_scales: np.ndarray, granularity: str, n: int, k: int) -> np.ndarray:
+    groups = k // GROUP_K
+    if granularity == "channel":
+        return np.repeat(group_scales.reshape(n, 1), groups, axis=1)
+    per_tile_block = group_scales.T  # [N/32, K/128]
+    rows = np.repeat(per_tile_block, TILE_N, axis=0)  # [N, K/128]
+    return np.repeat(rows, QPN8_BLOCK // GROUP_K, axis=1)  # [N, G]
+
+
+def qpn8_unpack(codes, group_scales, n, k) -> tuple[np.ndarray, np.ndarray]:
+    """QPN8 (codes, group_scales) of an [n, k] weight -> (weight, s16_map).
+
+    codes: uint8 [n, k] or flat [n*k]; group_scales: float16 [1, n] or [k/128, n/32].
+    Returns weight uint8 e4m3 bits [n, k] (exact inverse of `qpn8_prepack`'s permutation) and
+    s16_map float16 [n, k/16]: the fp16 scale S16 that the kernels apply to group g of row n
+    (S16[0, n] for channel scales, S16[g // 8, n // 32] for block scales). No value is judged
+    here (`qpn8_dequantize` does that); the original fp32 scales cannot be recovered.
+    """
+    n, k = _require_dims(n, k)
+    codes = _require_codes(codes, n, k)
+    granularity = _group_scales_granularity(group_scales, n, k)
+
+    units = np.ascontiguousarray(codes).reshape(-1).view(_UNIT)
+    rows = _lanes_to_rows(units, n, k // GROUP_K).view(np.uint8).reshape(-1)  # a fresh array
+    _korder_shuffle(rows.view(_U64), 8)
+    return rows.reshape(n, k), _s16_map(group_scales, granularity, n, k)
+
+
+def qpn8_dequantize(codes, group_scales, n, k) -> np.ndarray:
+    """QPN8 buffers -> float16 [n, k] under the contract W16 = RN16(e4m3 * 2^-8 * S16).
+
+    Rejects NaN code bytes (0x7F / 0xFF), negative or non-finite S16 and S16 whose largest
+    weight RN16(1.75 * S16) is inf. The product is exact in float32 (module docstring).
+    """
+    n, k = _require_dims(n, k)
+    codes = _require_codes(codes, n, k)
+    _group_scales_granularity(group_scales, n, k)
+    s16 = group_scales
+    bad = ~(np.isfinite(s16) & ~np.signbit(s16))
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"group_scales must be finite and >= 0, got {s16[first]} at index {list(first)}; "
+            "pass what qpn8_prepack returned"
+        )
+    _require_s16_fits_fp16("group_scales", s16)
+    require_no_nan_e4m3("codes", codes)
+
+    weight, s16_map = qpn8_unpack(codes, group_scales, n, k)
+    values = decode_e4m3(weight).reshape(n, k // GROUP_K, GROUP_K)  # float32, exact
+    scale = s16_map.astype(np.float32) * np.float32(2.0**-8)  # exact: power-of-two scaling, fp32 normal
+    return (values * scale[..., None]).astype(np.float16).reshape(n, k)  # exact fp32 product, one RN16
