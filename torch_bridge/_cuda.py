@@ -1,0 +1,201 @@
+"""CUDA backend of the qpn ops: torch tensors -> CuPy views (DLPack, zero copy) -> qpn.cupy_kernels.
+
+Imported by ops.py only when a CUDA tensor reaches an op; CuPy and qpn.cupy_kernels are
+imported inside the functions, so `import qpn.torch_bridge` works without them.
+
+Discipline (STYLE.md 9), in this order for every call:
+1. ops.py has validated dtype, shape, device and contiguity of every tensor (metadata only:
+   nothing here synchronizes the GPU);
+2. outputs are allocated with torch (the caching allocator: stream-ordered, and taken from the
+   graph's private pool under CUDA-graph capture);
+3. inside `_on_torch_stream` - torch's and CuPy's current device = the tensors' device, CuPy's
+   current stream = torch's current stream, wrapped as `cupy.cuda.ExternalStream` - each tensor
+   is converted with `cupy.from_dlpack` (zero copy), and the kernels launch on that stream,
+   writing into the torch outputs (`out=`).
+
+   Stream handshake: CuPy hands its current stream to the exporter's `__dlpack__`, and torch
+   then compares it with its current stream. The two are the same cudaStream_t, but torch
+   gives an ExternalStream a different stream id than its pool stream, so it would record an
+   event and make the stream wait on itself - a few microseconds per tensor and extra nodes in
+   a captured graph. `_SameStream` therefore exports with `stream=-1` (DLPack's "consumer
+   uses the producer's stream, no synchronization"), which is the truth here by construction.
+
+Linear: M <= `qpn.cupy_kernels.decode_threshold(fmt, N, K)` (capped at the decode kernels'
+range, 32) runs the decode kernel; larger M dequantizes the whole weight into a per-call fp16
+[N, K] torch tensor and multiplies with torch:
+
+    y = RN16(torch.mm(x, W16^T, out_dtype=float32))
+
+Why torch's cuBLAS and not CuPy's dense wrapper: the fp16 workspace and the GEMM then live on
+torch's allocator and torch's cuBLAS handle/workspace for the current stream, which torch
+already makes safe under CUDA-graph capture and across streams; and `out_dtype=float32` makes
+cuBLAS accumulate AND reduce (split-K included) in fp32 whatever
+`torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction` says - a plain fp16
+F.linear may reduce split-K partials in fp16 when that flag is on (its default). Without
+`mm(out_dtype=)` (torch < 2.8) both operands are upcast to fp32 instead: fp16 values are exact
+in fp32 and in TF32 (10 explicit mantissa bits either way), so products stay exact and the sum
+is fp32. The gated epilogue is ops.silu_and_mul (torch fp32 expf, as the decode kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+DECODE_MAX_M = 32  # the decode kernels' range (qpn.cupy_kernels.qpn2_linear / qpn8_linear: M in [1, 32])
+
+_HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # aten::mm.dtype (torch >= 2.8)
+_thresholds: dict[tuple[str, int, int], int] = {}
+
+
+def _kernels():
+    import qpn.cupy_kernels as kernels  # imports CuPy
+
+    return kernels
+
+
+def decode_threshold(fmt: str, n: int, k: int) -> int:
+    """Largest M that runs the decode kernel for an [N, K] weight of format "nvfp4" | "fp8".
+
+    From qpn.cupy_kernels.decode_threshold (chosen by measurement), capped at DECODE_MAX_M and
+    cached per (fmt, N, K): the op asks on every call, so the answer must be free after the
+    first. The first call for a shape must therefore happen before any CUDA-graph capture.
+    """
+    key = (fmt, n, k)
+    threshold = _thresholds.get(key)
+    if threshold is None:
+        threshold = max(0, min(int(_kernels().decode_threshold(fmt, n, k)), DECODE_MAX_M))
+        _thresholds[key] = threshold
+    return threshold
+
+
+@contextlib.contextmanager
+def _on_torch_stream(device: torch.device):
+    """torch's and CuPy's current device = `device`; CuPy's current stream = torch's current stream.
+
+    Yields `as_cupy(tensor)`, the zero-copy CuPy view of a torch tensor on that stream.
+    """
+    import cupy
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):  # torch's __dlpack__ refuses tensors of another current device
+        stream = torch.cuda.current_stream(index)
+        with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+            yield lambda tensor: as_cupy(_SameStream(tensor))
+
+
+class _SameStream:
+    """A torch tensor as a DLPack producer for a consumer on torch's current stream (module
+    docstring): `__dlpack__` ignores the consumer's stream argument and exports with stream=-1."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        return self.tensor.__dlpack__(stream=-1, **kwargs)
+
+
+def _mm_rn16(x: Tensor, w16: Tensor) -> Tensor:
+    """RN16(x @ w16^T) with fp32 accumulation and reduction (module docstring)."""
+    if _HAS_MM_OUT_DTYPE:
+        return torch.mm(x, w16.t(), out_dtype=torch.float32).to(torch.float16)
+    return torch.mm(x.float(), w16.float().t()).to(torch.float16)
+
+
+# ----------------------------------------------------------------------------- prepack
+
+
+def nvfp4_prepack(weight_packed: Tensor, weight_scale_u8: Tensor, n: int, k: int) -> tuple[Tensor, Tensor]:
+    """QPN2 prepack on the device. The CuPy wrapper allocates its results; they are copied into
+    torch-owned tensors on the same stream (prepack runs once per layer, the copy is cheap)."""
+    kernels = _kernels()
+    codes = torch.empty((n, k // 2), dtype=torch.uint8, device=weight_packed.device)
+    scales = torch.empty((n, k // 16), dtype=torch.uint8, device=weight_packed.device)
+    with _on_torch_stream(weight_packed.device) as as_cupy:
+        codes_cp, scales_cp = kernels.qpn2_prepack(as_cupy(weight_packed), as_cupy(weight_scale_u8))
+        as_cupy(codes).reshape(-1)[...] = codes_cp.reshape(-1)
+        as_cupy(scales).reshape(-1)[...] = scales_cp.reshape(-1)
+        del codes_cp, scales_cp
+    return codes, scales
+
+
+def fp8_prepack(weight_u8: Tensor, weight_scale: Tensor, n: int, k: int,
+                group_scales_shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    kernels = _kernels()
+    codes = torch.empty((n, k), dtype=torch.uint8, device=weight_u8.device)
+    group_scales = torch.empty(group_scales_shape, dtype=torch.float16, device=weight_u8.device)
+    with _on_torch_stream(weight_u8.device) as as_cupy:
+        codes_cp, group_scales_cp = kernels.qpn8_prepack(as_cupy(weight_u8), as_cupy(weight_scale))
+        as_cupy(codes).reshape(-1)[...] = codes_cp.reshape(-1)
+        as_cupy(group_scales)[...] = group_scales_cp.reshape(group_scales_shape)
+        del codes_cp, group_scales_cp
+    return codes, group_scales
+
+
+# ----------------------------------------------------------------------------- dequantize
+# check=False: no validation kernel, no host sync (values were validated once at pack time,
+# see module.py); a checked call would read a flag back and could not run under graph capture.
+
+
+def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, n: int, k: int) -> Tensor:
+    kernels = _kernels()
+    w16 = torch.empty((n, k), dtype=torch.float16, device=codes.device)
+    with _on_torch_stream(codes.device) as as_cupy:
+        kernels.qpn2_dequantize(as_cupy(codes), as_cupy(scales),
+                                as_cupy(global_scale.reshape(-1)), n, k, out=as_cupy(w16),
+                                check=False)
+    return w16
+
+
+def fp8_dequantize(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tensor:
+    kernels = _kernels()
+    w16 = torch.empty((n, k), dtype=torch.float16, device=codes.device)
+    with _on_torch_stream(codes.device) as as_cupy:
+        kernels.qpn8_dequantize(as_cupy(codes), as_cupy(group_scales), n, k,
+                                out=as_cupy(w16), check=False)
+    return w16
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
+                 n: int, k: int, n_out: int, gated: bool) -> Tensor:
+    from .ops import silu_and_mul
+
+    m = x.shape[0]
+    if m == 0:
+        return x.new_empty((0, n_out))
+    if m <= decode_threshold("nvfp4", n, k):
+        kernels = _kernels()
+        out = torch.empty((m, n_out), dtype=torch.float16, device=x.device)
+        with _on_torch_stream(x.device) as as_cupy:
+            kernels.qpn2_linear(as_cupy(x), as_cupy(codes), as_cupy(scales),
+                                as_cupy(global_scale.reshape(-1)), out=as_cupy(out), gated=gated)
+        return out
+    y = _mm_rn16(x, nvfp4_dequantize(codes, scales, global_scale, n, k))
+    return silu_and_mul(y) if gated else y
+
+
+def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, n: int, k: int, n_out: int, gated: bool) -> Tensor:
+    from .ops import silu_and_mul
+
+    m = x.shape[0]
+    if m == 0:
+        return x.new_empty((0, n_out))
+    if m <= decode_threshold("fp8", n, k):
+        kernels = _kernels()
+        out = torch.empty((m, n_out), dtype=torch.float16, device=x.device)
+        with _on_torch_stream(x.device) as as_cupy:
+            kernels.qpn8_linear(as_cupy(x), as_cupy(codes), as_cupy(group_scales),
+                                out=as_cupy(out), gated=gated)
+        return out
+    y = _mm_rn16(x, fp8_dequantize(codes, group_scales, n, k))
+    return silu_and_mul(y) if gated else y

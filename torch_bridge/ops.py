@@ -1,0 +1,392 @@
+"""The `qpn` torch custom ops: prepack, dequantize and linear for NVFP4 (QPN2) and FP8 (QPN8).
+
+    qpn::nvfp4_prepack(Tensor weight_packed, Tensor weight_scale) -> (Tensor codes, Tensor scales)
+    qpn::fp8_prepack(Tensor weight, Tensor weight_scale) -> (Tensor codes, Tensor group_scales)
+    qpn::nvfp4_dequantize(Tensor codes, Tensor scales, Tensor global_scale) -> Tensor   fp16 [N, K]
+    qpn::fp8_dequantize(Tensor codes, Tensor group_scales) -> Tensor                    fp16 [N, K]
+    qpn::nvfp4_linear(Tensor x, Tensor codes, Tensor scales, Tensor global_scale, bool gated=False) -> Tensor
+    qpn::fp8_linear(Tensor x, Tensor codes, Tensor group_scales, bool gated=False) -> Tensor
+
+Tensors (N output features, K input features; layouts in spec/QPN2.md and spec/QPN8.md):
+- weight_packed uint8 [N, K/2] (ModelOpt, element 2j in the low nibble); weight_scale e4m3
+  [N, K/16] as torch.float8_e4m3fn or uint8 (read as bits); N % 32 == 0, K % 64 == 0.
+- weight e4m3 [N, K] (float8_e4m3fn or uint8); weight_scale float32 () / (1,) / (1, 1) per
+  tensor, (N,) / (N, 1) per channel (N % 32, K % 16), or (N/128, K/128) per 128x128 block
+  (N % 128, K % 128).
+- codes uint8 [N, K/2] (QPN2) or [N, K] (QPN8); scales uint8 [N, K/16] (QPN2);
+  group_scales float16 [1, N] or [K/128, N/32] (QPN8).
+- global_scale float32, a multiplier (ModelOpt's weight_scale_2): size 1 (shape () or (1,))
+  or one value per 32-column tile ([N/32]).
+- x float16 [M, K], contiguous; M = 0 gives an empty [0, N] result. Output float16 [M, N],
+  or [M, N/2] with gated=True (N % 64 == 0: gate rows [0, N/2), up rows [N/2, N)).
+
+Numerics (DESIGN.md): every path sees the same W16; y = RN16(fp32-accumulated sum of x * W16);
+gated: out = RN16(RN16(silu32(gate)) * up) on the fp16 linear result.
+
+Dispatch. Each op has a CPU kernel (numba, `_cpu.py`) and a CUDA kernel (CuPy over DLPack,
+`_cuda.py`; CuPy is imported only when a CUDA tensor arrives, so the package imports on
+machines without it). The linear ops choose between the decode kernel and
+dequantize-then-matmul INSIDE the op, from M at run time: torch.compile sees one opaque op
+whose output shape does not depend on the branch, so a graph traced at one M is correct at
+every M (a Python branch in forward would be baked into the graph at the warm-up M).
+
+Validation (ValueError naming the argument, the rule, the value and the fix) runs on metadata
+only - dtype, shape, device, contiguity - so it never synchronizes a GPU. Values (NaN scale
+bytes, fp16 overflow, global scales <= 0) are checked once, at prepack time and in the
+QPNLinear constructors, not on every call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from qpn import ref
+from qpn.ref.geometry import GROUP_K, TILE_N
+
+from . import _cpu
+
+NVFP4_N_MULTIPLE = TILE_N  # 32
+NVFP4_K_MULTIPLE = 64  # spec/QPN2.md
+FP8_N_MULTIPLE = TILE_N  # 32 (channel / tensor scales)
+FP8_K_MULTIPLE = GROUP_K  # 16 (channel / tensor scales)
+FP8_BLOCK = 128  # 128x128 block scales need N % 128 and K % 128
+
+_E4M3_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _fail(message: str):
+    raise ValueError(message)
+
+
+def _require_tensor(name: str, t, dtypes, ndim=None, contiguous: bool = True) -> None:
+    if not isinstance(t, Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        _fail(f"{name} must have dtype {want}, got {t.dtype}; {_dtype_fix(name, dtypes)}")
+    if ndim is not None and t.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
+        _fail(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        _fail(f"{name} must be contiguous (row-major), got strides {t.stride()} for shape {tuple(t.shape)}; "
+              f"call .contiguous() on it")
+
+
+def _dtype_fix(name: str, dtypes) -> str:
+    if torch.float16 in dtypes and name == "x":
+        return "cast the activations with x.to(torch.float16) (QPNLinear does this for you)"
+    if torch.uint8 in dtypes:
+        return "pass the e4m3 / packed bytes as uint8 (or float8_e4m3fn), never as converted values"
+    return "pass the tensor the prepack / checkpoint produced, unchanged"
+
+
+def _require_same_device(**tensors: Tensor) -> torch.device:
+    devices = {name: t.device for name, t in tensors.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            _fail(f"{name} is on {device} but {first_name} is on {first}; move every tensor of the op to one "
+                  f"device (module.to(device) moves the QPNLinear buffers)")
+    return first
+
+
+def _require_multiple(name: str, value: int, multiple: int, layout: str, fix: str) -> None:
+    if value <= 0 or value % multiple != 0:
+        _fail(f"{name} must be a positive multiple of {multiple} for {layout}, got {name}={value}; {fix}")
+
+
+_PAD_N = "pad the output features (QPNLinear pads N to a multiple of 32 and crops)"
+_PAD_K = "pad the input features with zero columns"
+
+
+def _nvfp4_dims_of_checkpoint(weight_packed: Tensor, weight_scale: Tensor) -> tuple[int, int]:
+    _require_tensor("weight_packed", weight_packed, (torch.uint8,), ndim=2)
+    _require_tensor("weight_scale", weight_scale, _E4M3_DTYPES, ndim=2)
+    _require_same_device(weight_packed=weight_packed, weight_scale=weight_scale)
+    n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
+    _require_multiple("N", n, NVFP4_N_MULTIPLE, "QPN2 (weight_packed.shape[0])", _PAD_N)
+    _require_multiple("K", k, NVFP4_K_MULTIPLE, "QPN2 (K = 2 * weight_packed.shape[1])", _PAD_K)
+    if tuple(weight_scale.shape) != (n, k // GROUP_K):
+        _fail(f"weight_scale must have shape (N, K/16) = ({n}, {k // GROUP_K}) for weight_packed of shape "
+              f"{tuple(weight_packed.shape)}, got {tuple(weight_scale.shape)}; NVFP4 has one scale per 16 weights")
+    return n, k
+
+
+def _nvfp4_dims(codes: Tensor, scales: Tensor, global_scale: Tensor) -> tuple[int, int]:
+    """Validate QPN2 buffers; returns (N, K)."""
+    _require_tensor("codes", codes, (torch.uint8,), ndim=2)
+    _require_tensor("scales", scales, (torch.uint8,), ndim=2)
+    _require_tensor("global_scale", global_scale, (torch.float32,), ndim=(0, 1))
+    n, k = codes.shape[0], 2 * codes.shape[1]
+    _require_multiple("N", n, NVFP4_N_MULTIPLE, "QPN2 (codes.shape[0])", _PAD_N)
+    _require_multiple("K", k, NVFP4_K_MULTIPLE, "QPN2 (K = 2 * codes.shape[1])", _PAD_K)
+    if tuple(scales.shape) != (n, k // GROUP_K):
+        _fail(f"scales must have shape (N, K/16) = ({n}, {k // GROUP_K}) for codes of shape {tuple(codes.shape)}, "
+              f"got {tuple(scales.shape)}; pass the pair that nvfp4_prepack returned")
+    g = global_scale.numel()
+    if g != 1 and (global_scale.dim() != 1 or g != n // TILE_N):
+        _fail(f"global_scale must hold one float32 (shape () or (1,)) or one per 32-column tile (shape "
+              f"({n // TILE_N},) for N={n}), got shape {tuple(global_scale.shape)}; give each fused shard its "
+              "own value per tile of 32 rows")
+    return n, k
+
+
+def _fp8_dims_of_checkpoint(weight: Tensor, weight_scale: Tensor) -> tuple[int, int, str]:
+    _require_tensor("weight", weight, _E4M3_DTYPES, ndim=2)
+    _require_tensor("weight_scale", weight_scale, (torch.float32,), ndim=(0, 1, 2))
+    _require_same_device(weight=weight, weight_scale=weight_scale)
+    n, k = int(weight.shape[0]), int(weight.shape[1])
+    # The shape rule (and the alignment rule that goes with it) is ref's; a zero-stride
+    # stand-in carries the shape without touching the (possibly device or fake) data.
+    granularity = ref.qpn8_scale_granularity(np.broadcast_to(np.float32(0), tuple(weight_scale.shape)), n, k)
+    return n, k, granularity
+
+
+def _fp8_group_scales_shape(n: int, k: int, granularity: str) -> tuple[int, int]:
+    return (k // FP8_BLOCK, n // TILE_N) if granularity == "block" else (1, n)
+
+
+def _fp8_dims(codes: Tensor, group_scales: Tensor) -> tuple[int, int]:
+    """Validate QPN8 buffers; returns (N, K)."""
+    _require_tensor("codes", codes, (torch.uint8,), ndim=2)
+    _require_tensor("group_scales", group_scales, (torch.float16,), ndim=2)
+    n, k = codes.shape[0], codes.shape[1]
+    _require_multiple("N", n, FP8_N_MULTIPLE, "QPN8 (codes.shape[0])", _PAD_N)
+    _require_multiple("K", k, FP8_K_MULTIPLE, "QPN8 (codes.shape[1])", _PAD_K)
+    shape = tuple(group_scales.shape)
+    block = k % FP8_BLOCK == 0 and shape == (k // FP8_BLOCK, n // TILE_N)
+    if shape != (1, n) and not block:
+        _fail(f"group_scales must be float16 [1, N] = [1, {n}] (channel / tensor scales) or [K/128, N/32] = "
+              f"[{k // FP8_BLOCK}, {n // TILE_N}] (128x128 block scales, K % 128 == 0) for codes of shape "
+              f"{tuple(codes.shape)}, got {list(shape)}; pass what fp8_prepack returned")
+    return n, k
+
+
+def _linear_out_features(x: Tensor, n: int, k: int, gated: bool) -> int:
+    _require_tensor("x", x, (torch.float16,), ndim=2)
+    if x.shape[1] != k:
+        _fail(f"x must be [M, K] with K = {k} (the weight's input features), got shape {tuple(x.shape)}; "
+              "flatten leading dimensions into M (QPNLinear does this)")
+    if gated:
+        _require_multiple("N", n, 2 * TILE_N, "gated=True (gate rows [0, N/2) and up rows [N/2, N) each "
+                          "whole 32-column tiles)", "pad gate and up to a multiple of 32 rows each")
+        return n // 2
+    return n
+
+
+# ----------------------------------------------------------------------------- CPU helpers
+
+
+def _cpu_nvfp4_w16_f32(codes: Tensor, scales: Tensor, global_scale: Tensor, n: int, k: int) -> Tensor:
+    """float32 [N, K] holding W16 (see _cpu.py), computed by the numba kernel into torch memory."""
+    g_tiles = global_scale.reshape(-1).expand(n // TILE_N).contiguous() if global_scale.numel() == 1 \
+        else global_scale.contiguous()
+    out = torch.empty((n, k), dtype=torch.float32)
+    _cpu.qpn2_w16_into(codes.reshape(-1).numpy(), scales.reshape(-1).numpy(), g_tiles.numpy(), out.numpy())
+    return out
+
+
+def _cpu_fp8_w16_f32(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tensor:
+    out = torch.empty((n, k), dtype=torch.float32)
+    _cpu.qpn8_w16_into(codes.reshape(-1).numpy(), group_scales.float().numpy(), out.numpy())
+    return out
+
+
+def _cpu_matmul_rn16(x: Tensor, w16_f32: Tensor) -> Tensor:
+    """RN16(x @ W16^T) with fp32 (or, under reduced matmul precision settings, fp64) accumulation.
+
+    Both operands hold fp16 values exactly, so every product is exact and only the sum rounds.
+    torch's fp32 CPU matmul accumulates in fp32 at the default "highest" matmul precision; at
+    "high"/"medium" it may use bf16 internally, so the product is then taken in float64.
+    """
+    if torch.get_float32_matmul_precision() == "highest":
+        return torch.mm(x.float(), w16_f32.t()).to(torch.float16)
+    return torch.mm(x.double(), w16_f32.double().t()).to(torch.float16)
+
+
+def silu_and_mul(y: Tensor) -> Tensor:
+    """Gated epilogue on an fp16 [M, N] linear result: RN16(RN16(silu32(gate)) * up).
+
+    gate = y[:, :N/2], up = y[:, N/2:]. silu32(v) = RN32(v / RN32(1 + expf(-v))). On the CPU,
+    expf is float64 exp rounded once to fp32 (qpn.ref's definition, so the CPU matches ref); on
+    CUDA it is torch's fp32 exp, i.e. CUDA's expf - the function the decode kernels call, so
+    both CUDA paths agree. fp16 * fp16 is exact in fp32 and rounded once.
+    """
+    half = y.shape[1] // 2
+    gate = y[:, :half].float()
+    up = y[:, half:].float()
+    if y.device.type == "cpu":
+        exp_neg = torch.exp(-gate.double()).float()
+    else:
+        exp_neg = torch.exp(-gate)
+    silu16 = (gate / (1.0 + exp_neg)).to(torch.float16)
+    return (silu16.float() * up).to(torch.float16)
+
+
+def _cuda():
+    from . import _cuda as cuda_backend  # imports no CuPy until a function there is called
+
+    return cuda_backend
+
+
+# ----------------------------------------------------------------------------- prepack
+
+
+@torch.library.custom_op("qpn::nvfp4_prepack", mutates_args=(), device_types="cpu")
+def nvfp4_prepack(weight_packed: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """ModelOpt NVFP4 (weight_packed uint8 [N, K/2], weight_scale e4m3 [N, K/16]) -> QPN2 (codes, scales).
+
+    CPU: qpn.ref.qpn2_prepack (a byte permutation; rejects NaN scale bytes).
+    """
+    _nvfp4_dims_of_checkpoint(weight_packed, weight_scale)
+    codes, scales = ref.qpn2_prepack(weight_packed.numpy(), weight_scale.view(torch.uint8).numpy())
+    return torch.from_numpy(codes), torch.from_numpy(scales)
+
+
+@nvfp4_prepack.register_kernel("cuda")
+def _nvfp4_prepack_cuda(weight_packed: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
+    n, k = _nvfp4_dims_of_checkpoint(weight_packed, weight_scale)
+    return _cuda().nvfp4_prepack(weight_packed, weight_scale.view(torch.uint8), n, k)
+
+
+@nvfp4_prepack.register_fake
+def _nvfp4_prepack_fake(weight_packed, weight_scale):
+    n, k = _nvfp4_dims_of_checkpoint(weight_packed, weight_scale)
+    return (weight_packed.new_empty((n, k // 2), dtype=torch.uint8),
+            weight_packed.new_empty((n, k // GROUP_K), dtype=torch.uint8))
+
+
+@torch.library.custom_op("qpn::fp8_prepack", mutates_args=(), device_types="cpu")
+def fp8_prepack(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """FP8 (weight e4m3 [N, K], weight_scale float32 per tensor / channel / 128x128 block) -> QPN8
+    (codes uint8 [N, K], group_scales float16 [1, N] or [K/128, N/32]).
+
+    CPU: qpn.ref.qpn8_prepack (rejects NaN weight bytes, non-positive and overflowing scales).
+    A size-1 scale is per tensor (a (1, 1) block grid of a 128x128 weight gives the same weights).
+    """
+    _fp8_dims_of_checkpoint(weight, weight_scale)
+    codes, group_scales = ref.qpn8_prepack(weight.view(torch.uint8).numpy(), weight_scale.numpy())
+    return torch.from_numpy(codes), torch.from_numpy(group_scales)
+
+
+@fp8_prepack.register_kernel("cuda")
+def _fp8_prepack_cuda(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
+    n, k, granularity = _fp8_dims_of_checkpoint(weight, weight_scale)
+    return _cuda().fp8_prepack(weight.view(torch.uint8), weight_scale, n, k,
+                               _fp8_group_scales_shape(n, k, granularity))
+
+
+@fp8_prepack.register_fake
+def _fp8_prepack_fake(weight, weight_scale):
+    n, k, granularity = _fp8_dims_of_checkpoint(weight, weight_scale)
+    return (weight.new_empty((n, k), dtype=torch.uint8),
+            weight.new_empty(_fp8_group_scales_shape(n, k, granularity), dtype=torch.float16))
+
+
+# ----------------------------------------------------------------------------- dequantize
+
+
+@torch.library.custom_op("qpn::nvfp4_dequantize", mutates_args=(), device_types="cpu")
+def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Tensor:
+    """QPN2 buffers -> float16 [N, K] = RN16(RN32(e2m1 * RN32(e4m3 * g(n)))), byte-identical to
+    qpn.ref.qpn2_dequantize."""
+    _require_same_device(codes=codes, scales=scales, global_scale=global_scale)
+    n, k = _nvfp4_dims(codes, scales, global_scale)
+    return _cpu_nvfp4_w16_f32(codes, scales, global_scale, n, k).to(torch.float16)  # exact: values are fp16
+
+
+@nvfp4_dequantize.register_kernel("cuda")
+def _nvfp4_dequantize_cuda(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Tensor:
+    _require_same_device(codes=codes, scales=scales, global_scale=global_scale)
+    n, k = _nvfp4_dims(codes, scales, global_scale)
+    return _cuda().nvfp4_dequantize(codes, scales, global_scale, n, k)
+
+
+@nvfp4_dequantize.register_fake
+def _nvfp4_dequantize_fake(codes, scales, global_scale):
+    n, k = _nvfp4_dims(codes, scales, global_scale)
+    return codes.new_empty((n, k), dtype=torch.float16)
+
+
+@torch.library.custom_op("qpn::fp8_dequantize", mutates_args=(), device_types="cpu")
+def fp8_dequantize(codes: Tensor, group_scales: Tensor) -> Tensor:
+    """QPN8 buffers -> float16 [N, K] = RN16(e4m3 * 2^-8 * S16), byte-identical to qpn.ref.qpn8_dequantize."""
+    _require_same_device(codes=codes, group_scales=group_scales)
+    n, k = _fp8_dims(codes, group_scales)
+    return _cpu_fp8_w16_f32(codes, group_scales, n, k).to(torch.float16)  # exact: values are fp16
+
+
+@fp8_dequantize.register_kernel("cuda")
+def _fp8_dequantize_cuda(codes: Tensor, group_scales: Tensor) -> Tensor:
+    _require_same_device(codes=codes, group_scales=group_scales)
+    n, k = _fp8_dims(codes, group_scales)
+    return _cuda().fp8_dequantize(codes, group_scales, n, k)
+
+
+@fp8_dequantize.register_fake
+def _fp8_dequantize_fake(codes, group_scales):
+    n, k = _fp8_dims(codes, group_scales)
+    return codes.new_empty((n, k), dtype=torch.float16)
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+@torch.library.custom_op("qpn::nvfp4_linear", mutates_args=(), device_types="cpu")
+def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, gated: bool = False) -> Tensor:
+    """x float16 [M, K] times the QPN2 weight -> float16 [M, N] (or [M, N/2] gated).
+
+    CPU: W16 by the numba kernel, then one fp32 matmul and one RN16 (the same path for every M).
+    """
+    _require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
+    n, k = _nvfp4_dims(codes, scales, global_scale)
+    n_out = _linear_out_features(x, n, k, gated)
+    if x.shape[0] == 0:
+        return x.new_empty((0, n_out))
+    y = _cpu_matmul_rn16(x, _cpu_nvfp4_w16_f32(codes, scales, global_scale, n, k))
+    return silu_and_mul(y) if gated else y
+
+
+@nvfp4_linear.register_kernel("cuda")
+def _nvfp4_linear_cuda(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, gated: bool = False) -> Tensor:
+    _require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
+    n, k = _nvfp4_dims(codes, scales, global_scale)
+    n_out = _linear_out_features(x, n, k, gated)
+    return _cuda().nvfp4_linear(x, codes, scales, global_scale, n, k, n_out, gated)
+
+
+@nvfp4_linear.register_fake
+def _nvfp4_linear_fake(x, codes, scales, global_scale, gated=False):
+    n, k = _nvfp4_dims(codes, scales, global_scale)
+    n_out = _linear_out_features(x, n, k, gated)
+    return x.new_empty((x.shape[0], n_out))
+
+
+@torch.library.custom_op("qpn::fp8_linear", mutates_args=(), device_types="cpu")
+def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = False) -> Tensor:
+    """x float16 [M, K] times the QPN8 weight -> float16 [M, N] (or [M, N/2] gated)."""
+    _require_same_device(x=x, codes=codes, group_scales=group_scales)
+    n, k = _fp8_dims(codes, group_scales)
+    n_out = _linear_out_features(x, n, k, gated)
+    if x.shape[0] == 0:
+        return x.new_empty((0, n_out))
+    y = _cpu_matmul_rn16(x, _cpu_fp8_w16_f32(codes, group_scales, n, k))
+    return silu_and_mul(y) if gated else y
+
+
+@fp8_linear.register_kernel("cuda")
+def _fp8_linear_cuda(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = False) -> Tensor:
+    _require_same_device(x=x, codes=codes, group_scales=group_scales)
+    n, k = _fp8_dims(codes, group_scales)
+    n_out = _linear_out_features(x, n, k, gated)
+    return _cuda().fp8_linear(x, codes, group_scales, n, k, n_out, gated)
+
+
+@fp8_linear.register_fake
+def _fp8_linear_fake(x, codes, group_scales, gated=False):
+    n, k = _fp8_dims(codes, group_scales)
+    n_out = _linear_out_features(x, n, k, gated)
+    return x.new_empty((x.shape[0], n_out))
