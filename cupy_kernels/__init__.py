@@ -1,0 +1,19 @@
+"""qpn.cupy_kernels: sm_75 CUDA kernels (real .cu files, NVRTC through CuPy) and their launch wrappers.
+
+Importing this package needs neither CuPy nor a GPU (CI imports it); CuPy is imported inside
+the functions. Build pipeline: `loader` (options, arch, caches), `variants` (the registry of
+launched kernels), `compile_check` (CPU-only Turing check, `python -m qpn.cupy_kernels.compile_check`).
+
+Public functions (CuPy arrays in and out, launched on the current CuPy stream):
+- `qpn2_prepack(weight_packed, weight_scale) -> (codes, scales)`
+- `qpn8_prepack(weight, weight_scale, granularity=None) -> (codes, group_scales)`
+- `qpn2_dequantize(codes, scales, global_scale, n, k, out=None, check=True) -> fp16 [n, k]`
+- `qpn8_dequantize(codes, group_scales, n, k, out=None, check=True) -> fp16 [n, k]`
+- `qpn2_dense_linear(x, codes, scales, global_scale, out=None, workspace=None, check=False)`
+- `qpn8_dense_linear(x, codes, group_scales, out=None, workspace=None, check=False)`
+"""
+
+from .dense import qpn2_dense_linear, qpn8_dense_linear
+from .dequantize import qpn2_dequantize, qpn8_dequantize
+from .loader import get_function
+from .prepack import qpn2_prepack, qpn8_prepack
