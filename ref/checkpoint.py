@@ -76,15 +76,14 @@ naming the file and the tensor or config entry at fault):
 Saving (`save_checkpoint`) serializes, then runs the complete load-side validation on the
 in-memory result before writing a byte; it writes the whole folder into a temporary sibling
 folder and renames it into place (an existing non-empty folder is refused unless
-overwrite=True, which swaps it atomically with renameat2(RENAME_EXCHANGE) where Linux offers
-it, else with two renames). On any failure the temporary folder is removed and the target is
+overwrite=True, which moves the old folder aside, renames the new one into place and only then
+deletes the old one). On any failure the temporary folder is removed and the target is
 untouched. Output bytes are deterministic (sorted JSON, sorted tensors, fixed shard names).
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import fnmatch
 import json
 import os
@@ -915,18 +914,6 @@ def _write_json(path: str, value) -> None:
         os.fsync(f.fileno())
 
 
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unavailable."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    return False  # EINVAL / ENOSYS (filesystem or kernel without exchange): fall back
-
-
 def _install(tmp: str, target: str, overwrite: bool) -> None:
     """Move the finished folder `tmp` to `target`; an existing `target` ends up in `tmp` (or gone)."""
     if not os.path.lexists(target) or (os.path.isdir(target) and not os.listdir(target)):
@@ -934,8 +921,6 @@ def _install(tmp: str, target: str, overwrite: bool) -> None:
         return
     if not overwrite:  # it filled up while we were writing
         raise ValueError(f"{target} became a non-empty folder during the save; pass overwrite=True to replace it")
-    if _exchange(tmp, target):
-        return
     backup = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".old", dir=os.path.dirname(target))
     os.rmdir(backup)  # reserve a unique name, then move the old folder there
     os.rename(target, backup)
