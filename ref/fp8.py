@@ -130,8 +130,8 @@ def _validate_weight_to_quantize(w) -> np.ndarray:
 def fp8_scale_granularity(weight_scale, n: int, k: int) -> str:
     """Granularity of an fp32 FP8 scale for an [n, k] weight, from its shape alone.
 
-    () or (1,) -> "tensor"; (n,) or (n, 1) -> "channel"; (ceil(n/128), ceil(k/128)) -> "block".
-    Where two readings fit (n == 1, or a single 128x128 block) they give the same scale map.
+    () or (1,) -> "tensor"; (n,) or (n, 1) -> "channel"; (ceil(n/128), ceil(k/128)) -> "block";
+    any other (1, 1) -> "tensor". Where two readings fit (n == 1, or a single 128x128 block) they give the same scale map.
     """
     weight_scale = _as_float32_scale(weight_scale)
     shape = tuple(weight_scale.shape)
@@ -142,9 +142,11 @@ def fp8_scale_granularity(weight_scale, n: int, k: int) -> str:
         return "channel"
     if shape == block_shape:
         return "block"
+    if shape == (1, 1):
+        return "tensor"
     raise ValueError(
         f"weight_scale has shape {shape}, which fits no FP8 granularity for a [{n}, {k}] weight; "
-        f"expected () for tensor, ({n},) or ({n}, 1) for channel, or {block_shape} for 128x128 block "
+        f"expected () / (1,) / (1, 1) for tensor, ({n},) or ({n}, 1) for channel, or {block_shape} for 128x128 block "
         "scales (ceil(N/128), ceil(K/128)); check that the weight is stored [N, K], not transposed"
     )
 

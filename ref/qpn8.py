@@ -47,6 +47,7 @@ import numpy as np
 
 from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape
 from .codecs import E4M3_MAX, decode_e4m3
+from .fp8 import fp8_scale_granularity
 from .geometry import GROUP_K, TILE_N
 from .qpn2 import PAD_N_FIX, _korder_shuffle, _korder_unshuffle, _lanes_to_rows, _rows_to_lanes
 
@@ -60,46 +61,36 @@ _UNIT = np.dtype("V16")  # one lane's 16 bytes of one group, moved as raw bytes
 _U64 = np.dtype("<u8")
 
 
-def _channel_or_tensor_shape(shape: tuple, n: int) -> str | None:
-    if int(np.prod(shape, dtype=np.int64)) == 1 and len(shape) <= 2:
-        return "tensor"
-    if shape in ((n,), (n, 1)):
-        return "channel"
-    return None
-
-
 def qpn8_scale_granularity(weight_scale, n: int, k: int, granularity: str | None = None) -> str:
     """The granularity QPN8 reads from a float32 scale of an [n, k] weight (module docstring).
 
-    With `granularity` given, checks that the shape fits it and returns it. Also applies the
-    QPN8 alignment rules (channel / tensor: N % 32, K % 16; block: N % 128, K % 128).
+    The shape decides (`fp8_scale_granularity`), except that a size-1 scale reads as per tensor
+    unless `granularity="block"` claims it. With `granularity` given, checks that the shape fits
+    it and returns it. Also applies the QPN8 alignment rules (channel / tensor: N % 32, K % 16;
+    block: N % 128, K % 128).
     """
-    shape = tuple(np.shape(weight_scale))
-    ceil_block_shape = (-(-n // QPN8_BLOCK), -(-k // QPN8_BLOCK))
     if granularity is not None and granularity not in QPN8_GRANULARITIES:
         raise ValueError(f"granularity must be None or one of {QPN8_GRANULARITIES}, got {granularity!r}")
-
-    inferred = _channel_or_tensor_shape(shape, n)
-    if granularity == "block" or (granularity is None and inferred is None and shape == ceil_block_shape):
-        if shape != ceil_block_shape:
-            raise ValueError(
-                f"weight_scale must have shape {ceil_block_shape} (ceil(N/128), ceil(K/128)) for 128x128 block "
-                f"scales of a [{n}, {k}] weight, got {shape}"
-            )
+    shape = tuple(np.shape(weight_scale))
+    inferred = fp8_scale_granularity(weight_scale, n, k)
+    if inferred == "block" and shape == (1, 1):
+        inferred = "tensor"  # one value either way; per tensor needs only QPN8's 32 x 16 alignment
+    block_shape = (-(-n // QPN8_BLOCK), -(-k // QPN8_BLOCK))
+    if granularity is not None and granularity != inferred and not (granularity == "block" and shape == block_shape):
+        raise ValueError(
+            f"weight_scale has shape {shape}, which does not fit granularity {granularity!r} for a [{n}, {k}] "
+            f"weight (it reads as {inferred!r}); expected () / (1,) / (1, 1) for tensor, ({n},) or ({n}, 1) for "
+            f"channel, or {block_shape} for 128x128 block scales"
+        )
+    granularity = granularity or inferred
+    if granularity == "block":
         fix = "QPN8 cannot split a 128x128 scale block; pad the weight (and its scales) to whole blocks"
         require_multiple("N", n, QPN8_BLOCK, "QPN8 with 128x128 block scales", fix)
         require_multiple("K", k, QPN8_BLOCK, "QPN8 with 128x128 block scales", fix)
-        return "block"
-    if inferred is None or (granularity is not None and granularity != inferred):
-        raise ValueError(
-            f"weight_scale has shape {shape}, which does not fit "
-            f"{'granularity ' + repr(granularity) if granularity else 'any FP8 granularity'} for a [{n}, {k}] weight; "
-            f"expected () / (1,) / (1, 1) for tensor, ({n},) or ({n}, 1) for channel, or {ceil_block_shape} for "
-            "128x128 block scales; check that the weight is stored [N, K], not transposed"
-        )
-    require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
-    require_multiple("K", k, GROUP_K, "QPN8", PAD_K16_FIX)
-    return inferred
+    else:
+        require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
+        require_multiple("K", k, GROUP_K, "QPN8", PAD_K16_FIX)
+    return granularity
 
 
 def _s16_of_scale(scale: np.ndarray) -> np.ndarray:

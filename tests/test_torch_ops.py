@@ -340,7 +340,7 @@ def error_cases():
         "prepack scale shape": (lambda: q.nvfp4_prepack(t(wp), t(ws[:, :4].copy())),
                                 r"weight_scale must have shape \(N, K/16\)"),
         "prepack fp8 transposed scale": (lambda: q.fp8_prepack(t(w8), t(np.ones((1, n), np.float32))),
-                                         r"does not fit any FP8 granularity"),
+                                         r"fits no FP8 granularity"),
         "prepack fp8 weight fp16": (lambda: q.fp8_prepack(t(w8).half(), t(s8)),
                                     r"weight must have dtype torch.uint8 or torch.float8_e4m3fn"),
     }
