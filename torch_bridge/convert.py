@@ -8,7 +8,9 @@
 - `load_quantized(model, checkpoint)` puts the quantized linears of a ModelOpt /
   compressed-tensors checkpoint (read and validated by qpn.ref.load_checkpoint) into the model
   as QPNLinear layers - checkpoint layer names are module paths - and copies every other
-  checkpoint tensor into the parameter or buffer of the same name.
+  checkpoint tensor into the parameter or buffer of the same name. A folder written by
+  `qpn pack` (qpn/packed.py) is read with qpn.packed.load_packed and its QPN2 / QPN8 buffers go
+  into the QPNLinear layers as they are, without a second prepack.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from qpn import ref
+from qpn import packed, ref
 
-from .module import FORMATS, QPNLinear
+from .module import FORMATS, PackedWeight, QPNLinear
 
 _TORCH_DTYPE_OF_TAG = {
     "BF16": torch.bfloat16,  # carried as uint16 bit patterns
@@ -93,10 +95,21 @@ def _stored_to_torch(stored) -> torch.Tensor:
     return tensor.view(dtype) if dtype is not None else tensor
 
 
+def _qpn_linear_of(linear, bias) -> QPNLinear:
+    """QPNLinear from a qpn.ref NVFP4Linear / FP8Linear (prepacked here) or a qpn.packed.PackedLayer (as packed)."""
+    if not isinstance(linear, packed.PackedLayer):
+        return QPNLinear.from_checkpoint(linear, bias=bias)
+    global_scale = torch.from_numpy(np.array(linear.global_scale)) if linear.global_scale is not None else None
+    weight = PackedWeight(linear.format, torch.from_numpy(np.array(linear.codes)),
+                          torch.from_numpy(np.array(linear.scales)), global_scale, linear.k, linear.n)
+    return QPNLinear.from_packed(weight, bias, fp8_granularity="block" if linear.granularity == "block" else "channel")
+
+
 def load_quantized(model: nn.Module, checkpoint, *, strict: bool = False) -> LoadReport:
     """Fill `model` from a quantized checkpoint, in place.
 
-    checkpoint: a folder path (read with qpn.ref.load_checkpoint) or a qpn.ref.Checkpoint.
+    checkpoint: a folder path (read with qpn.ref.load_checkpoint, or qpn.packed.load_packed for a
+    `qpn pack` folder), a qpn.ref.Checkpoint or a qpn.packed.PackedCheckpoint.
     Every quantized linear `name` must be an nn.Linear (or QPNLinear) at module path `name`
     with the same [N, K]; it becomes a QPNLinear on that module's device (meta modules go to the
     CPU), taking the bias from checkpoint tensor `name.bias`, else from the old module. Every
@@ -104,12 +117,14 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = False) -> Loa
     of the same name. strict=True raises ValueError if anything is unexpected or missing.
     """
     if isinstance(checkpoint, (str, os.PathLike)):
-        checkpoint = ref.load_checkpoint(checkpoint)
-    if not isinstance(checkpoint, ref.Checkpoint):
-        raise ValueError(f"checkpoint must be a folder path or a qpn.ref.Checkpoint, got {type(checkpoint).__name__}")
+        checkpoint = packed.load_packed(checkpoint) if packed.is_packed(checkpoint) else ref.load_checkpoint(checkpoint)
+    if not isinstance(checkpoint, (ref.Checkpoint, packed.PackedCheckpoint)):
+        raise ValueError(f"checkpoint must be a folder path, a qpn.ref.Checkpoint or a qpn.packed.PackedCheckpoint, "
+                         f"got {type(checkpoint).__name__}")
+    layers = checkpoint.layers if isinstance(checkpoint, packed.PackedCheckpoint) else checkpoint.linears
 
     quantized, consumed = [], set()
-    for name, linear in checkpoint.linears.items():
+    for name, linear in layers.items():
         try:
             old = model.get_submodule(name)
         except AttributeError:
@@ -130,7 +145,7 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = False) -> Loa
             consumed.add(bias_name)
         else:
             bias = old.bias.detach().float() if old.bias is not None and old.bias.device.type != "meta" else None
-        new = QPNLinear.from_checkpoint(linear, bias=bias).to(device)
+        new = _qpn_linear_of(linear, bias).to(device)
         parent, attr = _parent_and_attr(model, name)
         setattr(parent, attr, new)
         quantized.append(name)

@@ -1,0 +1,585 @@
+"""The qpn packed checkpoint: a quantized checkpoint whose linears are already in the QPN2 / QPN8 layout.
+
+`qpn pack SRC OUT` writes one; `qpn verify` / `qpn inspect` read both kinds of folder;
+`qpn.torch_bridge.load_quantized(model, OUT)` fills a model from one without prepacking again.
+Pure numpy and `qpn.ref` (no torch): packing a checkpoint needs neither torch nor a GPU.
+
+Folder OUT (everything is derived from the source folder alone, so packing the same input twice
+gives identical bytes; nothing records the time or the source path):
+
+    qpn_manifest.json      what the folder is (below); written last, its presence marks the folder
+    config.json            copied byte for byte from the source (if present), and so is
+    hf_quant_config.json   the older ModelOpt config (if present)
+    model.safetensors      or the source's own shard names + model.safetensors.index.json: every
+                           layer and tensor lands in the file that held it in the source
+
+Tensors of a quantized linear X (N output features, K input features; N_pad = N rounded up to 32,
+or to 128 for FP8 128x128 block scales; pad rows are exact zeros and are cropped by the readers):
+
+    NVFP4 -> QPN2   X.qpn_codes          U8   [N_pad, K/2]     codes in QPN2 byte order (spec/QPN2.md)
+                    X.qpn_scales         U8   [N_pad, K/16]    e4m3 scale bytes in QPN2 order
+                    X.qpn_global_scale   F32  [N_pad/32]       multiplier per 32-row tile (ModelOpt's
+                                                               weight_scale_2; compressed-tensors'
+                                                               reciprocal already inverted)
+    FP8   -> QPN8   X.qpn_codes          U8   [N_pad, K]       e4m3 bytes in QPN8 order (spec/QPN8.md)
+                    X.qpn_group_scales   F16  [1, N_pad] or [K/128, N_pad/32]   S16 = RN16(256 * s)
+                    X.qpn_weight_scale   F32  as in the source: () / [N] / [ceil(N/128), ceil(K/128)]
+                                                               (the fp32 scale, kept because S16 is
+                                                               rounded and cannot give it back)
+    both            X.qpn_input_scale    F32  []               the activation scale, if the source had one
+
+The buffers are exactly `QPNLinear`'s (`codes`, `scales`, `global_scale` / `group_scales`),
+padding included: NVFP4 pad rows have code 0 and scale byte 0x00, FP8 pad rows code 0x00 and
+scale 1.0 (per channel). Every other source tensor (biases, embeddings, norms, unquantized
+weights) is copied through under its own name and dtype tag.
+
+qpn_manifest.json (sorted keys, 2-space indent):
+
+    {"format": "qpn-packed", "version": 1, "producer": {"name": "qpn", "version": ...},
+     "source": {"format": "modelopt" | "compressed-tensors", "quant_algo": "NVFP4" | ...,
+                "files": {file name: sha256 of the source file}},
+     "layers": {X: {"format": "nvfp4" | "fp8", "layout": "QPN2" | "QPN8", "n": N, "k": K,
+                    "n_padded": N_pad, "file": shard, "global_scale": [g] (nvfp4),
+                    "granularity": "tensor" | "channel" | "block", "scale_name": ...,
+                    "weight_scale": [s] (fp8 per tensor), "input_scale": [s] (if any),
+                    "source_tensors": {role: {"dtype": ..., "shape": [...], "sha256": ...}}}},
+     "tensors": {name: {"file": ..., "dtype": ..., "shape": [...], "sha256": ...}}}
+
+`source_tensors` hashes the original bytes of the layer's quantized tensors (nvfp4: roles
+weight_packed and weight_scale; fp8: weight and weight_scale), so a packed folder verifies on its
+own: `PackedLayer.unpack()` is the exact inverse of the prepack and must give those bytes back.
+
+Errors: `PackError` (a ValueError naming the folder, the layer and the rule) for layers that
+cannot be packed (K not a multiple of 64 for QPN2 / 16 for QPN8 / 128 for block scales, blocks
+whose largest weight overflows fp16) and for packed folders that break this format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from qpn import __version__
+from qpn import ref
+from qpn.ref.checkpoint import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SAFETENSORS_METADATA, SINGLE_FILE
+from qpn.ref.checkpoint import _install  # the same atomic folder swap as save_checkpoint
+from qpn.ref.checks import require_no_nan_e4m3
+from qpn.ref.geometry import GROUP_K, TILE_N
+from qpn.ref.qpn2 import QPN2_K_MULTIPLE
+from qpn.ref.qpn8 import QPN8_BLOCK, _require_s16_fits_fp16, _s16_of_scale
+from qpn.ref.safetensors_io import _fsync_dir
+
+PACKED_FORMAT = "qpn-packed"
+PACKED_VERSION = 1
+MANIFEST_FILE = "qpn_manifest.json"
+COPIED_CONFIG_FILES = (CONFIG_FILE, HF_QUANT_CONFIG_FILE)
+
+# suffixes of a packed linear's tensors
+CODES, SCALES, GLOBAL_SCALE = "qpn_codes", "qpn_scales", "qpn_global_scale"
+GROUP_SCALES, WEIGHT_SCALE, INPUT_SCALE = "qpn_group_scales", "qpn_weight_scale", "qpn_input_scale"
+PACKED_SUFFIXES = (CODES, SCALES, GLOBAL_SCALE, GROUP_SCALES, WEIGHT_SCALE, INPUT_SCALE)
+
+# padding of N (the same bytes QPNLinear writes; tests/test_cli.py compares the two)
+NVFP4_PAD_CODE = 0x00
+NVFP4_PAD_SCALE_BYTE = 0x00  # e4m3 +0: every pad weight is +0 whatever its code
+FP8_PAD_CODE = 0x00
+FP8_PAD_SCALE = np.float32(1.0)
+
+_HASH_CHUNK = 16 << 20  # bytes per read when hashing files
+
+Progress = Callable[..., Iterable]  # progress(iterable, desc=..., total=..., unit=...) -> iterable
+
+
+def _no_progress(iterable, **_):
+    return iterable
+
+
+class PackError(ValueError):
+    """A checkpoint cannot be packed, or a packed folder breaks the format. Names the path and the layer."""
+
+    def __init__(self, path, layer: str | None, message: str):
+        self.path = os.fspath(path)
+        self.layer = layer
+        where = f"{self.path}: layer {layer!r}: " if layer is not None else f"{self.path}: "
+        super().__init__(where + message)
+
+
+# ----------------------------------------------------------------------------------------------
+# rules shared by pack, inspect and verify
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def layer_format(linear) -> str:
+    """"nvfp4" for an NVFP4Linear, "fp8" for an FP8Linear."""
+    return "nvfp4" if isinstance(linear, ref.NVFP4Linear) else "fp8"
+
+
+def padded_rows(linear) -> int:
+    """N_pad: N rounded up to 32 (to 128 for FP8 128x128 block scales)."""
+    block = isinstance(linear, ref.FP8Linear) and linear.granularity == "block"
+    return _round_up(linear.n, QPN8_BLOCK if block else TILE_N)
+
+
+def k_multiple(linear) -> int:
+    """The K rule of the layer's layout: 64 (QPN2), 16 (QPN8), 128 (QPN8 with block scales)."""
+    if isinstance(linear, ref.NVFP4Linear):
+        return QPN2_K_MULTIPLE
+    return QPN8_BLOCK if linear.granularity == "block" else GROUP_K
+
+
+def unpackable_reason(linear) -> str | None:
+    """Why `linear` (a qpn.ref NVFP4Linear / FP8Linear) cannot be packed, or None if it can.
+
+    Reads shapes and scales only (never the codes), so it is cheap enough for `qpn inspect`.
+    N never blocks packing (it is padded); K does, and so do scales whose weights overflow fp16.
+    """
+    multiple = k_multiple(linear)
+    if linear.k % multiple != 0:
+        layout = "QPN2" if isinstance(linear, ref.NVFP4Linear) else \
+            ("QPN8 with 128x128 block scales" if multiple == QPN8_BLOCK else "QPN8")
+        return f"K={linear.k} is not a multiple of {multiple} ({layout}); pad the input features with zero columns"
+    try:
+        if isinstance(linear, ref.NVFP4Linear):
+            ref.require_nvfp4_fits_fp16(linear.weight_scale, ref.global_scale_per_row(linear.global_scale, linear.n))
+        else:
+            _require_s16_fits_fp16("weight_scale", _s16_of_scale(linear.weight_scale), linear.weight_scale)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _pad_rows(a: np.ndarray, rows: int, fill) -> np.ndarray:
+    if a.shape[0] == rows:
+        return a
+    pad = np.full((rows - a.shape[0],) + a.shape[1:], fill, dtype=a.dtype)
+    return np.concatenate([a, pad], axis=0)
+
+
+def prepack_layer(linear) -> dict[str, np.ndarray]:
+    """A qpn.ref NVFP4Linear / FP8Linear -> its packed buffers {suffix: array} (module docstring).
+
+    Raises ValueError if the layer cannot be packed (see `unpackable_reason`).
+    """
+    n_pad = padded_rows(linear)
+    out: dict[str, np.ndarray] = {}
+    if isinstance(linear, ref.NVFP4Linear):
+        wp = _pad_rows(linear.weight_packed, n_pad, NVFP4_PAD_CODE)
+        ws = _pad_rows(linear.weight_scale, n_pad, NVFP4_PAD_SCALE_BYTE)
+        out[CODES], out[SCALES] = ref.qpn2_prepack(wp, ws)
+        out[GLOBAL_SCALE] = np.full((n_pad // TILE_N,), linear.global_scale, dtype=np.float32)
+    else:
+        w = _pad_rows(linear.weight, n_pad, FP8_PAD_CODE)
+        s = linear.weight_scale
+        s_pad = _pad_rows(s, n_pad, FP8_PAD_SCALE) if linear.granularity == "channel" else s
+        out[CODES], out[GROUP_SCALES] = ref.qpn8_prepack(w, s_pad, linear.granularity)
+        out[WEIGHT_SCALE] = np.asarray(s, dtype=np.float32)
+    if linear.input_scale is not None:
+        out[INPUT_SCALE] = np.asarray(linear.input_scale, dtype=np.float32).reshape(())
+    return out
+
+
+def sha256_array(a: np.ndarray) -> str:
+    """sha256 of an array's bytes in C order (no copy for contiguous arrays)."""
+    return hashlib.sha256(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest()
+
+
+def sha256_file(path, progress: Progress = _no_progress) -> str:
+    digest = hashlib.sha256()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        chunks = iter(lambda: f.read(_HASH_CHUNK), b"")
+        for chunk in progress(chunks, desc=f"hash {os.path.basename(path)}", total=-(-size // _HASH_CHUNK) or None,
+                              unit="chunk"):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def source_tensors(linear) -> dict[str, ref.StoredTensor]:
+    """The layer's quantized tensors by role, with the bytes and dtype tag the checkpoint stores."""
+    if isinstance(linear, ref.NVFP4Linear):
+        return {"weight_packed": ref.StoredTensor(linear.weight_packed, "U8"),
+                "weight_scale": ref.StoredTensor(linear.weight_scale, "F8_E4M3")}
+    return {"weight": ref.StoredTensor(linear.weight, "F8_E4M3"),
+            "weight_scale": ref.StoredTensor(linear.weight_scale, "F32")}
+
+
+# ----------------------------------------------------------------------------------------------
+# pack
+
+
+def is_packed(path) -> bool:
+    """True if `path` is a folder holding a qpn packed checkpoint (its manifest)."""
+    return os.path.isfile(os.path.join(os.fspath(path), MANIFEST_FILE))
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PackError(path, None, f"is not valid UTF-8 JSON ({exc})") from None
+
+
+def _source_files(folder: str) -> tuple[list[str], dict[str, str] | None]:
+    """(safetensors files, weight_map or None) of a checkpoint folder load_checkpoint accepted."""
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.exists(index):
+        weight_map = _read_json(index)["weight_map"]
+        return sorted(set(weight_map.values())), weight_map
+    return [SINGLE_FILE], None
+
+
+def _file_of_layer(name: str, weight_map: Mapping[str, str] | None) -> str:
+    if weight_map is None:
+        return SINGLE_FILE
+    for suffix in ("weight", "weight_packed"):
+        if f"{name}.{suffix}" in weight_map:
+            return weight_map[f"{name}.{suffix}"]
+    raise AssertionError(f"layer {name!r} has no weight in the index")  # load_checkpoint guarantees one
+
+
+def _layer_entry(name: str, linear, file: str, buffers: Mapping[str, np.ndarray]) -> dict:
+    entry = {
+        "format": layer_format(linear),
+        "layout": "QPN2" if isinstance(linear, ref.NVFP4Linear) else "QPN8",
+        "n": linear.n,
+        "k": linear.k,
+        "n_padded": padded_rows(linear),
+        "file": file,
+        "source_tensors": {
+            role: {"dtype": t.dtype, "shape": list(t.shape), "sha256": sha256_array(t.array)}
+            for role, t in source_tensors(linear).items()
+        },
+    }
+    if isinstance(linear, ref.NVFP4Linear):
+        entry["global_scale"] = [float(linear.global_scale)]  # float32 -> float64 is exact; JSON keeps it
+    else:
+        entry["granularity"] = linear.granularity
+        entry["scale_name"] = linear.scale_name
+        if linear.granularity == "tensor":
+            entry["weight_scale"] = [float(linear.weight_scale)]
+    if linear.input_scale is not None:
+        entry["input_scale"] = [float(linear.input_scale)]
+    return entry
+
+
+def _check_target(source: str, target: str, overwrite: bool) -> None:
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+        raise PackError(target, None, "its parent folder does not exist; create it first")
+    if os.path.realpath(target) == os.path.realpath(source):
+        raise PackError(target, None, "is the source folder; write the packed checkpoint to another folder")
+    if os.path.lexists(target):
+        if os.path.islink(target) or not os.path.isdir(target):
+            raise PackError(target, None, "exists and is not a folder; choose another path")
+        if os.listdir(target) and not overwrite:
+            raise PackError(target, None, "is a non-empty folder; pass --overwrite to replace it atomically")
+
+
+def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progress = _no_progress) -> dict:
+    """Pack the checkpoint folder `source` (ModelOpt / compressed-tensors) into the folder `target`.
+
+    Loads and validates `source` with qpn.ref.load_checkpoint, checks that every quantized linear
+    can be packed (all reasons are reported at once, before anything is written), prepacks each
+    one with qpn.ref, and writes the folder described in the module docstring into a temporary
+    sibling folder that is renamed into place: a failure leaves no partial `target`. An existing
+    non-empty `target` needs overwrite=True (swapped atomically). Returns the manifest.
+    """
+    source = os.path.abspath(os.fspath(source))
+    target = os.path.abspath(os.fspath(target))
+    if is_packed(source):
+        raise PackError(source, None, "is already a qpn packed checkpoint; pack the original checkpoint instead")
+    checkpoint = ref.load_checkpoint(source)
+    if not checkpoint.linears:
+        raise PackError(source, None, "holds no quantized linear layer; there is nothing to pack")
+    problems = [(name, reason) for name, linear in checkpoint.linears.items()
+                if (reason := unpackable_reason(linear)) is not None]
+    if problems:
+        lines = "\n".join(f"  {name}: {reason}" for name, reason in problems)
+        raise PackError(source, None, f"{len(problems)} of {len(checkpoint.linears)} quantized layers cannot be "
+                                      f"packed (nothing was written):\n{lines}")
+    _check_target(source, target, overwrite)
+
+    files, weight_map = _source_files(source)
+    hashed = [f for f in (*COPIED_CONFIG_FILES, INDEX_FILE) if os.path.exists(os.path.join(source, f))] + files
+    file_hashes = {f: sha256_file(os.path.join(source, f), progress) for f in sorted(set(hashed))}
+
+    layers_of = {file: [] for file in files}
+    for name in sorted(checkpoint.linears):
+        layers_of[_file_of_layer(name, weight_map)].append(name)
+    tensors_of = {file: [] for file in files}
+    for name in sorted(checkpoint.tensors):
+        tensors_of[weight_map[name] if weight_map is not None else SINGLE_FILE].append(name)
+
+    manifest = {
+        "format": PACKED_FORMAT,
+        "version": PACKED_VERSION,
+        "producer": {"name": "qpn", "version": __version__},
+        "source": {"format": checkpoint.format, "quant_algo": checkpoint.quant_algo, "files": file_hashes},
+        "layers": {},
+        "tensors": {},
+    }
+    out_map: dict[str, str] = {}
+    total_size = 0  # tensor bytes, as transformers' index files count them
+    parent = os.path.dirname(target)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=parent)
+    try:
+        for config_file in COPIED_CONFIG_FILES:
+            if os.path.exists(os.path.join(source, config_file)):
+                shutil.copyfile(os.path.join(source, config_file), os.path.join(tmp, config_file))
+        steps = progress(((file, name) for file in files for name in layers_of[file]), desc="pack",
+                         total=len(checkpoint.linears), unit="layer")
+        stored: dict[str, dict[str, ref.StoredTensor]] = {file: {} for file in files}
+        pending = {file: len(layers_of[file]) for file in files}
+        written = set()
+
+        def write(file: str) -> None:
+            for name in tensors_of[file]:
+                tensor = checkpoint.tensors[name]
+                stored[file][name] = tensor
+                manifest["tensors"][name] = {"file": file, "dtype": tensor.dtype, "shape": list(tensor.shape),
+                                             "sha256": sha256_array(tensor.array)}
+            nonlocal total_size
+            ref.write_safetensors(os.path.join(tmp, file), stored[file], SAFETENSORS_METADATA)
+            out_map.update(dict.fromkeys(stored[file], file))
+            total_size += sum(t.nbytes for t in stored[file].values())
+            stored[file] = {}
+            written.add(file)
+
+        for file, name in steps:
+            linear = checkpoint.linears[name]
+            buffers = prepack_layer(linear)
+            for suffix, array in buffers.items():
+                tag = "F16" if array.dtype == np.float16 else ("F32" if array.dtype == np.float32 else "U8")
+                array = array if array.flags.c_contiguous else array.copy()  # (ascontiguousarray makes 0-d 1-d)
+                stored[file][f"{name}.{suffix}"] = ref.StoredTensor(array, tag)
+            manifest["layers"][name] = _layer_entry(name, linear, file, buffers)
+            pending[file] -= 1
+            if pending[file] == 0:  # write each file as soon as its layers are done: one shard in memory
+                write(file)
+        for file in files:
+            if file not in written:
+                write(file)
+        if weight_map is not None:
+            _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total_size},
+                                                        "weight_map": dict(sorted(out_map.items()))})
+        _write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
+        _apply_umask(tmp)
+        _fsync_dir(tmp)
+        _install(tmp, target, overwrite)
+        _fsync_dir(parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _apply_umask(folder: str) -> None:
+    """mkdtemp / mkstemp create 0700 / 0600; give the folder and its files the modes a plain mkdir / open would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------------------------
+# read
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLayer:
+    """One packed linear: the QPNLinear buffers (numpy) plus what the manifest says about it.
+
+    nvfp4: codes uint8 [N_pad, K/2], scales uint8 [N_pad, K/16], global_scale float32 [N_pad/32];
+    fp8: codes uint8 [N_pad, K], scales = group_scales float16, weight_scale float32 (the source's).
+    """
+
+    name: str
+    format: str
+    n: int
+    k: int
+    codes: np.ndarray
+    scales: np.ndarray
+    global_scale: np.ndarray | None
+    weight_scale: np.ndarray | None
+    input_scale: np.ndarray | None
+    entry: Mapping  # the manifest's layer entry
+
+    @property
+    def n_padded(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def granularity(self) -> str | None:
+        return self.entry.get("granularity")
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """{suffix: array} as `prepack_layer` returns them (for byte comparisons)."""
+        out = {CODES: self.codes}
+        if self.format == "nvfp4":
+            out[SCALES], out[GLOBAL_SCALE] = self.scales, self.global_scale
+        else:
+            out[GROUP_SCALES], out[WEIGHT_SCALE] = self.scales, self.weight_scale
+        if self.input_scale is not None:
+            out[INPUT_SCALE] = self.input_scale
+        return out
+
+    def unpack(self):
+        """The source layer (qpn.ref NVFP4Linear / FP8Linear): exact inverse of the prepack, pad rows cropped.
+
+        Raises ValueError if the pad rows are not the padding qpn writes or the per-tile global
+        scales differ (neither can come out of `qpn pack`: the folder is corrupt).
+        """
+        n, k, n_pad = self.n, self.k, self.n_padded
+        if self.format == "nvfp4":
+            wp, ws = ref.qpn2_unpack(self.codes, self.scales, n_pad, k)
+            if np.any(wp[n:] != NVFP4_PAD_CODE) or np.any(ws[n:] != NVFP4_PAD_SCALE_BYTE):
+                raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is "
+                                 "corrupt")
+            g = self.global_scale
+            if np.any(g.view(np.uint32) != g[:1].view(np.uint32)):
+                raise ValueError(f"layer {self.name!r}: the per-tile global scales differ, but qpn pack writes one "
+                                 "value per layer; the packed file is corrupt")
+            return ref.NVFP4Linear(self.name, wp[:n], ws[:n], g[0].copy(), self.input_scale)
+        weight, _ = ref.qpn8_unpack(self.codes, self.scales, n_pad, k)
+        if np.any(weight[n:] != FP8_PAD_CODE):
+            raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is corrupt")
+        return ref.FP8Linear(self.name, weight[:n], self.weight_scale, self.entry["granularity"], self.input_scale,
+                             self.entry["scale_name"])
+
+
+@dataclass(frozen=True, eq=False)
+class PackedCheckpoint:
+    """A packed folder: layers {name: PackedLayer}, copied tensors {name: StoredTensor}, configs, manifest."""
+
+    path: str
+    manifest: Mapping
+    layers: Mapping[str, PackedLayer]
+    tensors: Mapping[str, ref.StoredTensor]
+    config: Mapping
+    hf_quant_config: Mapping | None
+
+    @property
+    def format(self) -> str:
+        return self.manifest["source"]["format"]
+
+    @property
+    def quant_algo(self) -> str:
+        return self.manifest["source"]["quant_algo"]
+
+    def to_checkpoint(self) -> ref.Checkpoint:
+        """The source checkpoint (qpn.ref.Checkpoint), every layer unpacked: save_checkpoint writes it back."""
+        linears = {name: layer.unpack() for name, layer in self.layers.items()}
+        return ref.Checkpoint(self.format, self.quant_algo, linears, self.tensors, self.config, self.hf_quant_config)
+
+
+_EXPECTED = {  # suffix -> (dtype tag, shape(n_pad, k, entry) or None = any)
+    "nvfp4": {CODES: ("U8", lambda n, k, e: (n, k // 2)), SCALES: ("U8", lambda n, k, e: (n, k // GROUP_K)),
+              GLOBAL_SCALE: ("F32", lambda n, k, e: (n // TILE_N,))},
+    "fp8": {CODES: ("U8", lambda n, k, e: (n, k)),
+            GROUP_SCALES: ("F16", lambda n, k, e: (k // QPN8_BLOCK, n // TILE_N) if e["granularity"] == "block"
+                           else (1, n)),
+            WEIGHT_SCALE: ("F32", lambda n, k, e: tuple(e["source_tensors"]["weight_scale"]["shape"]))},
+}
+
+
+def load_packed(path, *, mmap: bool = True, check_values: bool = True) -> PackedCheckpoint:
+    """Read and check a packed folder: manifest, files, names, dtypes, shapes, and (check_values)
+    NaN scale bytes and global scales that are not finite and > 0. Values are not compared with
+    the manifest's hashes here: that is `qpn verify`'s job (which reads with check_values=False and
+    reports a bad value as a failure of its layer). Raises PackError."""
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise PackError(folder, None, "is not a folder; pass the packed checkpoint directory")
+    manifest_path = os.path.join(folder, MANIFEST_FILE)
+    if not os.path.isfile(manifest_path):
+        raise PackError(folder, None, f"has no {MANIFEST_FILE}; it is not a qpn packed checkpoint "
+                                      "(qpn pack writes one)")
+    manifest = _read_json(manifest_path)
+    if not isinstance(manifest, dict) or manifest.get("format") != PACKED_FORMAT:
+        raise PackError(manifest_path, None, f"is not a qpn packed manifest (format must be {PACKED_FORMAT!r})")
+    if manifest.get("version") != PACKED_VERSION:
+        raise PackError(manifest_path, None, f"has version {manifest.get('version')!r}; this qpn reads version "
+                                             f"{PACKED_VERSION}: re-pack the source checkpoint")
+    for key in ("source", "layers", "tensors"):
+        if not isinstance(manifest.get(key), dict):
+            raise PackError(manifest_path, None, f"has no {key!r} object; the manifest is damaged")
+
+    files = sorted({e["file"] for e in manifest["layers"].values()} | {e["file"] for e in manifest["tensors"].values()})
+    stored: dict[str, ref.StoredTensor] = {}
+    for file in files:
+        file_path = os.path.join(folder, file)
+        if os.path.basename(file) != file or not os.path.isfile(file_path):
+            raise PackError(manifest_path, None, f"names the file {file!r}, which is not in {folder}")
+        stored.update(ref.read_safetensors(file_path, mmap=mmap).tensors)
+
+    layers: dict[str, PackedLayer] = {}
+    for name, entry in manifest["layers"].items():
+        fmt = entry.get("format")
+        if fmt not in _EXPECTED:
+            raise PackError(manifest_path, name, f"has format {fmt!r}; expected 'nvfp4' or 'fp8'")
+        n, k, n_pad = int(entry["n"]), int(entry["k"]), int(entry["n_padded"])
+        arrays = {}
+        for suffix, (tag, shape_of) in _EXPECTED[fmt].items():
+            tensor_name = f"{name}.{suffix}"
+            tensor = stored.get(tensor_name)
+            if tensor is None:
+                raise PackError(os.path.join(folder, entry["file"]), name, f"tensor {tensor_name!r} is missing")
+            shape = shape_of(n_pad, k, entry)
+            if tensor.dtype != tag or tensor.shape != shape:
+                raise PackError(os.path.join(folder, entry["file"]), name,
+                                f"tensor {tensor_name!r} must be {tag} {list(shape)}, got {tensor.dtype} "
+                                f"{list(tensor.shape)}")
+            arrays[suffix] = tensor.array
+        input_scale = stored.get(f"{name}.{INPUT_SCALE}")
+        if fmt == "nvfp4" and check_values:
+            try:
+                require_no_nan_e4m3(f"{name}.{SCALES}", arrays[SCALES])
+                ref.global_scale_per_row(arrays[GLOBAL_SCALE], n_pad, f"{name}.{GLOBAL_SCALE}")
+            except ValueError as exc:
+                raise PackError(os.path.join(folder, entry["file"]), name, str(exc)) from None
+        if fmt == "nvfp4":
+            scales, global_scale, weight_scale = arrays[SCALES], arrays[GLOBAL_SCALE], None
+        else:
+            scales, global_scale, weight_scale = arrays[GROUP_SCALES], None, arrays[WEIGHT_SCALE]
+        layers[name] = PackedLayer(name, fmt, n, k, arrays[CODES], scales, global_scale, weight_scale,
+                                   input_scale.array if input_scale is not None else None, entry)
+
+    tensors = {}
+    for name in manifest["tensors"]:
+        if name not in stored:
+            raise PackError(folder, None, f"tensor {name!r} is listed in the manifest but missing from the files")
+        tensors[name] = stored[name]
+    known = set(tensors) | {f"{layer}.{suffix}" for layer in layers for suffix in PACKED_SUFFIXES}
+    stray = sorted(set(stored) - known)
+    if stray:
+        raise PackError(folder, None, f"holds tensors the manifest does not list: {stray[:5]}; the folder was edited "
+                                      "after packing: re-pack it")
+    config_path, hf_path = os.path.join(folder, CONFIG_FILE), os.path.join(folder, HF_QUANT_CONFIG_FILE)
+    config = _read_json(config_path) if os.path.exists(config_path) else {}
+    hf_quant_config = _read_json(hf_path) if os.path.exists(hf_path) else None
+    return PackedCheckpoint(folder, manifest, layers, tensors, config, hf_quant_config)
+
+
+__all__ = [
+    "MANIFEST_FILE", "PACKED_FORMAT", "PACKED_VERSION", "PackError", "PackedCheckpoint", "PackedLayer", "is_packed",
+    "k_multiple", "layer_format", "load_packed", "pack_checkpoint", "padded_rows", "prepack_layer", "sha256_array",
+    "sha256_file", "source_tensors", "unpackable_reason",
+]
