@@ -60,7 +60,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -69,12 +68,11 @@ import numpy as np
 from qpn import __version__
 from qpn import ref
 from qpn.ref.checkpoint import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SAFETENSORS_METADATA, SINGLE_FILE
-from qpn.ref.checkpoint import _install  # the same atomic folder swap as save_checkpoint
 from qpn.ref.checks import require_no_nan_e4m3
 from qpn.ref.geometry import GROUP_K, TILE_N
 from qpn.ref.qpn2 import QPN2_K_MULTIPLE
 from qpn.ref.qpn8 import QPN8_BLOCK, _require_s16_fits_fp16, _s16_of_scale
-from qpn.ref.safetensors_io import _fsync_dir
+from qpn.ref.atomic import atomic_folder, require_writable_target, write_json
 
 PACKED_FORMAT = "qpn-packed"
 PACKED_VERSION = 1
@@ -274,16 +272,12 @@ def _layer_entry(name: str, linear, file: str, buffers: Mapping[str, np.ndarray]
 
 
 def _check_target(source: str, target: str, overwrite: bool) -> None:
-    parent = os.path.dirname(target)
-    if not os.path.isdir(parent):
-        raise PackError(target, None, "its parent folder does not exist; create it first")
     if os.path.realpath(target) == os.path.realpath(source):
         raise PackError(target, None, "is the source folder; write the packed checkpoint to another folder")
-    if os.path.lexists(target):
-        if os.path.islink(target) or not os.path.isdir(target):
-            raise PackError(target, None, "exists and is not a folder; choose another path")
-        if os.listdir(target) and not overwrite:
-            raise PackError(target, None, "is a non-empty folder; pass --overwrite to replace it atomically")
+    try:
+        require_writable_target(target, overwrite, flag="--overwrite")
+    except ValueError as exc:
+        raise PackError(target, None, str(exc)) from None
 
 
 def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progress = _no_progress) -> dict:
@@ -331,9 +325,7 @@ def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progre
     }
     out_map: dict[str, str] = {}
     total_size = 0  # tensor bytes, as transformers' index files count them
-    parent = os.path.dirname(target)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=parent)
-    try:
+    with atomic_folder(target, overwrite=overwrite) as tmp:
         for config_file in COPIED_CONFIG_FILES:
             if os.path.exists(os.path.join(source, config_file)):
                 shutil.copyfile(os.path.join(source, config_file), os.path.join(tmp, config_file))
@@ -371,32 +363,10 @@ def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progre
             if file not in written:
                 write(file)
         if weight_map is not None:
-            _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total_size},
-                                                        "weight_map": dict(sorted(out_map.items()))})
-        _write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
-        _apply_umask(tmp)
-        _fsync_dir(tmp)
-        _install(tmp, target, overwrite)
-        _fsync_dir(parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total_size},
+                                                       "weight_map": dict(sorted(out_map.items()))})
+        write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
     return manifest
-
-
-def _apply_umask(folder: str) -> None:
-    """mkdtemp / mkstemp create 0700 / 0600; give the folder and its files the modes a plain mkdir / open would."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for name in os.listdir(folder):
-        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
-
-
-def _write_json(path: str, value) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ----------------------------------------------------------------------------------------------

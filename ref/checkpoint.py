@@ -88,8 +88,6 @@ import fnmatch
 import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Mapping, NamedTuple, Sequence
 
@@ -97,7 +95,8 @@ import numpy as np
 
 from .checks import require_no_nan_e4m3
 from .geometry import GROUP_K, TILE_N
-from .safetensors_io import StoredTensor, _fsync_dir, as_stored_tensor, read_safetensors, write_safetensors
+from .atomic import atomic_folder, require_writable_target, write_json
+from .safetensors_io import StoredTensor, as_stored_tensor, read_safetensors, write_safetensors
 
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
@@ -907,31 +906,6 @@ def _shards(stored: Mapping[str, StoredTensor], max_shard_bytes: int | None) -> 
     return [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups)]
 
 
-def _write_json(path: str, value) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _install(tmp: str, target: str, overwrite: bool) -> None:
-    """Move the finished folder `tmp` to `target`; an existing `target` ends up in `tmp` (or gone)."""
-    if not os.path.lexists(target) or (os.path.isdir(target) and not os.listdir(target)):
-        os.replace(tmp, target)  # POSIX rename also replaces an empty directory
-        return
-    if not overwrite:  # it filled up while we were writing
-        raise ValueError(f"{target} became a non-empty folder during the save; pass overwrite=True to replace it")
-    backup = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".old", dir=os.path.dirname(target))
-    os.rmdir(backup)  # reserve a unique name, then move the old folder there
-    os.rename(target, backup)
-    try:
-        os.rename(tmp, target)
-    except BaseException:
-        os.rename(backup, target)
-        raise
-    os.rename(backup, tmp)  # the caller removes tmp, which now holds the old folder
-
-
 def save_checkpoint(path, checkpoint: Checkpoint, *, overwrite: bool = False,
                     max_shard_bytes: int | None = None) -> None:
     """Write `checkpoint` as a folder at `path` in its own format (ModelOpt or compressed-tensors).
@@ -947,14 +921,7 @@ def save_checkpoint(path, checkpoint: Checkpoint, *, overwrite: bool = False,
     if not isinstance(checkpoint, Checkpoint):
         raise ValueError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
     target = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(target)
-    if not os.path.isdir(parent):
-        raise ValueError(f"the parent folder of {target} does not exist; create it first")
-    if os.path.lexists(target):
-        if os.path.islink(target) or not os.path.isdir(target):
-            raise ValueError(f"{target} exists and is not a folder; choose another path")
-        if os.listdir(target) and not overwrite:
-            raise ValueError(f"{target} is a non-empty folder; pass overwrite=True to replace it atomically")
+    require_writable_target(target, overwrite)
 
     config = copy.deepcopy(dict(checkpoint.config))
     hf_quant_config = None
@@ -973,24 +940,18 @@ def save_checkpoint(path, checkpoint: Checkpoint, *, overwrite: bool = False,
     file_of = {name: os.path.join(target, file) for file, names in shards for name in names}
     _assemble(stored, file_of, plan, config, hf_quant_config)  # the whole load-side validation, in memory
 
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=parent)
-    try:
-        _write_json(os.path.join(tmp, CONFIG_FILE), config)
+    with atomic_folder(target, overwrite=overwrite) as tmp:
+        write_json(os.path.join(tmp, CONFIG_FILE), config)
         if hf_quant_config is not None:
-            _write_json(os.path.join(tmp, HF_QUANT_CONFIG_FILE), hf_quant_config)
+            write_json(os.path.join(tmp, HF_QUANT_CONFIG_FILE), hf_quant_config)
         for file, names in shards:
             write_safetensors(os.path.join(tmp, file), {name: stored[name] for name in names}, SAFETENSORS_METADATA)
         if len(shards) > 1:
             total = sum(t.nbytes for t in stored.values())
-            _write_json(os.path.join(tmp, INDEX_FILE), {
+            write_json(os.path.join(tmp, INDEX_FILE), {
                 "metadata": {"total_size": total},
                 "weight_map": {name: file for file, names in shards for name in names},
             })
-        _fsync_dir(tmp)
-        _install(tmp, target, overwrite)
-        _fsync_dir(parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 __all__ = [

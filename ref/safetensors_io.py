@@ -55,6 +55,8 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
+from .atomic import fsync_dir, plain_file_mode
+
 # tag -> numpy carrier dtype (little-endian). Order of the table is irrelevant.
 DTYPE_OF_TAG: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
@@ -368,19 +370,6 @@ def _write_tensor_bytes(f, tensor: StoredTensor) -> None:
         f.write(memoryview(array.view(np.uint8)))
 
 
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # platforms without directory handles: the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_safetensors(path, tensors: Mapping[str, object], metadata: Mapping[str, str] | None = None) -> None:
     """Atomically write `tensors` ({name: StoredTensor | np.ndarray}) to `path`.
 
@@ -413,6 +402,7 @@ def write_safetensors(path, tensors: Mapping[str, object], metadata: Mapping[str
                 _write_tensor_bytes(f, tensor)
             f.flush()
             os.fsync(f.fileno())
+        plain_file_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -420,4 +410,4 @@ def write_safetensors(path, tensors: Mapping[str, object], metadata: Mapping[str
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)

@@ -979,3 +979,15 @@ def test_save_fills_an_empty_folder_and_refuses_invalid_checkpoints_before_writi
             save_checkpoint(tmp_path / "bad", checkpoint)
         assert not (tmp_path / "bad").exists(), case
     assert sorted(os.listdir(tmp_path)) == ["empty"]
+
+
+def test_saved_folder_and_files_get_plain_modes_not_temporary_ones(tmp_path):
+    """mkdtemp / mkstemp create 0700 / 0600; a saved checkpoint must be readable like any folder."""
+    umask = os.umask(0o022)
+    try:
+        save_checkpoint(tmp_path / "ckpt", build_model("modelopt-nvfp4"))
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ckpt").iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644}
