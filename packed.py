@@ -71,7 +71,7 @@ from qpn.ref.checkpoint import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SA
 from qpn.ref.checks import require_no_nan_e4m3
 from qpn.ref.geometry import GROUP_K, TILE_N
 from qpn.ref.qpn2 import QPN2_K_MULTIPLE
-from qpn.ref.qpn8 import QPN8_BLOCK, _require_s16_fits_fp16, _s16_of_scale
+from qpn.ref.qpn8 import QPN8_BLOCK
 from qpn.ref.atomic import atomic_folder, require_writable_target, write_json
 
 PACKED_FORMAT = "qpn-packed"
@@ -150,7 +150,7 @@ def unpackable_reason(linear) -> str | None:
         if isinstance(linear, ref.NVFP4Linear):
             ref.require_nvfp4_fits_fp16(linear.weight_scale, ref.global_scale_per_row(linear.global_scale, linear.n))
         else:
-            _require_s16_fits_fp16("weight_scale", _s16_of_scale(linear.weight_scale), linear.weight_scale)
+            ref.require_qpn8_fits_fp16(linear.weight_scale)
     except ValueError as exc:
         return str(exc)
     return None

@@ -119,6 +119,16 @@ def _require_s16_fits_fp16(name: str, s16: np.ndarray, scale: np.ndarray | None 
         )
 
 
+def require_qpn8_fits_fp16(weight_scale, name: str = "weight_scale") -> None:
+    """ValueError when a float32 FP8 scale gives S16 = RN16(256 * s), or a weight, beyond fp16.
+
+    The scale-only overflow rule of `qpn8_prepack` (codes never matter), for callers that check
+    layers before packing them (`qpn inspect`, `qpn pack`).
+    """
+    scale = require_array(name, np.asarray(weight_scale), np.float32)
+    _require_s16_fits_fp16(name, _s16_of_scale(scale), scale)
+
+
 # ----------------------------------------------------------------------------- layout
 
 
