@@ -102,7 +102,8 @@ def global_scale_on_device(global_scale, n: int, name: str = "global_scale"):
     import cupy  # noqa: PLC0415
 
     on_device = isinstance(global_scale, cupy.ndarray)
-    if isinstance(global_scale, (float, int)) and not isinstance(global_scale, bool):
+    # Python floats (not numpy scalars: np.float64 subclasses float and must be rejected)
+    if isinstance(global_scale, (float, int)) and not isinstance(global_scale, (bool, np.generic)):
         global_scale = np.float32(global_scale)
     g = global_scale if on_device else np.asarray(global_scale)
     if g.dtype != np.float32:

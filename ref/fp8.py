@@ -133,8 +133,7 @@ def fp8_scale_granularity(weight_scale, n: int, k: int) -> str:
     () or (1,) -> "tensor"; (n,) or (n, 1) -> "channel"; (ceil(n/128), ceil(k/128)) -> "block";
     any other (1, 1) -> "tensor". Where two readings fit (n == 1, or a single 128x128 block) they give the same scale map.
     """
-    weight_scale = _as_float32_scale(weight_scale)
-    shape = tuple(weight_scale.shape)
+    shape = tuple(np.shape(weight_scale))  # the shape only: any array type (numpy, CuPy) will do
     block_shape = (_ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK))
     if shape in ((), (1,)):
         return "tensor"

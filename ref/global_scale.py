@@ -19,7 +19,8 @@ def global_scale_per_row(global_scale, n: int, name: str = "global_scale") -> np
     global_scale: float32 scalar (shape () or (1,)) or float32 [n // 32]. Python floats are
     accepted and taken as float32 (the checkpoint stores fp32).
     """
-    if isinstance(global_scale, (float, int)) and not isinstance(global_scale, bool):
+    # Python floats (not numpy scalars: np.float64 subclasses float and must be rejected)
+    if isinstance(global_scale, (float, int)) and not isinstance(global_scale, (bool, np.generic)):
         global_scale = np.float32(global_scale)
     g = np.asarray(global_scale)
     if g.dtype != np.float32:

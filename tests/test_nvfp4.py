@@ -418,6 +418,7 @@ DEQUANTIZE_REJECTIONS = {
     "global scale per-tile shape": ((GOOD_PACKED, GOOD_SCALE, np.ones(3, np.float32)), "one value per 32-column tile"),
     "global scale 2-D": ((GOOD_PACKED, GOOD_SCALE, np.ones((1, 2), np.float32)), "one value per 32-column tile"),
     "global scale float64": ((GOOD_PACKED, GOOD_SCALE, np.array(0.5)), "global_scale must be float32"),
+    "global scale np.float64 scalar": ((GOOD_PACKED, GOOD_SCALE, np.float64(0.5)), "global_scale must be float32"),
     "global scale zero": ((GOOD_PACKED, GOOD_SCALE, np.float32(0.0)), "finite and > 0"),
     "global scale NaN": ((GOOD_PACKED, GOOD_SCALE, np.float32(np.nan)), "finite and > 0"),
 }  # fmt: skip

@@ -148,7 +148,7 @@ def pack_fp8(weight, weight_scale, granularity: str | None = None) -> PackedWeig
     n, k = int(w.shape[0]), int(w.shape[1])
     if granularity is None:  # qpn8's shape rule: any size-1 scale (a (1, 1) grid too) is per tensor
         granularity = "tensor" if s.numel() == 1 else \
-            ref.fp8_scale_granularity(np.broadcast_to(np.float32(0), tuple(s.shape)), n, k)
+            ref.fp8_scale_granularity(s, n, k)
     if granularity not in FP8_GRANULARITIES:
         raise ValueError(f"granularity must be one of {FP8_GRANULARITIES} or None, got {granularity!r}")
     if granularity == "block":

@@ -38,7 +38,6 @@ QPNLinear constructors, not on every call.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -139,9 +138,9 @@ def _fp8_dims_of_checkpoint(weight: Tensor, weight_scale: Tensor) -> tuple[int, 
     _require_tensor("weight_scale", weight_scale, (torch.float32,), ndim=(0, 1, 2))
     _require_same_device(weight=weight, weight_scale=weight_scale)
     n, k = int(weight.shape[0]), int(weight.shape[1])
-    # The shape rule (and the alignment rule that goes with it) is ref's; a zero-stride
-    # stand-in carries the shape without touching the (possibly device or fake) data.
-    granularity = ref.qpn8_scale_granularity(np.broadcast_to(np.float32(0), tuple(weight_scale.shape)), n, k)
+    # The shape rule (and the alignment rule that goes with it) is ref's; it reads only the
+    # shape, never the (possibly device or fake) data.
+    granularity = ref.qpn8_scale_granularity(weight_scale, n, k)
     return n, k, granularity
 
 
