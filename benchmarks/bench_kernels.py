@@ -545,10 +545,18 @@ def section_host(ctx: Context) -> Section:
     return sec
 
 
+def section_decode(ctx: Context) -> Section:
+    """The decode kernels qpn2_linear / qpn8_linear, M <= 32 (benchmarks/bench_decode.py)."""
+    from bench_decode import section_decode as decode  # noqa: PLC0415 (sibling script)
+
+    return decode(ctx)
+
+
 SECTIONS: dict[str, Callable[[Context], Section]] = {
     "ceiling": section_ceiling,  # always first: every other section divides by it
     "layouts": section_layouts,
     "dense": section_dense,
+    "decode": section_decode,
     "sweep": section_sweep,
     "host": section_host,
 }

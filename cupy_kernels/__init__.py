@@ -15,5 +15,6 @@ Public functions (CuPy arrays in and out, launched on the current CuPy stream):
 
 from .dense import qpn2_dense_linear, qpn8_dense_linear
 from .dequantize import qpn2_dequantize, qpn8_dequantize
+from .linear import qpn2_linear, qpn8_linear
 from .loader import get_function
 from .prepack import qpn2_prepack, qpn8_prepack

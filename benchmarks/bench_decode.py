@@ -1,0 +1,322 @@
+"""Decode-kernel benchmark (qpn2_linear / qpn8_linear, M <= 32): a script for the GPU machine.
+
+    python benchmarks/bench_decode.py [--sections ceiling,decode,variants] [--quick]
+                                      [--out benchmarks/results] [--name decode_h200]
+
+Uses bench_kernels.py's framework (the same ceiling kernel, CUDA-graph timing, L2-defeating
+weight rotation, writer): `section_decode` is meant to be one SECTIONS entry of bench_kernels.py.
+
+Per (N, K) of the part-1 shapes and M in {1, 2, 4, 8, 16, 32}: microseconds of the decode
+kernels, effective GB/s on the bytes they must read (codes + scales + x, plus y written), % of
+the streaming-read ceiling measured in the same run, speed-up over cuBLAS fp16 (cupy.matmul on
+the same weights resident in fp16, fp32 accumulation), and the dense path (dequantize + cuBLAS)
+at the same M. Correctness is checked before timing (qpn.ref.linear_bounds on the first two
+tiles' columns of every call shape).
+
+Weights: random codes; e4m3 block scales 0x28..0x7D (2^-2..416) times g = 1e-3, i.e. every
+block on the fast decode path, as in real checkpoints (tests/test_decode_math.py: blocks whose
+weights are all below 7.3e-4 take the exact fp32 path; `variants` times that case too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_kernels as bk  # noqa: E402
+
+DECODE_MS = (1, 2, 4, 8, 16, 32)
+# (tiles per block, unroll, L2 prefetch distance, warp target); the first is the shipped one
+VARIANTS = ((1, 2, 0, 2048), (1, 4, 0, 2048), (2, 2, 0, 2048), (1, 2, 0, 1024), (1, 2, 0, 4096), (1, 2, 0, 8192))
+G = 1e-3  # global scale: with e4m3 scales 0x28..0x7D every block is on the fast decode path
+
+
+def _qpn2_copies(cp, n, k, slots, seed=0, tiny_fraction=0.0):
+    """Random QPN2 buffers (random bytes are random in any byte order: no prepack needed)."""
+    out = []
+    for s in range(slots):
+        rs = cp.random.RandomState(seed + s)
+        codes = rs.randint(0, 256, size=(n, k // 2), dtype=cp.uint8)
+        scales = rs.randint(0x28, 0x7E, size=(n, k // 16), dtype=cp.uint8)
+        if tiny_fraction:
+            scales = cp.where(rs.uniform(size=scales.shape) < tiny_fraction, cp.uint8(0x01), scales).astype(cp.uint8)
+        out.append((codes, scales))
+    return out
+
+
+def _qpn8_copies(cp, n, k, slots, seed=0):
+    """Random QPN8 buffers: e4m3 bytes without the NaN codes, channel scales S16 in [2^-6, 2^2]."""
+    out = []
+    for s in range(slots):
+        rs = cp.random.RandomState(seed + s)
+        codes = rs.randint(0, 256, size=(n, k), dtype=cp.uint8)
+        codes = cp.where((codes & 0x7F) == 0x7F, codes - 1, codes).astype(cp.uint8)
+        group_scales = cp.exp2(rs.uniform(-6.0, 2.0, size=(1, n))).astype(cp.float16)
+        out.append((codes, group_scales))
+    return out
+
+
+def _check(ctx, what, y, x, w16_rows, n_check):
+    """y[:, :n_check] inside qpn.ref.linear_bounds for the first n_check weight rows."""
+    from qpn.ref import linear_bounds
+
+    lo, hi = linear_bounds(x.get(), w16_rows[:n_check].get())
+    got = y[:, :n_check].get()
+    if not np.all((lo <= got) & (got <= hi)):
+        raise AssertionError(f"{what}: outputs outside the fp32 accumulation bound; refusing to time a wrong kernel")
+
+
+def _torch_linear_us(ctx, x, weights, reps: int = 7) -> float:
+    """torch.nn.functional.linear (cuBLAS, fp16 in / fp32 accumulate) on the same fp16 weights,
+    captured into a torch CUDA graph (cupy.matmul cannot be captured: its per-call Python cost
+    would swamp small shapes) and replayed; median microseconds per call."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    xt = torch.from_dlpack(x)
+    wts = [torch.from_dlpack(w) for w in weights]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in wts:
+            F.linear(xt, w)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for w in wts:
+            F.linear(xt, w)
+        end.record(stream)
+        end.synchronize()
+        estimate = start.elapsed_time(end) * 1000.0 / len(wts)
+        calls = len(wts) * max(1, min(400, int(3000.0 / max(estimate, 0.5))) // len(wts))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                F.linear(xt, wts[i % len(wts)])
+        times = []
+        for _ in range(reps):
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def section_decode(ctx: bk.Context) -> bk.Section:
+    """Decode kernels vs cuBLAS fp16 and vs the dense path, M in DECODE_MS."""
+    from qpn.cupy_kernels import qpn2_dense_linear, qpn2_dequantize, qpn2_linear, qpn8_dense_linear, qpn8_dequantize, qpn8_linear
+
+    cp = ctx.cp
+    read = ctx.ceiling["read"]
+    g_dev = cp.full(1, G, dtype=cp.float32)  # device scalar: no host upload per call (graph capture)
+    sec = bk.Section("decode", "Decode kernels (M <= 32) vs cuBLAS fp16 and the dense path, same weights", [
+        bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
+        bk.Column("qpn2_us", "qpn2 us", "{:.1f}"), bk.Column("qpn2_gbps", "qpn2 GB/s", "{:.0f}"),
+        bk.Column("qpn2_pct", "qpn2 % ceil", "{:.1f}"), bk.Column("qpn2_x", "qpn2 x cuBLAS", "{:.2f}"),
+        bk.Column("qpn8_us", "qpn8 us", "{:.1f}"), bk.Column("qpn8_gbps", "qpn8 GB/s", "{:.0f}"),
+        bk.Column("qpn8_pct", "qpn8 % ceil", "{:.1f}"), bk.Column("qpn8_x", "qpn8 x cuBLAS", "{:.2f}"),
+        bk.Column("cublas_us", "cuBLAS fp16 us", "{:.1f}"), bk.Column("cublas_pct", "cuBLAS % ceil", "{:.1f}"),
+        bk.Column("dense2_us", "qpn2 dense us", "{:.1f}"), bk.Column("dense8_us", "qpn8 dense us", "{:.1f}"),
+        bk.Column("method", "timing"),
+    ])
+    for n, k in ctx.shapes:
+        slots = ctx.rotations(n * k // 2, minimum=2, maximum=16)
+        q2 = _qpn2_copies(cp, n, k, slots)
+        q8 = _qpn8_copies(cp, n, k, slots)
+        w_slots = ctx.rotations(2 * n * k, minimum=2, maximum=16)  # fp16 copies for cuBLAS
+        w16 = [qpn2_dequantize(*q2[i % slots], G, n, k) for i in range(w_slots)]  # cuBLAS operand, resident fp16
+        w16_8 = qpn8_dequantize(*q8[0], n, k)
+        workspace = cp.empty((n, k), cp.float16)
+        bytes2 = n * k // 2 + n * k // 16
+        bytes8 = n * k + 2 * n
+        for m in DECODE_MS:
+            x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
+            y = cp.empty((m, n), cp.float16)
+            _check(ctx, f"qpn2_linear N={n} K={k} M={m}", qpn2_linear(x, *q2[0], g_dev, out=y), x, w16[0], 64)
+            _check(ctx, f"qpn8_linear N={n} K={k} M={m}", qpn8_linear(x, *q8[0], out=y), x, w16_8, 64)
+            io = 2 * m * k + 2 * m * n
+            configs = {
+                "qpn2": lambda i: qpn2_linear(x, *q2[i % slots], g_dev, out=y),
+                "qpn8": lambda i: qpn8_linear(x, *q8[i % slots], out=y),
+                "cublas": lambda i: cp.matmul(x, w16[i % w_slots].T, out=y),
+                "dense2": lambda i: qpn2_dense_linear(x, *q2[i % slots], g_dev, out=y, workspace=workspace),
+                "dense8": lambda i: qpn8_dense_linear(x, *q8[i % slots], out=y, workspace=workspace),
+            }
+            t = {name: ctx.time_calls(fn, slots if name != "cublas" else w_slots) for name, fn in configs.items()}
+            us = {name: v["us"] for name, v in t.items()}
+            try:  # the issue's baseline: torch F.linear in a CUDA graph (cuBLAS without Python overhead)
+                us["cublas"] = _torch_linear_us(ctx, x, w16)
+                t["cublas"]["method"] = "torch graph"
+            except Exception as exc:  # noqa: BLE001 - no torch: keep cupy.matmul's timing, say so
+                sec.notes.append(f"torch F.linear timing failed ({type(exc).__name__}: {exc}); cuBLAS = cupy.matmul loop")
+            row = {"n": n, "k": k, "m": m, **{f"{name}_us": v for name, v in us.items()},
+                   "method": "/".join(sorted({v["method"] for v in t.values()})), "slots": slots}
+            for name, nbytes in (("qpn2", bytes2), ("qpn8", bytes8)):
+                row[f"{name}_gbps"] = bk.gbps(nbytes + io, us[name])
+                row[f"{name}_pct"] = 100.0 * row[f"{name}_gbps"] / read
+                row[f"{name}_x"] = us["cublas"] / us[name]
+            row["cublas_pct"] = 100.0 * bk.gbps(2 * n * k + io, us["cublas"]) / read
+            sec.rows.append(row)
+        del q2, q8, w16, w16_8, workspace
+        cp.get_default_memory_pool().free_all_blocks()
+    sec.notes.append(
+        "GB/s = (weight bytes + x + y) / time: QPN2 0.5625 B/weight (codes + e4m3 scales), QPN8 1 B/weight; "
+        "cuBLAS fp16 = torch.nn.functional.linear on the same W16 (2 B/weight, rotated copies >= 4x L2), "
+        "timed as a replayed torch CUDA graph; the dense paths are timed in a launch loop (cuBLAS through "
+        "cupy.matmul cannot be captured), so their small-shape times include Python launch overhead."
+    )
+    return sec
+
+
+def section_variants(ctx: bk.Context) -> bk.Section:
+    """Kernel variants at M = 1 and 8 (tiles per block, unroll, split target, tiny blocks)."""
+    from qpn.cupy_kernels import linear as L
+    from qpn.cupy_kernels.loader import get_function
+
+    cp = ctx.cp
+    read = ctx.ceiling["read"]
+    g_dev = cp.full(1, G, dtype=cp.float32)
+    sec = bk.Section("variants", "Decode kernel variants (M = 1, 8)", [
+        bk.Column("fmt", "format"), bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
+        bk.Column("variant", "variant"), bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
+    ])
+    shapes = [(28672, 8192), (4096, 14336), (14336, 4096)] if not ctx.quick else [(28672, 8192)]
+    for n, k in shapes:
+        slots = ctx.rotations(n * k // 2, minimum=2, maximum=16)
+        q2 = _qpn2_copies(cp, n, k, slots)
+        q2tiny = _qpn2_copies(cp, n, k, slots, seed=100, tiny_fraction=0.001)
+        q8 = _qpn8_copies(cp, n, k, slots)
+        for m in (1, 8):
+            x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
+            y = cp.empty((m, n), cp.float16)
+            nb = -(-m // 8)
+            for fmt in ("qpn2", "qpn8"):
+                for tiles, unroll, pf, target in VARIANTS:
+                    if nb > 2 and unroll > 2:
+                        continue
+                    macros = (("QPN_GATED", "0"), ("QPN_NB", str(nb)), ("QPN_PREFETCH", str(pf)), ("QPN_TILES", str(tiles)),
+                              ("QPN_UNROLL", str(unroll)), ("QPN_WARPS", "16"))
+                    if fmt == "qpn8":
+                        macros += (("QPN8_BLOCK_SCALES", "0"),)
+                    try:
+                        fn = get_function(f"{fmt}_linear.cu", f"{fmt}_linear", macros)
+                    except Exception as exc:  # noqa: BLE001 - a variant that does not build is a row, not a crash
+                        sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"t{tiles} u{unroll} w{target}: {exc}"[:80]})
+                        continue
+                    n_slots = n // 32
+                    saved, L.TARGET_WARPS = L.TARGET_WARPS, target
+                    split, gpw = L.split_k(n_slots, k // 16)
+                    L.TARGET_WARPS = saved
+                    grid, block = (-(-n_slots // tiles),), (32 * split,)
+                    variants = [("", q2 if fmt == "qpn2" else q8)]
+                    if fmt == "qpn2" and (tiles, unroll, pf, target) == VARIANTS[0]:
+                        variants.append((" 0.1% tiny blocks", q2tiny))
+                    for label, bufs in variants:
+                        if fmt == "qpn2":
+                            launch = lambda i, bufs=bufs: fn(grid, block, (*bufs[i % slots], g_dev, np.int32(0), x, y, np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw)))  # noqa: E731
+                            nbytes = n * k // 2 + n * k // 16
+                        else:
+                            launch = lambda i, bufs=bufs: fn(grid, block, (bufs[i % slots][0], bufs[i % slots][1], np.int32(0), x, y, np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw)))  # noqa: E731
+                            nbytes = n * k
+                        t = ctx.time_calls(launch, slots)
+                        sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m,
+                                         "variant": f"tiles {tiles} unroll {unroll} prefetch {pf} split {split}x{gpw}{label}",
+                                         "us": t["us"], "pct": 100.0 * bk.gbps(nbytes, t["us"]) / read})
+        del q2, q2tiny, q8
+        cp.get_default_memory_pool().free_all_blocks()
+    return sec
+
+
+def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=2048):
+    """Time one macro build of a decode kernel (the wrapper's grid and split rules)."""
+    from qpn.cupy_kernels import linear as L
+    from qpn.cupy_kernels.loader import get_function
+
+    fn = get_function(f"{fmt}_linear.cu", f"{fmt}_linear", macros)
+    tiles = int(dict(macros).get("QPN_TILES", "1"))
+    n_slots = n // 32
+    saved, L.TARGET_WARPS = L.TARGET_WARPS, target
+    split, gpw = L.split_k(n_slots, k // 16)
+    L.TARGET_WARPS = saved
+    grid, block = (-(-n_slots // tiles),), (32 * split,)
+    if fmt == "qpn2":
+        launch = lambda i: fn(grid, block, (*bufs[i % slots], g_dev, np.int32(0), x, y, np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw)))  # noqa: E731
+    else:
+        launch = lambda i: fn(grid, block, (bufs[i % slots][0], bufs[i % slots][1], np.int32(0), x, y, np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw)))  # noqa: E731
+    return ctx.time_calls(launch, slots), f"split {split}x{gpw}"
+
+
+ABLATIONS = (  # (format, label, extra macros): where the time goes (METHOD.md: leave one stage out)
+    ("qpn2", "full", ()), ("qpn2", "full, L2 prefetch 8 groups ahead", (("QPN_PREFETCH", "8"),)),
+    ("qpn2", "loads only", (("QPN_ABLATE", "1"),)),
+    ("qpn2", "no exchange", (("QPN_ABLATE", "2"),)), ("qpn2", "no decode", (("QPN_ABLATE", "3"),)),
+    ("qpn2", "no mma", (("QPN_ABLATE", "4"),)),
+    ("qpn8", "full", ()), ("qpn8", "full, L2 prefetch 8 groups ahead", (("QPN_PREFETCH", "8"),)),
+    ("qpn8", "loads only", (("QPN_ABLATE", "1"),)),
+)
+
+
+def section_ablate(ctx: bk.Context) -> bk.Section:
+    """Stage ablations at M = 1 (not correct outputs: timing only)."""
+    cp = ctx.cp
+    read = ctx.ceiling["read"]
+    g_dev = cp.full(1, G, dtype=cp.float32)
+    sec = bk.Section("ablate", "Decode kernel stage ablations (M = 1; timing only)", [
+        bk.Column("fmt", "format"), bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("variant", "variant"),
+        bk.Column("split", "split"), bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
+    ])
+    for n, k in [(28672, 8192), (4096, 14336)]:
+        slots = ctx.rotations(n * k // 2, minimum=2, maximum=16)
+        bufs = {"qpn2": _qpn2_copies(cp, n, k, slots), "qpn8": _qpn8_copies(cp, n, k, slots)}
+        x = (cp.random.RandomState(1).standard_normal((1, k)) * 0.5).astype(cp.float16)
+        y = cp.empty((1, n), cp.float16)
+        for fmt, label, extra in ABLATIONS:
+            macros = dict((("QPN_GATED", "0"), ("QPN_NB", "1"), ("QPN_TILES", "1"), ("QPN_UNROLL", "2"), ("QPN_WARPS", "16")))
+            macros.update(extra)
+            t, split = _launch_variant(ctx, fmt, tuple(sorted(macros.items())), n, k, 1, bufs[fmt], x, y, slots, g_dev)
+            nbytes = n * k // 2 + n * k // 16 if fmt == "qpn2" else n * k
+            sec.rows.append({"fmt": fmt, "n": n, "k": k, "variant": label, "split": split, "us": t["us"],
+                             "pct": 100.0 * bk.gbps(nbytes, t["us"]) / read})
+        del bufs
+        cp.get_default_memory_pool().free_all_blocks()
+    return sec
+
+
+SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants, "ablate": section_ablate}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sections", default="ceiling,decode,variants")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--name", default="decode_h200")
+    args = parser.parse_args(argv)
+    wanted = [s for s in args.sections.split(",") if s]
+    if "ceiling" not in wanted:
+        wanted.insert(0, "ceiling")
+    ctx = bk.Context(args.quick)
+    env = bk.environment(ctx)
+    print(f"{ctx.gpu_name}: {ctx.sm_count} SMs; {env['kernel_build']['built_as']}", flush=True)
+    for name in wanted:
+        sec = SECTIONS[name](ctx)
+        ctx.sections.append(sec)
+        print(bk.render_markdown(env, [sec]).split("\n", 3)[-1], flush=True)
+        env = bk.environment(ctx)
+        env["ceiling_gbps"] = dict(ctx.ceiling)
+        json_path, md_path = bk.write_results(env, ctx.sections, args.out, args.name)
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

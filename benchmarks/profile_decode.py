@@ -1,0 +1,35 @@
+"""Launch decode-kernel builds a few times each (for `ncu` stall / occupancy sections); timing-free.
+
+    ncu --section WarpStateStats --section Occupancy -k regex:qpn python benchmarks/profile_decode.py
+"""
+import sys
+
+import numpy as np
+
+import cupy as cp
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_decode import G, _launch_variant, _qpn2_copies, _qpn8_copies  # noqa: E402
+
+
+class _Ctx:  # minimal stand-in for bench_kernels.Context.time_calls: 2 launches, no timing
+    def time_calls(self, launch, slots):
+        launch(0)
+        launch(1)
+        cp.cuda.Device().synchronize()
+        return {"us": 0.0}
+
+
+VARIANTS = [("qpn2", ()), ("qpn2", (("QPN_ABLATE", "1"),)), ("qpn2", (("QPN_ABLATE", "3"),)),
+            ("qpn2", (("QPN_ABLATE", "4"),)), ("qpn8", ())]
+
+if __name__ == "__main__":
+    n, k = 28672, 8192
+    bufs = {"qpn2": _qpn2_copies(cp, n, k, 2), "qpn8": _qpn8_copies(cp, n, k, 2)}
+    x = cp.asarray(np.random.default_rng(0).standard_normal((1, k)).astype(np.float16))
+    y = cp.empty((1, n), cp.float16)
+    g = cp.full(1, G, cp.float32)
+    for fmt, extra in VARIANTS:
+        macros = dict((("QPN_GATED", "0"), ("QPN_NB", "1"), ("QPN_TILES", "1"), ("QPN_UNROLL", "4"), ("QPN_WARPS", "16")))
+        macros.update(extra)
+        print(fmt, extra, _launch_variant(_Ctx(), fmt, tuple(sorted(macros.items())), n, k, 1, bufs[fmt], x, y, 2, g)[1], flush=True)

@@ -1,0 +1,243 @@
+// qpn8_linear.cu: y = x @ W16^T for a QPN8 (FP8 e4m3) weight, M <= 32 tokens (the decode path).
+//
+// Kernel:  qpn8_linear
+// Macros:  QPN_NB, QPN_TILES, QPN_GATED, QPN_WARPS, QPN_UNROLL   as in qpn_mma.cuh / qpn2_linear.cu
+//          QPN8_BLOCK_SCALES  0: channel / tensor scales S16[0, n];  1: 128x128 block S16[kb, t]
+//
+// Reads   codes   [tile N/32][group G=K/16][lane 32][16 bytes]  QPN8 order (spec/QPN8.md):
+//                 lane byte p holds W[32t + col(lane)][16g + KORDER[p]]
+//         gs16    fp16 group scales: channel [1, N] (S16[n]) or block [K/128, N/32] (S16[g/8][t])
+//         x       fp16 [M][K] row-major
+// Writes  y       fp16 [M][N] (gated: [M][N/2], silu_and_mul of gate rows [0,N/2) and up rows [N/2,N))
+//
+// Numerics: W16 = RN16(e4m3 * 2^-8 * S16) is one mul.rn.f16x2 of the bit-trick value
+// (byte b -> fp16 bits ((b & 0x80) << 8) | ((b & 0x7F) << 7) = e4m3 * 2^-8, exact) by S16:
+// the contract's own formula, bit for bit (tests/test_decode_math.py models it against qpn.ref).
+// fp32 accumulation in the tensor core, split-K partials added in ascending warp order, one RN16.
+//
+// Work split and k-slot map: as qpn2_linear.cu (qpn_mma.cuh): quad lane t multiplies, for each of
+// its quad's 4 columns, the k = 4t..4t+3 of every group.
+// Exchange: the owner's 16 bytes (positions p -> k KORDER[p]) give the element for quad lane d
+//     E_d = [k 4d, k 4d+2, k 4d+1, k 4d+3]  = bytes (0,1) of word 2(d>>1) and of word 2(d>>1)+1,
+// (d odd: bytes (2,3)), one byte permute each; a 4x4 transpose of these 32-bit elements inside
+// the quad costs 4 shuffles and 12 selects per 16 weights (QPN8 streams 2x the bytes of QPN2
+// per weight, so it has twice QPN2's instruction budget per weight).
+// Decode of E: step A pair (k 4t, 4t+1) = bytes 0, 2; step B pair (k 4t+2, 4t+3) = bytes 1, 3.
+//
+// Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200*.md), M = 1:
+// 28672x8192 60 us = 84.5-85.4 % of the 4.6 TB/s read ceiling (M = 8: 82 %); 34816x5120 67 %,
+// 4096x14336 67 %, 5120x17408 55 % (160 tiles on 132 SMs: one block per tile leaves the second
+// wave mostly empty). The load stream alone (QPN_ABLATE=1) reaches 90 %. Chosen by measurement:
+// QPN_UNROLL 2 (69 registers) over 4 (+27 % at 28672x8192: more resident warps), no L2 prefetch
+// (prefetch 8 groups ahead: -10 %), 8 warps per tile on 28672x8192 (86.5 % vs 79.9 % with 4).
+#include "qpn_mma.cuh"
+
+#ifndef QPN8_BLOCK_SCALES
+#define QPN8_BLOCK_SCALES 0
+#endif
+#ifndef QPN_ABLATE
+#define QPN_ABLATE 0  // benchmarks only (never registered): 1 loads only
+#endif
+#ifndef QPN_PREFETCH
+#define QPN_PREFETCH 0  // L2 prefetch distance in groups (0: none; measured: no gain, see linear.py)
+#endif
+
+struct Qpn8Batch {
+    uint4 code[QPN_UNROLL][QPN_NT];
+    uint2 xf[QPN_UNROLL][QPN_NB];
+};
+
+// Loads of one batch: group g_begin + gi + u of every tile, from per-tile pointers at g_begin.
+__device__ __forceinline__ void qpn8_load_batch(
+    Qpn8Batch& b, int gi, int n_local, const qpn_u8* const (&pc)[QPN_NT], const qpn_u16* const (&px)[QPN_NB], int lane)
+{
+#pragma unroll
+    for (int u = 0; u < QPN_UNROLL; ++u) {
+        const int i = gi + u;
+        if (i < n_local) {  // uniform
+#pragma unroll
+            for (int tt = 0; tt < QPN_NT; ++tt) {
+                b.code[u][tt] = qpn_ldcs_u4(pc[tt] + 512 * i);  // 32 lanes x 16 bytes per group
+#if QPN_PREFETCH
+                // the group QPN_PREFETCH ahead into L2 (512 bytes: lanes 0, 8, 16, 24 take a
+                // 128-byte line each); no registers held, so the in-flight bytes per SM no longer
+                // scale with the register-bound unroll
+                if (i + QPN_PREFETCH < n_local && (lane & 7) == 0)
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(pc[tt] + 512 * (i + QPN_PREFETCH)));
+#endif
+            }
+#pragma unroll
+            for (int j = 0; j < QPN_NB; ++j) {
+                uint2 v;
+                asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(px[j] + 16 * i));
+                b.xf[u][j] = v;
+            }
+        } else {
+            // a pad group past the warp's K-slice: x = 0 makes its mma add exactly +0 (qpn2_linear.cu)
+#pragma unroll
+            for (int j = 0; j < QPN_NB; ++j) b.xf[u][j] = make_uint2(0u, 0u);
+        }
+    }
+}
+
+// e4m3 bytes 0 and 2 of e -> fp16 pair (exact e4m3 * 2^-8); bytes 1 and 3 -> the other pair.
+__device__ __forceinline__ qpn_u32 qpn8_pair_bytes02(qpn_u32 e) {
+    return ((e & 0x00800080u) << 8) | ((e & 0x007F007Fu) << 7);  // sign -> 15, 0111_1111 -> 7..13
+}
+__device__ __forceinline__ qpn_u32 qpn8_pair_bytes13(qpn_u32 e) {
+    return (e & 0x80008000u) | ((e >> 1) & 0x3F803F80u);
+}
+
+// W16 pair = RN16(bits * S16), S16 = the low (col_hi = 0) or high half of s2.
+template <int HI>
+__device__ __forceinline__ qpn_u32 qpn8_scale_pair(qpn_u32 bits, qpn_u32 s2) {
+    qpn_u32 w;
+    if (HI)
+        asm("{.reg .b16 l, h; .reg .b32 ss; mov.b32 {l, h}, %2; mov.b32 ss, {h, h}; mul.rn.f16x2 %0, %1, ss;}"
+            : "=r"(w) : "r"(bits), "r"(s2));
+    else
+        asm("{.reg .b16 l, h; .reg .b32 ss; mov.b32 {l, h}, %2; mov.b32 ss, {l, l}; mul.rn.f16x2 %0, %1, ss;}"
+            : "=r"(w) : "r"(bits), "r"(s2));
+    return w;
+}
+
+extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn8_linear(
+    const qpn_u8* __restrict__ codes, const qpn_u16* __restrict__ gs16, int kb_stride,
+    const qpn_u16* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k, int n_slots,
+    int groups_per_warp)
+{
+    __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int split = blockDim.x >> 5;
+    const int n_tiles = n / QPN_TILE_N;
+    const int groups = k / QPN_GROUP_K;
+    const int slot0 = blockIdx.x * QPN_TILES;
+    const int g_begin = warp * groups_per_warp;
+    const int g_end = min(groups, g_begin + groups_per_warp);
+    const int quad = lane >> 2;
+
+    int tile[QPN_NT];
+#pragma unroll
+    for (int s = 0; s < QPN_TILES; ++s) {
+        const int slot = min(slot0 + s, n_slots - 1);  // a missing slot recomputes the last one, never stored
+#pragma unroll
+        for (int h = 0; h < QPN_HT; ++h) tile[s * QPN_HT + h] = slot + h * (n_tiles / 2);
+    }
+#if !QPN8_BLOCK_SCALES
+    // channel scales of the quad's 4 columns col(4q+j) = 8(q&3) + 4(q>>2) + j: 8 contiguous bytes
+    uint2 s16[QPN_NT];
+#pragma unroll
+    for (int tt = 0; tt < QPN_NT; ++tt) {
+        const qpn_u16* p = gs16 + 32 * tile[tt] + 8 * (quad & 3) + 4 * (quad >> 2);
+        asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(s16[tt].x), "=r"(s16[tt].y) : "l"(p));
+    }
+#endif
+
+    const qpn_u8* pc[QPN_NT];
+#pragma unroll
+    for (int tt = 0; tt < QPN_NT; ++tt) pc[tt] = codes + (((long long)tile[tt] * groups + g_begin) * 32 + lane) * 16;
+    const qpn_u16* px[QPN_NB];
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j) {
+        const int row = min(8 * j + (lane >> 2), m_rows - 1);  // rows past M: see qpn_load_x_fragment
+        px[j] = x + (long long)row * k + 16 * g_begin + 4 * (lane & 3);
+    }
+    const int n_local = g_end - g_begin;
+
+    const int q0 = lane & 1, q1 = (lane >> 1) & 1;
+    const qpn_u32 sel_keep = q0 ? 0x7632u : 0x5410u;
+    const qpn_u32 sel_send = q0 ? 0x5410u : 0x7632u;
+
+    float acc[QPN_TILES][QPN_HT][QPN_NB][2][4];
+#pragma unroll
+    for (int s = 0; s < QPN_TILES; ++s)
+#pragma unroll
+        for (int h = 0; h < QPN_HT; ++h)
+#pragma unroll
+            for (int j = 0; j < QPN_NB; ++j)
+#pragma unroll
+                for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[s][h][j][rb][i] = 0.0f;
+
+    qpn_u32 ablate_sink = 0;
+    auto compute = [&](const Qpn8Batch& b, int g0) {
+#pragma unroll
+        for (int u = 0; u < QPN_UNROLL; ++u) {
+#pragma unroll
+            for (int tt = 0; tt < QPN_NT; ++tt) {
+                const uint4 c = b.code[u][tt];
+#if QPN_ABLATE == 1
+                ablate_sink ^= c.x ^ c.y ^ c.z ^ c.w ^ b.xf[u][0].x ^ b.xf[u][0].y;
+                continue;
+#endif
+                // round 1 (partner lane ^ 1): keep the elements for receivers of my parity
+                const qpn_u32 keep_a = qpn_prmt(c.x, c.y, sel_keep), keep_b = qpn_prmt(c.z, c.w, sel_keep);
+                const qpn_u32 recv_a = __shfl_xor_sync(0xFFFFFFFFu, qpn_prmt(c.x, c.y, sel_send), 1);
+                const qpn_u32 recv_b = __shfl_xor_sync(0xFFFFFFFFu, qpn_prmt(c.z, c.w, sel_send), 1);
+                // source order (lane & ~1 first) for receiver parity d (a) and d + 2 (b)
+                const qpn_u32 pa0 = q0 ? recv_a : keep_a, pa1 = q0 ? keep_a : recv_a;
+                const qpn_u32 pb0 = q0 ? recv_b : keep_b, pb1 = q0 ? keep_b : recv_b;
+                // round 2 (partner lane ^ 2)
+                const qpn_u32 k0 = q1 ? pb0 : pa0, k1 = q1 ? pb1 : pa1;
+                const qpn_u32 r0 = __shfl_xor_sync(0xFFFFFFFFu, q1 ? pa0 : pb0, 2);
+                const qpn_u32 r1 = __shfl_xor_sync(0xFFFFFFFFu, q1 ? pa1 : pb1, 2);
+                const qpn_u32 f[4] = {q1 ? r0 : k0, q1 ? r1 : k1, q1 ? k0 : r0, q1 ? k1 : r1};  // from quad lane 0..3
+
+#if QPN8_BLOCK_SCALES
+                const qpn_u32 sb = gs16[(long long)((g0 + u) >> 3) * kb_stride + tile[tt]];
+                const qpn_u32 s01 = sb | (sb << 16), s23 = s01;
+#else
+                const qpn_u32 s01 = s16[tt].x, s23 = s16[tt].y;
+#endif
+                qpn_u32 a[2][4];  // [rowblock][c step A, c' step A, c step B, c' step B]
+                a[0][0] = qpn8_scale_pair<0>(qpn8_pair_bytes02(f[0]), s01);
+                a[0][1] = qpn8_scale_pair<1>(qpn8_pair_bytes02(f[1]), s01);
+                a[0][2] = qpn8_scale_pair<0>(qpn8_pair_bytes13(f[0]), s01);
+                a[0][3] = qpn8_scale_pair<1>(qpn8_pair_bytes13(f[1]), s01);
+                a[1][0] = qpn8_scale_pair<0>(qpn8_pair_bytes02(f[2]), s23);
+                a[1][1] = qpn8_scale_pair<1>(qpn8_pair_bytes02(f[3]), s23);
+                a[1][2] = qpn8_scale_pair<0>(qpn8_pair_bytes13(f[2]), s23);
+                a[1][3] = qpn8_scale_pair<1>(qpn8_pair_bytes13(f[3]), s23);
+
+                const int s_idx = tt / QPN_HT, h_idx = tt % QPN_HT;
+#pragma unroll
+                for (int j = 0; j < QPN_NB; ++j) {  // the host launches QPN_NB = ceil(M / 8)
+#pragma unroll
+                    for (int rb = 0; rb < 2; ++rb) {
+                        qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][0], a[rb][1], b.xf[u][j].x);  // step A
+                        qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][2], a[rb][3], b.xf[u][j].y);  // step B
+                    }
+                }
+            }
+        }
+    };
+
+#if QPN_DOUBLE_BUFFER
+    Qpn8Batch ba = {}, bb = {};  // zeros: a pad group of a first batch decodes to 0 (finite)
+    qpn8_load_batch(ba, 0, n_local, pc, px, lane);
+    for (int gi = 0; gi < n_local; gi += 2 * QPN_UNROLL) {
+        qpn8_load_batch(bb, gi + QPN_UNROLL, n_local, pc, px, lane);
+        compute(ba, g_begin + gi);
+        qpn8_load_batch(ba, gi + 2 * QPN_UNROLL, n_local, pc, px, lane);
+        compute(bb, g_begin + gi + QPN_UNROLL);
+    }
+#else
+    // single buffer (the register-heaviest variants): load a batch, then compute it
+    Qpn8Batch ba = {};  // zeros: a pad group of a first batch decodes to 0 (finite)
+    for (int gi = 0; gi < n_local; gi += QPN_UNROLL) {
+        qpn8_load_batch(ba, gi, n_local, pc, px, lane);
+        compute(ba, g_begin + gi);
+    }
+#endif
+
+#if QPN_ABLATE
+    if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive
+#endif
+#pragma unroll
+    for (int s = 0; s < QPN_TILES; ++s) {
+        if (slot0 + s >= n_slots) break;  // uniform over the block
+        qpn_reduce_store(red, acc[s], y, m_rows, QPN_GATED ? n / 2 : n, slot0 + s, split);
+    }
+}

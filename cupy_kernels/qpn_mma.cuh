@@ -1,0 +1,168 @@
+// qpn_mma.cuh: the pieces the QPN2 / QPN8 decode linear kernels share (M <= 32 tokens).
+//
+// Operand roles of `mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32` (the sm_75 tensor-core
+// instruction; never m16n8k16 (sm_80+) nor m8n8k4 (emulated off Volta: 18.7 vs 434 TFLOP/s)):
+//   A (16 x 8, row-major)  = 16 output columns n of a 32-column tile  x  8 k-slots   (weights)
+//   B ( 8 x 8, col-major)  = 8 k-slots  x  8 tokens                                  (activations)
+//   C (16 x 8, fp32)       = 16 output columns x 8 tokens; M <= 32 tokens = QPN_NB B/C blocks.
+// Fragment registers of lane = 4*gid + t (gid = lane>>2 "group", t = lane&3 "thread in quad"):
+//   a0 = A[gid][2t, 2t+1]   a1 = A[gid+8][2t, 2t+1]        (fp16 pairs)
+//   b  = B[2t, 2t+1][gid]                                   (fp16 pair: token gid)
+//   c0, c1 = C[gid][2t, 2t+1]   c2, c3 = C[gid+8][2t, 2t+1] (fp32: tokens 2t, 2t+1)
+//
+// k-slot map (one 16-k group = two mma k-steps "A" and "B"): quad lane t holds, for EVERY column
+// it works on, the four consecutive k = 4t .. 4t+3 of the group:
+//   step A: slots (2t, 2t+1) = k (4t, 4t+1)      step B: slots (2t, 2t+1) = k (4t+2, 4t+3)
+// so a lane's two B registers of a group are ONE 8-byte load of x[m][16g+4t .. 16g+4t+3]
+// (qpn_load_x_fragment), straight from x's natural [M][K] layout: no staging, no permutation.
+// The weight side gets the same k's from the QPN2 / QPN8 byte order with a 4x4 transpose
+// inside each quad (see the kernels).
+//
+// Row assignment (any order is legal; this one makes the exchange a quad-local transpose):
+// the quad of lanes 4q..4q+3 owns tile columns col(4q+j), j = 0..3 (qpn_column_of_lane); the
+// quad's mma rows are exactly those four columns:
+//   rowblock 0: row gid <- col(4q+0), row gid+8 <- col(4q+1)
+//   rowblock 1: row gid <- col(4q+2), row gid+8 <- col(4q+3)
+#pragma once
+#include "qpn_common.cuh"
+
+#ifndef QPN_NB
+#define QPN_NB 1  // 8-token blocks: M <= 8 * QPN_NB
+#endif
+#ifndef QPN_TILES
+#define QPN_TILES 1  // tile slots per block (a gated slot = its gate tile and its up tile)
+#endif
+#ifndef QPN_GATED
+#define QPN_GATED 0
+#endif
+#ifndef QPN_WARPS
+#define QPN_WARPS 16  // most warps (K-slices) per block; the host launches split <= QPN_WARPS
+#endif
+#ifndef QPN_UNROLL
+#define QPN_UNROLL 2  // groups per load batch
+#endif
+#ifndef QPN_DOUBLE_BUFFER
+#define QPN_DOUBLE_BUFFER 1  // two batches in flight (0: one, for the register-heaviest variants)
+#endif
+
+#define QPN_HT (QPN_GATED ? 2 : 1)       // tiles per slot
+#define QPN_NT (QPN_TILES * QPN_HT)      // tiles per block
+
+__device__ __forceinline__ qpn_u32 qpn_prmt(qpn_u32 a, qpn_u32 b, qpn_u32 sel) {
+    qpn_u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ qpn_u32 qpn_hfma2_rn(qpn_u32 a, qpn_u32 b, qpn_u32 c) {
+    qpn_u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// fp32 accumulate += A (16x8 fp16) * B (8x8 fp16)
+__device__ __forceinline__ void qpn_mma(float (&c)[4], qpn_u32 a0, qpn_u32 a1, qpn_u32 b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b));
+}
+
+// Streaming loads of the weights (read once: evict-first, do not pollute L1/L2 for x).
+__device__ __forceinline__ uint2 qpn_ldcs_u2(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.cs.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint4 qpn_ldcs_u4(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ qpn_u32 qpn_ldcs_u8(const void* p) {
+    qpn_u32 v;
+    asm volatile("ld.global.cs.u8 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// The B fragments of one 16-k group for 8-token block j: x[row][16g + 4t .. 16g + 4t + 3]
+// (8 bytes, one load), row = 8j + gid clamped to M-1 (rows >= M only feed output columns that
+// are never stored; clamping keeps the loads in bounds and on the same cache lines, so M = 1
+// reads 32 bytes of x per group, not 256). x is re-read by every tile of a block and by the
+// other blocks of the SM: the .nc (read-only, L1-allocating) path keeps it on chip.
+// .x = step A register (k 4t, 4t+1), .y = step B register (k 4t+2, 4t+3).
+__device__ __forceinline__ uint2 qpn_load_x_fragment(const qpn_u16* __restrict__ x, int m_rows, int k, int g, int j, int lane) {
+    int row = 8 * j + (lane >> 2);
+    row = row < m_rows ? row : m_rows - 1;
+    const qpn_u16* p = x + (long long)row * k + 16 * g + 4 * (lane & 3);
+    uint2 v;
+    asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split-K reduction and epilogue.
+//
+// Each warp of a block summed its own contiguous range of k-groups (in ascending group order)
+// into acc; the block adds the warps' partial sums in shared memory in ascending warp order,
+// always, then rounds once to fp16 (RN16). Nothing here depends on M: a row computed alone and
+// the same row inside an M-row call go through identical fp32 operations (batch invariance).
+// Shared memory: QPN_WARPS x QPN_HT x 1 KiB (one 8-token block at a time).
+//
+// Gated epilogue (vLLM silu_and_mul on the rounded linear outputs):
+//   out = RN16( RN16(silu32(RN16(gate))) * RN16(up) ),  silu32(v) = v / (1 + expf(-v)) in fp32.
+__device__ __forceinline__ qpn_u16 qpn_silu_mul(qpn_u16 gate16, qpn_u16 up16) {
+    const float v = qpn_half_to_float(gate16);
+    const float silu = __fdiv_rn(v, __fadd_rn(1.0f, expf(-v)));  // IEEE division (--prec-div=true)
+    const qpn_u16 silu16 = qpn_float_to_half_rn(silu);
+    // half * half: the exact product (22 significant bits) in fp32, rounded once to fp16
+    return qpn_float_to_half_rn(__fmul_rn(qpn_half_to_float(silu16), qpn_half_to_float(up16)));
+}
+
+// acc[h][j][rb][i] of this warp for the QPN_HT tiles of one slot -> y.
+//   non-gated: tile = tiles[0], y [M][N]      gated: gate tiles[0], up tiles[1], y [M][N/2]
+// out_tile = the 32-column output tile index, y_cols = row length of y.
+__device__ __forceinline__ void qpn_reduce_store(
+    float (*red)[QPN_HT][2][4][32], const float (&acc)[QPN_HT][QPN_NB][2][4],
+    qpn_u16* __restrict__ y, int m_rows, int y_cols, int out_tile, int split)
+{
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j) {
+        if (8 * j >= m_rows) break;  // uniform
+        __syncthreads();  // the previous block of red is consumed
+#pragma unroll
+        for (int h = 0; h < QPN_HT; ++h)
+#pragma unroll
+            for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[warp][h][rb][i][lane] = acc[h][j][rb][i];
+        __syncthreads();
+        // 256 outputs of this 8-token block: v = 32 * token + column (consecutive threads store
+        // consecutive columns of one token row: 64-byte segments)
+        for (int v = threadIdx.x; v < 256; v += blockDim.x) {
+            const int mt = v >> 5, c = v & 31;
+            const int m = 8 * j + mt;
+            if (m >= m_rows) continue;
+            const int owner = (c & 3) | (((c >> 3) & 3) << 2) | (((c >> 2) & 1) << 4);  // lane_of_column
+            const int qp = owner & 3;                      // position in the owner's quad
+            const int rb = qp >> 1;                        // rowblock 0: quad lanes 0,1; 1: 2,3
+            const int i = 2 * (qp & 1) + (mt & 1);         // row gid (i=0,1) or gid+8 (i=2,3)
+            const int src = 4 * (owner >> 2) + (mt >> 1);  // lane holding (that row, token mt)
+            float s[QPN_HT];
+#pragma unroll
+            for (int h = 0; h < QPN_HT; ++h) {
+                s[h] = red[0][h][rb][i][src];
+                for (int w = 1; w < split; ++w) s[h] = __fadd_rn(s[h], red[w][h][rb][i][src]);
+            }
+            qpn_u16 out;
+#if QPN_GATED
+            out = qpn_silu_mul(qpn_float_to_half_rn(s[0]), qpn_float_to_half_rn(s[1]));
+#else
+            out = qpn_float_to_half_rn(s[0]);
+#endif
+            y[(long long)m * y_cols + 32 * out_tile + c] = out;
+        }
+    }
+}
