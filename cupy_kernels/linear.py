@@ -102,6 +102,27 @@ def split_k(n_tiles: int, groups: int) -> tuple[int, int]:
     return -(-groups // groups_per_warp), groups_per_warp
 
 
+DECODE_FORMATS = ("nvfp4", "fp8")
+
+
+def decode_threshold(fmt: str, n: int, k: int) -> int:
+    """Largest M that should run the decode kernel (above it: dequantize + cuBLAS) for [N, K].
+
+    Chosen by measurement (benchmarks/results/decode_h200.md, H200): at every M <= 32 and on every
+    benchmark shape the decode kernel beats dequantize-then-cuBLAS, by 1.3x to 10x, for both
+    formats; extrapolating its time linearly in M, the crossover would come at M ~ 55
+    (5120 x 17408) to M ~ 90 (28672 x 8192), past the kernels' range. So the threshold is the
+    kernels' limit for every shape; N and K stay in the signature because the crossover is
+    shape-dependent and a future kernel (or a Turing measurement) may move it below 32.
+    Pure host arithmetic: safe to call on every forward, also during CUDA-graph capture.
+    """
+    if fmt not in DECODE_FORMATS:
+        raise ValueError(f"fmt must be one of {DECODE_FORMATS}, got {fmt!r}")
+    if n <= 0 or k <= 0:
+        raise ValueError(f"n and k must be positive, got n={n}, k={k}")
+    return MAX_M
+
+
 def _activation(x, k_multiple: int, layout: str, fix: str, dense: str):
     require_cupy("x", x, np.float16, ndim=2)
     m, k = x.shape

@@ -20,8 +20,8 @@ Discipline (STYLE.md 9), in this order for every call:
    a captured graph. `_SameStream` therefore exports with `stream=-1` (DLPack's "consumer
    uses the producer's stream, no synchronization"), which is the truth here by construction.
 
-Linear: M <= `qpn.cupy_kernels.decode_threshold(fmt, N, K)` (capped at the decode kernels'
-range, 32) runs the decode kernel; larger M dequantizes the whole weight into a per-call fp16
+Linear: M <= `qpn.cupy_kernels.decode_threshold(fmt, N, K)` (at most 32, the decode kernels'
+range) runs the decode kernel; larger M dequantizes the whole weight into a per-call fp16
 [N, K] torch tensor and multiplies with torch:
 
     y = RN16(torch.mm(x, W16^T, out_dtype=float32))
@@ -44,10 +44,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-DECODE_MAX_M = 32  # the decode kernels' range (qpn.cupy_kernels.qpn2_linear / qpn8_linear: M in [1, 32])
-
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # aten::mm.dtype (torch >= 2.8)
-_thresholds: dict[tuple[str, int, int], int] = {}
 
 
 def _kernels():
@@ -57,18 +54,9 @@ def _kernels():
 
 
 def decode_threshold(fmt: str, n: int, k: int) -> int:
-    """Largest M that runs the decode kernel for an [N, K] weight of format "nvfp4" | "fp8".
-
-    From qpn.cupy_kernels.decode_threshold (chosen by measurement), capped at DECODE_MAX_M and
-    cached per (fmt, N, K): the op asks on every call, so the answer must be free after the
-    first. The first call for a shape must therefore happen before any CUDA-graph capture.
-    """
-    key = (fmt, n, k)
-    threshold = _thresholds.get(key)
-    if threshold is None:
-        threshold = max(0, min(int(_kernels().decode_threshold(fmt, n, k)), DECODE_MAX_M))
-        _thresholds[key] = threshold
-    return threshold
+    """Largest M that runs the decode kernel for an [N, K] weight of format "nvfp4" | "fp8"
+    (qpn.cupy_kernels.decode_threshold, chosen by measurement; host arithmetic only)."""
+    return _kernels().decode_threshold(fmt, n, k)
 
 
 @contextlib.contextmanager
