@@ -71,7 +71,7 @@ def _on_torch_stream(device: torch.device):
     with torch.cuda.device(index):  # torch's __dlpack__ refuses tensors of another current device
         stream = torch.cuda.current_stream(index)
         with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
-            yield lambda tensor: as_cupy(_SameStream(tensor))
+            yield lambda tensor: cupy.from_dlpack(_SameStream(tensor))
 
 
 class _SameStream:
