@@ -135,14 +135,17 @@ def test_qpn2_linear_small_shapes(cp, n, k, m):
     assert_in_bounds(y, x, w16, f"qpn2 N={n} K={k} M={m}")
 
 
-@pytest.mark.parametrize("block", [False, True])
-@pytest.mark.parametrize("n,k", [(32, 16), (64, 48), (128, 256), (256, 1024), (1024, 128)])
+QPN8_SMALL_SHAPES = [(32, 16), (64, 48), (128, 256), (256, 1024), (1024, 128)]
+# (n, k, block): 128x128 block scales only where N % 128 == 0 and K % 128 == 0
+QPN8_SMALL_CASES = [(n, k, False) for n, k in QPN8_SMALL_SHAPES] + [
+    (n, k, True) for n, k in QPN8_SMALL_SHAPES if n % 128 == 0 and k % 128 == 0]
+
+
+@pytest.mark.parametrize("n,k,block", QPN8_SMALL_CASES)
 @pytest.mark.parametrize("m", M_VALUES)
 def test_qpn8_linear_small_shapes(cp, n, k, m, block):
     from qpn.cupy_kernels import qpn8_linear
 
-    if block and (k % 128 or n % 128):
-        pytest.skip("128x128 block scales need N % 128 == 0 and K % 128 == 0")
     rng = np.random.default_rng(1000 * n + k + m + block)
     codes, group_scales = qpn8_buffers(rng, n, k, block)
     w16 = qpn8_dequantize(codes, group_scales, n, k)
