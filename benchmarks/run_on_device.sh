@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One GPU session for the CuPy kernels: install, GPU tests, compute-sanitizer, benchmark.
-#   bash benchmarks/run_on_device.sh OUT_DIR [stages]     stages: any of install,tests,sanitizer,bench (default: all)
+# One GPU session: install, every gpu-marked test, compute-sanitizer, the benchmarks.
+#   bash benchmarks/run_on_device.sh OUT_DIR [stages]
+#   stages: any of tests,sanitizer,bench,decode (default: all); budgets: TESTS_S, SAN_S, BENCH_S
 # Every stage logs to OUT_DIR and runs even if an earlier one failed; the last lines summarise.
+# On a machine without the MiniLM wheel, set QPN_MINILM_DIR to a copy of its model folder.
 set -u
 out=${1:?usage: run_on_device.sh OUT_DIR [stages]}
-stages=${2:-install,tests,sanitizer,bench}
+stages=${2:-tests,sanitizer,bench,decode}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -26,19 +28,21 @@ fi
 } >>"$out/install.log" 2>&1
 summary=()
 
-# Budgets fit one 10-minute device call: tests 180 s, benchmark 240 s, sanitizer 120 s.
 if [[ $stages == *tests* ]]; then
-  timeout 180 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_cupy_loader.py tests/test_cupy_prepack.py tests/test_cupy_dequantize.py tests/test_cupy_dense.py \
+  timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=30 -k "not sanitizer" tests/ \
     >"$out/tests.log" 2>&1
   summary+=("tests: rc=$? $(tail -n 1 "$out/tests.log")")
 fi
+if [[ $stages == *sanitizer* ]]; then
+  timeout "${SAN_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -k sanitizer tests/ >"$out/sanitizer.log" 2>&1
+  summary+=("sanitizer: rc=$? $(tail -n 1 "$out/sanitizer.log")")
+fi
 if [[ $stages == *bench* ]]; then
-  timeout 240 python3 benchmarks/bench_kernels.py --out "$out" --name h200 ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
+  timeout "${BENCH_S:-240}" python3 benchmarks/bench_kernels.py --out "$out" --name h200 ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
   summary+=("bench: rc=$? $(grep -E '^- target' "$out/bench.log" | tr '\n' ' ')")
 fi
-if [[ $stages == *sanitizer* ]]; then
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cupy_sanitizer.py >"$out/sanitizer.log" 2>&1
-  summary+=("sanitizer: rc=$? $(tail -n 1 "$out/sanitizer.log")")
+if [[ $stages == *decode* ]]; then
+  timeout "${BENCH_S:-240}" python3 benchmarks/bench_decode.py --out "$out" --name decode_h200 ${BENCH_ARGS:-} >"$out/bench_decode.log" 2>&1
+  summary+=("bench_decode: rc=$?")
 fi
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +35,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _compute_sanitizer_path() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "bin", "compute-sanitizer")):
+            return os.path.join(root, "bin", "compute-sanitizer")
+    return None
+
+
+@pytest.fixture
+def compute_sanitizer():
+    """`run(tool, script)`: run `python script --drive` under compute-sanitizer's `tool`
+    (memcheck, racecheck) and assert that the driver finished and the tool found nothing."""
+    sanitizer = _compute_sanitizer_path()
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer not found (CUDA toolkit bin/ not on PATH)")
+
+    def run(tool: str, script: str) -> None:
+        proc = subprocess.run(
+            [sanitizer, "--tool", tool, "--error-exitcode", "99", sys.executable, script, "--drive"],
+            capture_output=True, text=True, timeout=900,
+        )
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "driver done" in output, output[-4000:]
+        clean = "RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"
+        assert clean in output, output[-4000:]
+
+    return run
