@@ -55,3 +55,33 @@ def require_no_nan_e4m3(name: str, bits: np.ndarray) -> None:
 def require_finite(name: str, value: np.ndarray) -> None:
     if not np.all(np.isfinite(value)):
         raise ValueError(f"{name} must be finite, got {int((~np.isfinite(value)).sum())} NaN/inf values")
+
+
+QUANTIZE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+
+
+def require_weight_to_quantize(w) -> np.ndarray:
+    """A weight to quantize: numpy float32/float16 [N, K] (N, K >= 1), finite -> a float32 copy.
+
+    float16 converts to float32 exactly; the copy means the caller's array is never touched.
+    """
+    if not isinstance(w, np.ndarray):
+        raise ValueError(
+            f"w must be a numpy.ndarray of dtype float32 or float16, got {type(w).__name__}; "
+            "convert it with np.asarray(w, dtype=np.float32)"
+        )
+    if w.dtype not in QUANTIZE_DTYPES:
+        raise ValueError(
+            f"w must have dtype float32 or float16 (converted to float32 exactly), got {w.dtype}; "
+            "cast bf16 weights to float32 first (exact), never quantize from float64 or integers"
+        )
+    if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] == 0:
+        raise ValueError(f"w must be 2-D [N, K] with N, K >= 1, got shape {w.shape}")
+    if not np.all(np.isfinite(w)):
+        bad = ~np.isfinite(w)
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"w must be finite, got {int(bad.sum())} NaN/inf values, first at index {first} "
+            f"(value {w[first]}); clean the weight before quantizing"
+        )
+    return w.astype(np.float32)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .checks import require_array, require_no_nan_e4m3
+from .checks import require_array, require_no_nan_e4m3, require_weight_to_quantize
 from .codecs import E4M3_MAX, decode_e4m3, encode_e4m3
 
 FP8_GRANULARITIES = ("tensor", "channel", "block")
@@ -43,7 +43,6 @@ FP8_SCALE_DIVISOR = np.float32(E4M3_MAX)  # 448
 # RN16(v) is inf exactly when |v| >= 65520 (midpoint of 65504 and 2^16, ties to the even 2^16).
 FP16_OVERFLOW_THRESHOLD = np.float32(65520.0)
 
-_QUANTIZE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 
 
 class FP8Weight(NamedTuple):
@@ -72,7 +71,7 @@ def fp8_quantize(w, granularity: str) -> FP8Weight:
             f"granularity must be one of {FP8_GRANULARITIES}, got {granularity!r}; "
             "pick the checkpoint's scale layout"
         )
-    w32 = _validate_weight_to_quantize(w)
+    w32 = require_weight_to_quantize(w)
     n, k = w32.shape
     abs_w = np.abs(w32)
 
@@ -99,29 +98,6 @@ def fp8_quantize(w, granularity: str) -> FP8Weight:
     scale_map = _expand_scale(scale, granularity, n, k)
     codes = encode_e4m3(w32 / scale_map)  # RN32 quotient, then e4m3 RNE with saturation
     return FP8Weight(weight=codes, weight_scale=scale)
-
-
-def _validate_weight_to_quantize(w) -> np.ndarray:
-    if not isinstance(w, np.ndarray):
-        raise ValueError(
-            f"w must be a numpy.ndarray of dtype float32 or float16, got {type(w).__name__}; "
-            "convert it with np.asarray(w, dtype=np.float32)"
-        )
-    if w.dtype not in _QUANTIZE_DTYPES:
-        raise ValueError(
-            f"w must have dtype float32 or float16 (converted to float32 exactly), got {w.dtype}; "
-            "cast bf16 weights to float32 first (exact), never quantize from float64 or integers"
-        )
-    if w.ndim != 2 or w.shape[0] == 0 or w.shape[1] == 0:
-        raise ValueError(f"w must be 2-D [N, K] with N, K >= 1, got shape {w.shape}")
-    if not np.all(np.isfinite(w)):
-        bad = ~np.isfinite(w)
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"w must be finite, got {int(bad.sum())} NaN/inf values, first at index {first} "
-            f"(value {w[first]}); clean the weight before quantizing"
-        )
-    return w.astype(np.float32)  # exact for float16
 
 
 # ----------------------------------------------------------------------------- scales

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape
+from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape, require_weight_to_quantize
 from .codecs import E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3
 from .geometry import GROUP_K
 from .global_scale import global_scale_per_row
@@ -53,7 +53,6 @@ E4M3_MIN_SUBNORMAL = np.float32(2.0**-9)  # smallest positive e4m3 value (0x01)
 FP16_OVERFLOW_THRESHOLD = np.float32(65520.0)
 
 _LOW_NIBBLE = 0x0F  # 0000_1111
-_QUANTIZE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 
 
 class NVFP4Weight(NamedTuple):
@@ -162,30 +161,10 @@ def nvfp4_quantize(w) -> NVFP4Weight:
 
 
 def _validate_weight_to_quantize(w) -> np.ndarray:
-    if not isinstance(w, np.ndarray):
-        raise ValueError(
-            f"w must be a numpy.ndarray of dtype float32 or float16, got {type(w).__name__}; "
-            "convert it with np.asarray(w, dtype=np.float32)"
-        )
-    if w.dtype not in _QUANTIZE_DTYPES:
-        raise ValueError(
-            f"w must have dtype float32 or float16 (converted to float32 exactly), got {w.dtype}; "
-            "cast bf16 weights to float32 first (exact), never quantize from float64 or integers"
-        )
-    if w.ndim != 2:
-        raise ValueError(f"w must be 2-D [N, K], got shape {w.shape}")
-    n, k = w.shape
-    if n == 0:
-        raise ValueError(f"w must have at least one output row, got shape {w.shape}")
-    require_multiple("K", k, NVFP4_BLOCK, "NVFP4 (one e4m3 scale per 16 consecutive k)", "pad the input features")
-    if not np.all(np.isfinite(w)):
-        bad = ~np.isfinite(w)
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"w must be finite, got {int(bad.sum())} NaN/inf values, first at index {first} "
-            f"(value {w[first]}); clean the weight before quantizing"
-        )
-    return w.astype(np.float32)  # exact for float16; a copy for float32, so w is never touched
+    w32 = require_weight_to_quantize(w)
+    require_multiple("K", w32.shape[1], NVFP4_BLOCK, "NVFP4 (one e4m3 scale per 16 consecutive k)",
+                     "pad the input features")
+    return w32
 
 
 # ----------------------------------------------------------------------------- dequantize

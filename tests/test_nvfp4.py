@@ -279,7 +279,7 @@ def test_quantize_does_not_modify_input():
         (np.ones((4, 32), np.float64), "float32 or float16"),
         (np.ones((4, 32), np.int32), "float32 or float16"),
         (np.ones(32, np.float32), "2-D"),
-        (np.ones((0, 32), np.float32), "at least one output row"),
+        (np.ones((0, 32), np.float32), r"w must be 2-D \[N, K\] with N, K >= 1"),
         (np.array([[np.nan] + [1.0] * 15], np.float32), "finite"),
         (np.array([[np.inf] + [1.0] * 15], np.float32), "finite"),
         (np.full((1, 16), 1e-45, np.float32), "underflows"),  # subnormal amax: amax/2688 == 0
