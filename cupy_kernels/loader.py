@@ -207,9 +207,9 @@ class CudaBindingsNVRTC:
 
     def _log(self, prog) -> str:
         err, size = self._n.nvrtcGetProgramLogSize(prog)
-        buf = b" " * size
+        buf = _out_buffer(size)
         self._n.nvrtcGetProgramLog(prog, buf)
-        return buf.rstrip(b"\0").decode(errors="replace")
+        return bytes(buf).rstrip(b"\0").decode(errors="replace")
 
     def compile(self, text, name, options, headers, want_cubin) -> CompileResult:
         n = self._n
@@ -225,17 +225,25 @@ class CudaBindingsNVRTC:
             log = self._log(prog)
             err, size = n.nvrtcGetPTXSize(prog)
             self._check(err, "nvrtcGetPTXSize", prog)
-            ptx = b" " * size
+            ptx = _out_buffer(size)
             self._check(n.nvrtcGetPTX(prog, ptx)[0], "nvrtcGetPTX", prog)
             cubin = None
             if want_cubin:
                 err, size = n.nvrtcGetCUBINSize(prog)
                 self._check(err, "nvrtcGetCUBINSize", prog)
-                cubin = b" " * size
+                cubin = _out_buffer(size)
                 self._check(n.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN", prog)
-            return CompileResult(ptx.rstrip(b"\0"), cubin, log)
+                cubin = bytes(cubin)
+            return CompileResult(bytes(ptx).rstrip(b"\0"), cubin, log)
         finally:
             n.nvrtcDestroyProgram(prog)
+
+
+def _out_buffer(size: int) -> bytearray:
+    """A fresh writable buffer for NVRTC to fill. Never `b" " * size`: for size 1 (an empty log)
+    CPython returns its shared one-byte b" " object, NVRTC writes NUL into it, and every b" " in
+    the process turns into b"\0" (seen: safetensors headers padded with NUL after a compile)."""
+    return bytearray(size)
 
 
 class CtypesNVRTC:

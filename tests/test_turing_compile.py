@@ -173,6 +173,15 @@ def test_checker_accepts_a_clean_tiny_kernel(nvrtc):
     assert report.stats.spill_stores == 0 and report.stats.smem == 0
 
 
+def test_an_empty_compile_log_leaves_python_bytes_alone(nvrtc):
+    """An empty NVRTC log is 1 byte (NUL). Filling a `b" " * 1` buffer would overwrite CPython's
+    shared one-byte b" " with NUL for the whole process (seen: NUL-padded safetensors headers in
+    later tests); the loader hands NVRTC fresh bytearrays instead."""
+    result = loader.compile_text(nvrtc, 'extern "C" __global__ void quiet() {}', "quiet.cu", "sm_75")
+    assert result.log.strip("\0") == "" and result.ptx
+    assert bytes([32])[0] == 32 and b"{} " * 2 == b"{} {} "
+
+
 # ----------------------------------------------------------------------------- parsers (no NVRTC)
 
 PTXAS_LOG = """ptxas info    : 0 bytes gmem
