@@ -4,7 +4,7 @@
 #   stages: any of tests,sanitizer,bench,decode (default: all); budgets: TESTS_S, SAN_S, BENCH_S
 # Every stage logs to OUT_DIR and runs even if an earlier one failed; the last lines summarise.
 # On a machine without the MiniLM wheel, set QPN_MINILM_DIR to a copy of its model folder; the
-# notebooks need the [test] extra (nbclient), which the device image lacks, so they are skipped here.
+# notebooks need the [test] extra (nbclient), which the device image lacks, so they are left out.
 set -u
 out=${1:?usage: run_on_device.sh OUT_DIR [stages]}
 stages=${2:-tests,sanitizer,bench,decode}
