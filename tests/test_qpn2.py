@@ -228,14 +228,8 @@ def check_real_shape(n: int, k: int) -> None:
         assert flat_scales[i] == weight_scale[32 * t + spec_col(lane), g]
 
 
-@pytest.mark.parametrize(("n", "k"), REAL_SHAPES)
+@pytest.mark.parametrize(("n", "k"), [*REAL_SHAPES, *(pytest.param(*s, marks=pytest.mark.slow) for s in SLOW_SHAPES)])
 def test_real_shapes_roundtrip_and_spot_check(n, k):
-    check_real_shape(n, k)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("n", "k"), SLOW_SHAPES)
-def test_slow_real_shapes_roundtrip_and_spot_check(n, k):
     check_real_shape(n, k)
 
 

@@ -238,14 +238,8 @@ def check_real_shape(shape, granularity) -> None:
         assert flat[i] == spec_code_byte(weight, k // 16, i)
 
 
-@pytest.mark.parametrize(("shape", "granularity"), REAL_SHAPES)
+@pytest.mark.parametrize(("shape", "granularity"), [*REAL_SHAPES, *(pytest.param(*s, marks=pytest.mark.slow) for s in SLOW_SHAPES)])
 def test_real_shapes_roundtrip_and_spot_check(shape, granularity):
-    check_real_shape(shape, granularity)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("shape", "granularity"), SLOW_SHAPES)
-def test_slow_real_shapes_roundtrip_and_spot_check(shape, granularity):
     check_real_shape(shape, granularity)
 
 
