@@ -93,7 +93,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from .checks import require_no_nan_e4m3
+from .checks import FileError, require_no_nan_e4m3
 from .geometry import GROUP_K, TILE_N
 from .atomic import atomic_folder, require_writable_target, write_json
 from .safetensors_io import StoredTensor, as_stored_tensor, read_safetensors, write_safetensors
@@ -128,14 +128,8 @@ _FUSED_OF_SHARD = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_pr
                    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint breaks a rule. `path` is the file at fault, `tensor` the tensor or config entry (or None)."""
-
-    def __init__(self, path, tensor: str | None, message: str):
-        self.path = os.fspath(path)
-        self.tensor = tensor
-        where = f"{self.path}: tensor {tensor!r}: " if tensor is not None else f"{self.path}: "
-        super().__init__(where + message)
+class CheckpointError(FileError):
+    """A checkpoint breaks a rule (`FileError`: path is the file at fault, tensor the tensor or config entry)."""
 
 
 class _FieldError(ValueError):

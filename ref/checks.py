@@ -6,7 +6,20 @@ Every failure is a `ValueError` that names the argument, the rule, the value and
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+
+class FileError(ValueError):
+    """A file breaks a rule. `path` is the file at fault, `tensor` the tensor or config entry (or None);
+    the message starts with both, so the user sees where to look."""
+
+    def __init__(self, path, tensor: str | None, message: str):
+        self.path = os.fspath(path)
+        self.tensor = tensor
+        where = f"{self.path}: tensor {tensor!r}: " if tensor is not None else f"{self.path}: "
+        super().__init__(where + message)
 
 
 def require_array(name: str, value, dtype, ndim: int | None = None) -> np.ndarray:

@@ -56,6 +56,7 @@ from typing import Mapping, NamedTuple
 import numpy as np
 
 from .atomic import fsync_dir, plain_file_mode
+from .checks import FileError
 
 # tag -> numpy carrier dtype (little-endian). Order of the table is irrelevant.
 DTYPE_OF_TAG: dict[str, np.dtype] = {
@@ -100,14 +101,8 @@ METADATA_KEY = "__metadata__"
 _HEADER_ALIGN = 8
 
 
-class SafetensorsError(ValueError):
-    """A safetensors file or tensor breaks the format. `path` and `tensor` (or None) name the culprit."""
-
-    def __init__(self, path, tensor: str | None, message: str):
-        self.path = os.fspath(path)
-        self.tensor = tensor
-        where = f"{self.path}: tensor {tensor!r}: " if tensor is not None else f"{self.path}: "
-        super().__init__(where + message)
+class SafetensorsError(FileError):
+    """A safetensors file or tensor breaks the format (`FileError`: path and tensor name the culprit)."""
 
 
 @dataclass(frozen=True, eq=False)
