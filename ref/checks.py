@@ -65,6 +65,17 @@ def require_no_nan_e4m3(name: str, bits: np.ndarray) -> None:
         )
 
 
+def require_positive_scale(name: str, scale: np.ndarray) -> None:
+    """Every value of a float scale must be finite and > 0 (a zero, negative or NaN scale is corruption)."""
+    bad = ~(np.isfinite(scale) & (scale > 0))
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} must be finite and > 0, got {int(bad.sum())} bad values, first {scale[first]} at "
+            f"index {first}; the checkpoint's scale is corrupt"
+        )
+
+
 def require_finite(name: str, value: np.ndarray) -> None:
     if not np.all(np.isfinite(value)):
         raise ValueError(f"{name} must be finite, got {int((~np.isfinite(value)).sum())} NaN/inf values")

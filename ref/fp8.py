@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .checks import require_array, require_no_nan_e4m3, require_weight_to_quantize
+from .checks import require_array, require_no_nan_e4m3, require_positive_scale, require_weight_to_quantize
 from .codecs import E4M3_MAX, decode_e4m3, encode_e4m3
 
 FP8_GRANULARITIES = ("tensor", "channel", "block")
@@ -138,13 +138,7 @@ def fp8_scale_map(weight_scale, n: int, k: int) -> np.ndarray:
 def _validated_scale(weight_scale, n: int, k: int) -> tuple[str, np.ndarray]:
     granularity = fp8_scale_granularity(weight_scale, n, k)
     scale = _as_float32_scale(weight_scale)
-    bad = ~(np.isfinite(scale) & (scale > 0))
-    if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"weight_scale must be finite and > 0, got {int(bad.sum())} bad values, first "
-            f"{scale[first]} at index {first}; the checkpoint's scale is corrupt"
-        )
+    require_positive_scale("weight_scale", scale)
     if granularity == "channel":
         scale = scale.reshape(n)
     return granularity, scale

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape
+from .checks import require_array, require_multiple, require_no_nan_e4m3, require_positive_scale
 from .codecs import E4M3_MAX, decode_e4m3
 from .fp8 import fp8_scale_granularity
 from .geometry import GROUP_K, TILE_N
@@ -149,13 +149,7 @@ def qpn8_prepack(weight, weight_scale, granularity: str | None = None) -> tuple[
     n, k = weight.shape
     granularity = qpn8_scale_granularity(scale, n, k, granularity)
 
-    bad = ~(np.isfinite(scale) & (scale > 0))
-    if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"weight_scale must be finite and > 0, got {int(bad.sum())} bad values, first {scale[first]} at "
-            f"index {list(first)}; the checkpoint's scale is corrupt"
-        )
+    require_positive_scale("weight_scale", scale)
     s16 = _s16_of_scale(scale)
     _require_s16_fits_fp16("weight_scale", s16, scale)
     require_no_nan_e4m3("weight", weight)

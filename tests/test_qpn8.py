@@ -335,7 +335,7 @@ def test_largest_accepted_scale_decodes_finite():
 def test_rejects_bad_scale_values(s):
     scale = np.full(32, 0.01, np.float32)
     scale[3] = s
-    with pytest.raises(ValueError, match=r"weight_scale must be finite and > 0.*index \[3\]"):
+    with pytest.raises(ValueError, match=r"weight_scale must be finite and > 0.*index \(3,\)"):
         qpn8_prepack(np.zeros((32, 16), np.uint8), scale)
 
 
