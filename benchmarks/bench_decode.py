@@ -32,8 +32,6 @@ sys.path.insert(0, str(HERE))
 import bench_kernels as bk  # noqa: E402
 
 DECODE_MS = (1, 2, 4, 8, 16, 32)
-# (tiles per block, unroll, L2 prefetch distance, warp target); the first is the shipped one
-VARIANTS = ((1, 2, 0, 2048), (1, 4, 0, 2048), (2, 2, 0, 2048), (1, 2, 0, 1024), (1, 2, 0, 4096), (1, 2, 0, 8192))
 G = 1e-3  # global scale: with e4m3 scales 0x28..0x7D every block is on the fast decode path
 
 
@@ -177,96 +175,101 @@ def section_decode(ctx: bk.Context) -> bk.Section:
     return sec
 
 
+# Rolling-pipeline variants (groups of weights in flight per warp, blocks per SM the registers
+# must allow) and K-split warp targets timed by "variants"; the wrapper's own choice is one of them.
+PIPELINE_VARIANTS = {1: ((4, 1), (4, 2), (8, 1), (2, 2), (6, 1)), 4: ((2, 1), (4, 1), (1, 2), (1, 1))}
+WARP_TARGETS = (4096, 8192)
+
+
 def section_variants(ctx: bk.Context) -> bk.Section:
-    """Kernel variants at M = 1 and 8 (tiles per block, unroll, split target, tiny blocks)."""
+    """Load-pipeline and K-split variants at M = 1, 8 and 32 (correctness-checked, then timed)."""
     from qpn.cupy_kernels import linear as L
-    from qpn.cupy_kernels.loader import get_function
+    from qpn.cupy_kernels import qpn2_dequantize, qpn8_dequantize
 
     cp = ctx.cp
     read = ctx.ceiling["read"]
     g_dev = cp.full(1, G, dtype=cp.float32)
-    sec = bk.Section("variants", "Decode kernel variants (M = 1, 8)", [
+    sec = bk.Section("variants", "Decode kernel variants: rolling pipeline (groups in flight per warp, blocks/SM) and warp target", [
         bk.Column("fmt", "format"), bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
         bk.Column("variant", "variant"), bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
     ])
-    shapes = [(28672, 8192), (4096, 14336), (14336, 4096)] if not ctx.quick else [(28672, 8192)]
+    shapes = ctx.shapes if not ctx.quick else [(28672, 8192)]
     for n, k in shapes:
         slots = ctx.rotations(n * k // 2, minimum=2, maximum=16)
-        q2 = _qpn2_copies(cp, n, k, slots)
-        q2tiny = _qpn2_copies(cp, n, k, slots, seed=100, tiny_fraction=0.001)
-        q8 = _qpn8_copies(cp, n, k, slots)
-        for m in (1, 8):
+        bufs = {"qpn2": _qpn2_copies(cp, n, k, slots), "qpn8": _qpn8_copies(cp, n, k, slots)}
+        w16 = {"qpn2": qpn2_dequantize(*bufs["qpn2"][0], G, n, k), "qpn8": qpn8_dequantize(*bufs["qpn8"][0], n, k)}
+        for m in (1, 8, 32):
             x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
             y = cp.empty((m, n), cp.float16)
             nb = -(-m // 8)
             for fmt in ("qpn2", "qpn8"):
-                for tiles, unroll, pf, target in VARIANTS:
-                    if nb > 2 and unroll > 2:
-                        continue
-                    macros = (("QPN_GATED", "0"), ("QPN_NB", str(nb)), ("QPN_PREFETCH", str(pf)), ("QPN_TILES", str(tiles)),
-                              ("QPN_UNROLL", str(unroll)), ("QPN_WARPS", "16"))
-                    if fmt == "qpn8":
-                        macros += (("QPN8_BLOCK_SCALES", "0"),)
-                    try:
-                        fn = get_function(f"{fmt}_linear.cu", f"{fmt}_linear", macros)
-                    except Exception as exc:  # noqa: BLE001 - a variant that does not build is a row, not a crash
-                        sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"t{tiles} u{unroll} w{target}: {exc}"[:80]})
-                        continue
-                    n_slots = n // 32
-                    saved, L.TARGET_WARPS = L.TARGET_WARPS, target
-                    split, gpw = L.split_k(n_slots, k // 16)
-                    L.TARGET_WARPS = saved
-                    grid, block = (-(-n_slots // tiles),), (32 * split,)
-                    variants = [("", q2 if fmt == "qpn2" else q8)]
-                    if fmt == "qpn2" and (tiles, unroll, pf, target) == VARIANTS[0]:
-                        variants.append((" 0.1% tiny blocks", q2tiny))
-                    for label, bufs in variants:
-                        if fmt == "qpn2":
-                            launch = lambda i, bufs=bufs: fn(grid, block, (*bufs[i % slots], g_dev, np.int32(0), x, y, np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw)))  # noqa: E731
-                            nbytes = n * k // 2 + n * k // 16
-                        else:
-                            launch = lambda i, bufs=bufs: fn(grid, block, (bufs[i % slots][0], bufs[i % slots][1], np.int32(0), x, y, np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw)))  # noqa: E731
-                            nbytes = n * k
-                        t = ctx.time_calls(launch, slots)
-                        sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m,
-                                         "variant": f"tiles {tiles} unroll {unroll} prefetch {pf} split {split}x{gpw}{label}",
+                shipped = L.PIPELINE[fmt, nb, False]
+                for pipe in PIPELINE_VARIANTS[nb]:
+                    for target in WARP_TARGETS:
+                        if target != L.TARGET_WARPS and pipe != shipped:
+                            continue  # the warp target only around the shipped pipeline
+                        macros = dict((("QPN_GATED", "0"), ("QPN_NB", str(nb)), ("QPN_TILES", "1"), ("QPN_WARPS", "16")))
+                        macros.update(L.pipeline_macros(*pipe))
+                        if fmt == "qpn8":
+                            macros["QPN8_BLOCK_SCALES"] = "0"
+                        label = f"in flight {pipe[0]} blocks/SM {pipe[1]} target {target}"
+                        if pipe == shipped and target == L.TARGET_WARPS:
+                            label += " (shipped)"
+                        try:
+                            t, split = _launch_variant(ctx, fmt, tuple(sorted(macros.items())), n, k, m, bufs[fmt], x, y,
+                                                       slots, g_dev, target, check=w16[fmt])
+                        except Exception as exc:  # noqa: BLE001 - a variant that fails is a row, not a crash
+                            sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label}: {exc}"[:120]})
+                            continue
+                        nbytes = n * k // 2 + n * k // 16 if fmt == "qpn2" else n * k
+                        sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label} split {split}",
                                          "us": t["us"], "pct": 100.0 * bk.gbps(nbytes, t["us"]) / read})
-        del q2, q2tiny, q8
+        del bufs, w16
         cp.get_default_memory_pool().free_all_blocks()
     return sec
 
 
-def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=2048):
-    """Time one macro build of a decode kernel (the wrapper's grid and split rules)."""
+def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=None, check=None):
+    """Time one macro build of a decode kernel (the wrapper's grid and split rules); with `check`
+    (the W16 of bufs[0]), first verify its outputs against the fp32 accumulation bound."""
     from qpn.cupy_kernels import linear as L
     from qpn.cupy_kernels.loader import get_function
 
     fn = get_function(f"{fmt}_linear.cu", f"{fmt}_linear", macros)
     tiles = int(dict(macros).get("QPN_TILES", "1"))
     n_slots = n // 32
-    saved, L.TARGET_WARPS = L.TARGET_WARPS, target
-    split, gpw = L.split_k(n_slots, k // 16)
-    L.TARGET_WARPS = saved
-    grid, block = (-(-n_slots // tiles),), (32 * split,)
+    saved, L.TARGET_WARPS = L.TARGET_WARPS, target or L.TARGET_WARPS
+    try:
+        parts, split, gpw = L.decode_split(fmt, n, k)
+        partial, tickets = L._split_k_buffers(fmt, m, n, k, False, None)
+    finally:
+        L.TARGET_WARPS = saved
+    grid, block = (-(-n_slots // tiles), parts), (32 * split,)
+    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw), partial, tickets)
     if fmt == "qpn2":
-        launch = lambda i: fn(grid, block, (*bufs[i % slots], g_dev, np.int32(0), x, y, np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw)))  # noqa: E731
+        launch = lambda i: fn(grid, block, (*bufs[i % slots], g_dev, np.int32(0), x, y, *tail))  # noqa: E731
     else:
-        launch = lambda i: fn(grid, block, (bufs[i % slots][0], bufs[i % slots][1], np.int32(0), x, y, np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw)))  # noqa: E731
-    return ctx.time_calls(launch, slots), f"split {split}x{gpw}"
+        launch = lambda i: fn(grid, block, (bufs[i % slots][0], bufs[i % slots][1], np.int32(0), x, y, *tail))  # noqa: E731
+    if check is not None:
+        launch(0)
+        _check(ctx, f"{fmt}_linear {dict(macros)} N={n} K={k} M={m}", y, x, check, 64)
+    return ctx.time_calls(launch, slots), f"{parts}x{split}x{gpw}"
 
 
 ABLATIONS = (  # (format, label, extra macros): where the time goes (METHOD.md: leave one stage out)
-    ("qpn2", "full", ()), ("qpn2", "full, L2 prefetch 8 groups ahead", (("QPN_PREFETCH", "8"),)),
+    ("qpn2", "full", ()),
     ("qpn2", "loads only", (("QPN_ABLATE", "1"),)),
     ("qpn2", "no exchange", (("QPN_ABLATE", "2"),)), ("qpn2", "no decode", (("QPN_ABLATE", "3"),)),
     ("qpn2", "no mma", (("QPN_ABLATE", "4"),)),
-    ("qpn8", "full", ()), ("qpn8", "full, L2 prefetch 8 groups ahead", (("QPN_PREFETCH", "8"),)),
+    ("qpn8", "full", ()),
     ("qpn8", "loads only", (("QPN_ABLATE", "1"),)),
 )
 
 
 def section_ablate(ctx: bk.Context) -> bk.Section:
     """Stage ablations at M = 1 (not correct outputs: timing only)."""
+    from qpn.cupy_kernels import linear as L
+
     cp = ctx.cp
     read = ctx.ceiling["read"]
     g_dev = cp.full(1, G, dtype=cp.float32)
@@ -280,7 +283,7 @@ def section_ablate(ctx: bk.Context) -> bk.Section:
         x = (cp.random.RandomState(1).standard_normal((1, k)) * 0.5).astype(cp.float16)
         y = cp.empty((1, n), cp.float16)
         for fmt, label, extra in ABLATIONS:
-            macros = dict((("QPN_GATED", "0"), ("QPN_NB", "1"), ("QPN_TILES", "1"), ("QPN_UNROLL", "2"), ("QPN_WARPS", "16")))
+            macros = dict(L._macros(fmt, 1, False, (("QPN8_BLOCK_SCALES", "0"),) if fmt == "qpn8" else ()))  # the shipped M <= 8 build
             macros.update(extra)
             t, split = _launch_variant(ctx, fmt, tuple(sorted(macros.items())), n, k, 1, bufs[fmt], x, y, slots, g_dev)
             nbytes = n * k // 2 + n * k // 16 if fmt == "qpn2" else n * k

@@ -1,6 +1,7 @@
 """Launch decode-kernel builds a few times each (for `ncu` stall / occupancy sections); timing-free.
 
-    ncu --section WarpStateStats --section Occupancy -k regex:qpn python benchmarks/profile_decode.py
+    ncu --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy \
+        --section ComputeWorkloadAnalysis -k regex:qpn python benchmarks/profile_decode.py
 """
 import sys
 
@@ -20,16 +21,21 @@ class _Ctx:  # minimal stand-in for bench_kernels.Context.time_calls: 2 launches
         return {"us": 0.0}
 
 
-VARIANTS = [("qpn2", ()), ("qpn2", (("QPN_ABLATE", "1"),)), ("qpn2", (("QPN_ABLATE", "3"),)),
-            ("qpn2", (("QPN_ABLATE", "4"),)), ("qpn8", ())]
+# (format, pipeline (groups in flight, blocks/SM) or None for the shipped one, extra macros)
+VARIANTS = [("qpn2", None, ()), ("qpn2", (8, 1), ()), ("qpn2", (4, 2), ()), ("qpn2", None, (("QPN_ABLATE", "1"),)),
+            ("qpn8", None, ()), ("qpn8", (4, 2), ())]
 
 if __name__ == "__main__":
+    from qpn.cupy_kernels import linear as L
+
     n, k = 28672, 8192
     bufs = {"qpn2": _qpn2_copies(cp, n, k, 2), "qpn8": _qpn8_copies(cp, n, k, 2)}
     x = cp.asarray(np.random.default_rng(0).standard_normal((1, k)).astype(np.float16))
     y = cp.empty((1, n), cp.float16)
     g = cp.full(1, G, cp.float32)
-    for fmt, extra in VARIANTS:
-        macros = dict((("QPN_GATED", "0"), ("QPN_NB", "1"), ("QPN_TILES", "1"), ("QPN_UNROLL", "4"), ("QPN_WARPS", "16")))
+    for fmt, pipe, extra in VARIANTS:
+        macros = dict(L._macros(fmt, 1, False, (("QPN8_BLOCK_SCALES", "0"),) if fmt == "qpn8" else ()))
+        if pipe is not None:
+            macros.update(L.pipeline_macros(*pipe))
         macros.update(extra)
-        print(fmt, extra, _launch_variant(_Ctx(), fmt, tuple(sorted(macros.items())), n, k, 1, bufs[fmt], x, y, 2, g)[1], flush=True)
+        print(fmt, pipe, extra, _launch_variant(_Ctx(), fmt, tuple(sorted(macros.items())), n, k, 1, bufs[fmt], x, y, 2, g)[1], flush=True)

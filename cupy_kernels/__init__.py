@@ -11,12 +11,14 @@ Public functions (CuPy arrays in and out, launched on the current CuPy stream):
 - `qpn8_dequantize(codes, group_scales, n, k, out=None, check=True) -> fp16 [n, k]`
 - `qpn2_dense_linear(x, codes, scales, global_scale, out=None, workspace=None, check=False)`
 - `qpn8_dense_linear(x, codes, group_scales, out=None, workspace=None, check=False)`
-- `qpn2_linear(x, codes, scales, global_scale, out=None, gated=False)`, `qpn8_linear(...)`: the
-  decode kernels, M in [1, 32]; `decode_threshold(fmt, n, k)`: the largest M they should serve
+- `qpn2_linear(x, codes, scales, global_scale, out=None, gated=False, workspace=None)`,
+  `qpn8_linear(...)`: the decode kernels, M in [1, 32]; `decode_threshold(fmt, n, k)`: the largest
+  M they should serve; `decode_workspace_size(fmt, m, n, k, gated)`: fp32 elements of the split-K
+  workspace a call needs (0: none), for callers that allocate it themselves
 """
 
 from .dense import qpn2_dense_linear, qpn8_dense_linear
 from .dequantize import qpn2_dequantize, qpn8_dequantize
-from .linear import decode_threshold, qpn2_linear, qpn8_linear
+from .linear import decode_threshold, decode_workspace_size, qpn2_linear, qpn8_linear
 from .loader import get_function
 from .prepack import qpn2_prepack, qpn8_prepack

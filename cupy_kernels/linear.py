@@ -35,40 +35,45 @@ from .variants import KernelVariant
 
 MAX_M = 32  # the decode kernels' token limit (4 tensor-core n8 blocks)
 TOKENS_PER_BLOCK = 8  # tokens per mma n8 block
-# Split-K: warps per tile (K-slices, reduced in shared memory in a fixed order), chosen from N and
-# K only. Aim at about TARGET_WARPS warps in all (the H200 holds 132 SMs x ~28 of these warps;
-# a T4, 40 x 32), at most MAX_WARPS per block, at least MIN_GROUPS_PER_WARP 16-k groups per warp
-# (shorter slices spend more of their time in the reduction). Measured on the H200, M = 1,
-# % of the read ceiling (bench_decode.py "variants"): 28672x8192 QPN8 split 2/4/8/16: 67.2 /
-# 79.9 / 86.5 / 81.6, QPN2 26.7 / 31.6 / 33.9 / 34.7; 4096x14336 split 8/16: QPN8 45.5 / 68.5.
+# Split-K (split_k): K-slices per tile, one warp each, summed in a fixed order -- in shared memory
+# inside a block, across blocks for layers with few tiles -- chosen from N, K and the GPU's SM
+# count, never from M. About TARGET_WARPS warps in all (the H200 holds 132 SMs x 32 of these
+# warps; a T4, 40 x 32), MIN_WARPS..MAX_WARPS per block, at least MIN_GROUPS_PER_WARP 16-k groups
+# per warp (shorter slices spend more of their time in the reduction). Measured on the H200,
+# M = 1 (bench_decode.py "variants"): 28672x8192 QPN8 split 2/4/8/16: 67.2 / 79.9 / 86.5 / 81.6 %
+# of the read ceiling; 34816x5120 QPN8 4 / 8 warps per tile: 68.1 / 76.6 %.
 TARGET_WARPS = 4096
 MAX_WARPS = 16
+MIN_WARPS = 8
+MAX_PARTS = 4  # blocks per tile (split-K across blocks)
 MIN_GROUPS_PER_WARP = 8
 TILES_PER_BLOCK = 1  # tile slots per block (a gated slot = gate tile + up tile)
-# Groups per load batch. Measured on the H200 (bench_decode.py "variants", % of the read
-# ceiling, M = 1): QPN8 unroll 2 vs 4: 79.9 vs 63.0 (28672x8192), 68.5 vs 56.7 (4096x14336):
-# fewer registers, more resident warps; QPN2 unroll 4 vs 2: 34.9 vs 31.6, 32.6 vs 30.0 (QPN2 is
-# instruction-bound, a longer batch gives the scheduler more independent work). Gated variants
-# with 3-4 token blocks hold two tiles' accumulators and keep one batch in flight
-# (QPN_DOUBLE_BUFFER=0) to compile without spills under the 128-register bound.
-UNROLL = {  # (format, 8-token blocks, gated) -> groups per load batch
-    **{("qpn2", nb, False): u for nb, u in ((1, 4), (2, 4), (3, 2), (4, 2))},
-    **{("qpn8", nb, False): 2 for nb in (1, 2, 3, 4)},
-    **{(fmt, nb, True): u for fmt in ("qpn2", "qpn8") for nb, u in ((1, 2), (2, 2), (3, 1), (4, 1))},
+# The load batches (qpn_mma.cuh, qpn_run_batches) per (format, 8-token blocks, gated): (groups per
+# batch, blocks of MAX_WARPS warps per SM the registers must allow). Measured on the H200
+# (bench_decode.py "variants", results/decode_h200_tuning.md, % of the read ceiling, 28672x8192):
+# M <= 8: 4 groups at 2 blocks/SM (64 registers) QPN2 41.8 / QPN8 84.8 against 37.0 / 80.2 at
+# 1 block/SM; M = 32: 4 groups at 1 block/SM 24.5 / 46.3 against 20.8 / 42.0 with 2 groups.
+# Gated builds hold two tiles' accumulators: fewer groups per batch keep them free of spills.
+PIPELINE = {
+    **{(fmt, nb, False): (4, 2 if nb == 1 else 1) for fmt in ("qpn2", "qpn8") for nb in (1, 2, 3, 4)},
+    **{(fmt, nb, True): (2 if nb <= 2 else 1, 1) for fmt in ("qpn2", "qpn8") for nb in (1, 2, 3, 4)},
 }
 QPN8_K_MULTIPLE = GROUP_K
 
 
+def pipeline_macros(unroll: int, min_blocks: int) -> tuple[tuple[str, str], ...]:
+    return (("QPN_MIN_BLOCKS", str(min_blocks)), ("QPN_UNROLL", str(unroll)))
+
+
 def _macros(fmt: str, nb: int, gated: bool, extra=()) -> tuple[tuple[str, str], ...]:
-    return (
-        ("QPN_DOUBLE_BUFFER", "0" if (gated and nb > 2) else "1"),
+    return tuple(sorted((
+        *pipeline_macros(*PIPELINE[fmt, nb, gated]),
         ("QPN_GATED", str(int(gated))),
         ("QPN_NB", str(nb)),
         ("QPN_TILES", str(TILES_PER_BLOCK)),
-        ("QPN_UNROLL", str(UNROLL[fmt, nb, gated])),
         ("QPN_WARPS", str(MAX_WARPS)),
         *extra,
-    )
+    )))
 
 
 _BLOCKS = range(1, MAX_M // TOKENS_PER_BLOCK + 1)
@@ -94,12 +99,45 @@ QPN8_LINEAR = {
 KERNEL_VARIANTS = (*QPN2_LINEAR.values(), *QPN8_LINEAR.values())
 
 
-def split_k(n_tiles: int, groups: int) -> tuple[int, int]:
-    """(warps per block, groups per warp) for N/32 tiles and K/16 groups. Never depends on M."""
-    want = -(-TARGET_WARPS // max(1, n_tiles))  # warps per block for TARGET_WARPS in all
-    split = min(MAX_WARPS, 1 << math.ceil(math.log2(want)), max(1, groups // MIN_GROUPS_PER_WARP))
-    groups_per_warp = -(-groups // split)
-    return -(-groups // groups_per_warp), groups_per_warp
+def split_k(n_tiles: int, groups: int, multiple: int = 1, sms: int = 0) -> tuple[int, int, int]:
+    """(blocks per tile, warps per block, groups per warp) for N/32 tiles and K/16 groups on a GPU
+    of `sms` SMs (0: one block per tile). Never depends on M (batch invariance).
+
+    Warps per block: about TARGET_WARPS K-slices in all (a power of two per tile), at least
+    MIN_WARPS and at most MAX_WARPS, each slice >= MIN_GROUPS_PER_WARP groups. Blocks per tile
+    ("parts", summed across blocks in a fixed order: qpn_reduce_store) only for layers of fewer
+    than 2 tiles per SM, where the block scheduler cannot balance the SMs: the parts that minimise
+    ceil(parts * tiles / SMs) / parts, the busiest SM's share of the layer with one block per SM
+    at a time (16 warps saturate an H200 SM on these loops: 4096x4096, 128 tiles on 132 SMs, ran
+    8.1 us with 1 part, 9.4 us with 2); the fewest parts on ties. Measured on the H200 (M = 1,
+    5120x17408, 160 tiles): QPN2 44.3 / 38.6 / 34.9 us with 1 / 2 / 4 parts, QPN8 39.7 / 33.9 /
+    33.8. groups_per_warp is rounded up to a multiple of `multiple` (the load batch): when
+    `groups` is a multiple of it too (QPN2), no warp loads a partial batch.
+    """
+    want = 1 << math.ceil(math.log2(-(-TARGET_WARPS // max(1, n_tiles))))  # K-slices per tile
+    split = max(1, min(MAX_WARPS, max(MIN_WARPS, want), groups // MIN_GROUPS_PER_WARP))
+    parts = 1
+    if 0 < n_tiles < 2 * sms:
+        fits = [p for p in range(1, MAX_PARTS + 1) if p == 1 or p * split * MIN_GROUPS_PER_WARP <= groups]
+        parts = min(fits, key=lambda p: (-(-p * n_tiles // sms) / p, p))
+    groups_per_warp = -(-groups // (parts * split))
+    groups_per_warp = -(-groups_per_warp // multiple) * multiple
+    slices = -(-groups // groups_per_warp)  # the slices that hold groups
+    split = -(-slices // parts)
+    return -(-slices // split), split, groups_per_warp
+
+
+_SMS: dict = {}  # device id -> multiprocessor count
+
+
+def decode_split(fmt: str, n: int, k: int) -> tuple[int, int, int]:
+    """split_k for an [N, K] weight of format "qpn2" | "qpn8" on the current CuPy device."""
+    import cupy  # noqa: PLC0415
+
+    device = cupy.cuda.Device()
+    if device.id not in _SMS:
+        _SMS[device.id] = device.attributes["MultiProcessorCount"]
+    return split_k(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[fmt], _SMS[device.id])
 
 
 DECODE_FORMATS = ("nvfp4", "fp8")
@@ -161,21 +199,94 @@ def _gated_rows(n: int, gated: bool) -> int:
     return n // 2 if gated else n
 
 
-def _launch_shape(n: int, k: int, gated: bool):
+# groups_per_warp multiple per format, the same for every M and gated or not (batch invariance):
+# QPN2's K % 64 == 0 makes every K-slice whole batches of up to 4 groups (no pad groups).
+SLICE_MULTIPLE = {"qpn2": QPN2_K_MULTIPLE // GROUP_K, "qpn8": 1}
+
+
+def _launch_shape(fmt: str, n: int, k: int, gated: bool):
     n_slots = n // TILE_N // (2 if gated else 1)
     # the split follows the weight's tile count, gated or not: the gated kernel then sums every
     # tile exactly as the plain kernel does (its gate / up values equal qpn2_linear's, bit for bit)
-    split, groups_per_warp = split_k(n // TILE_N, k // GROUP_K)
-    grid = (-(-n_slots // TILES_PER_BLOCK),)
+    parts, split, groups_per_warp = decode_split(fmt, n, k)
+    grid = (-(-n_slots // TILES_PER_BLOCK), parts)
     block = (32 * split,)
     return n_slots, groups_per_warp, grid, block
 
 
-def qpn2_linear(x, codes, scales, global_scale, out=None, gated: bool = False):
+def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False) -> int:
+    """fp32 elements of the split-K workspace qpn2_linear / qpn8_linear need for this call (0: none).
+
+    Pass a workspace of at least this size (`workspace=`) where allocations must come from the
+    caller (torch's allocator under CUDA-graph capture); without one the wrappers allocate it.
+    """
+    if fmt not in ("qpn2", "qpn8"):
+        raise ValueError(f"fmt must be 'qpn2' or 'qpn8', got {fmt!r}")
+    parts = decode_split(fmt, n, k)[0]
+    return 0 if parts == 1 else parts * (2 if gated else 1) * m * _gated_rows(n, gated)
+
+
+# Split-K arrival counters ("tickets"), one per output tile of a launch. The last block of each
+# tile resets its counter, so they are zero between launches; concurrent launches need separate
+# counters, hence one row per stream. Rows are preallocated per device (zeroed on the device's
+# first split-K call, normally the warm-up), so a stream first seen inside a CUDA-graph capture
+# (torch.cuda.graph's own capture stream) needs no allocation. parts > 1 only when N/32 tiles <
+# TARGET_WARPS / MAX_WARPS (256), which bounds the counters a launch uses (the benchmarks try
+# targets up to 16384: 1024 tiles).
+TICKET_STREAMS = 16
+TICKET_TILES = 2048
+_TICKETS: dict = {}  # device id -> uint32 [TICKET_STREAMS, TICKET_TILES]
+_TICKET_ROWS: dict = {}  # (device id, stream) -> row
+
+
+def _tickets(tiles: int):
+    import cupy  # noqa: PLC0415
+
+    device, stream = cupy.cuda.Device().id, cupy.cuda.get_current_stream()
+    table = _TICKETS.get(device)
+    if table is None:
+        if stream.is_capturing():
+            raise ValueError(
+                "the first split-K decode call on a device cannot be inside a CUDA-graph capture (it "
+                "allocates and zeroes the arrival counters); run the layer once before capturing"
+            )
+        table = _TICKETS[device] = cupy.zeros((TICKET_STREAMS, TICKET_TILES), dtype=np.uint32)
+    if tiles > TICKET_TILES:  # only a warp target > 16 * TICKET_TILES could get here
+        raise ValueError(f"split-K over {tiles} tiles exceeds the {TICKET_TILES} counters per stream")
+    row = _TICKET_ROWS.setdefault((device, stream.ptr), len([key for key in _TICKET_ROWS if key[0] == device]))
+    if row >= TICKET_STREAMS:
+        raise ValueError(
+            f"split-K decode calls came from more than {TICKET_STREAMS} CUDA streams on device {device}; "
+            "reuse streams (each keeps its own arrival counters)"
+        )
+    return table[row]
+
+
+def _split_k_buffers(fmt: str, m: int, n: int, k: int, gated: bool, workspace):
+    """(partial sums, tickets) for a split-K launch, or (0, 0) null pointers when parts == 1."""
+    import cupy  # noqa: PLC0415
+
+    size = decode_workspace_size(fmt, m, n, k, gated)
+    if size == 0:
+        return np.uint64(0), np.uint64(0)
+    if workspace is None:
+        workspace = cupy.empty(size, dtype=np.float32)
+    else:
+        require_cupy("workspace", workspace, np.float32)
+        if workspace.size < size or not workspace.flags.c_contiguous:
+            raise ValueError(
+                f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
+                f"(decode_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one"
+            )
+    return workspace, _tickets(n // TILE_N)
+
+
+def qpn2_linear(x, codes, scales, global_scale, out=None, gated: bool = False, workspace=None):
     """y = x @ W16^T for a QPN2 (NVFP4) weight, M in [1, 32] (module docstring).
 
     x: fp16 [M, K], K % 64 == 0; codes uint8 [N, K/2] or flat; scales uint8 [N, K/16] or flat;
     global_scale float32 scalar or [N/32]. Returns fp16 [M, N] ([M, N/2] when gated).
+    workspace: optional float32 CuPy array for split-K layers (decode_workspace_size).
     """
     # validate (shapes, dtypes, devices, alignment) -> allocate -> grid/block -> launch
     m, k = _activation(x, QPN2_K_MULTIPLE, "QPN2", PAD_K_FIX, "qpn2_dense_linear")
@@ -184,19 +295,20 @@ def qpn2_linear(x, codes, scales, global_scale, out=None, gated: bool = False):
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
     out_cols = _gated_rows(n, gated)
     y = output_array(out, (m, out_cols), np.float16)
-    n_slots, groups_per_warp, grid, block = _launch_shape(n, k, gated)
+    partial, tickets = _split_k_buffers("qpn2", m, n, k, gated, workspace)
+    n_slots, groups_per_warp, grid, block = _launch_shape("qpn2", n, k, gated)
     fn = kernel(QPN2_LINEAR[-(-m // TOKENS_PER_BLOCK), bool(gated)])
     fn(grid, block, (codes, scales, g, np.int32(g_stride), x, y, np.int32(m), np.int32(n), np.int32(k),
-                     np.int32(n_slots), np.int32(groups_per_warp)))
+                     np.int32(n_slots), np.int32(groups_per_warp), partial, tickets))
     return y
 
 
-def qpn8_linear(x, codes, group_scales, out=None, gated: bool = False):
+def qpn8_linear(x, codes, group_scales, out=None, gated: bool = False, workspace=None):
     """y = x @ W16^T for a QPN8 (FP8) weight, M in [1, 32] (module docstring).
 
     x: fp16 [M, K], K % 16 == 0 (128x128 block scales: K % 128 == 0); codes uint8 [N, K] or flat;
     group_scales fp16 [1, N] (channel / tensor) or [K/128, N/32] (block). Returns fp16 [M, N]
-    ([M, N/2] when gated).
+    ([M, N/2] when gated). workspace: as qpn2_linear.
     """
     m, k = _activation(x, QPN8_K_MULTIPLE, "QPN8", PAD_K16_FIX, "qpn8_dense_linear")
     n = _rows_of(codes, k, 1.0)
@@ -207,8 +319,9 @@ def qpn8_linear(x, codes, group_scales, out=None, gated: bool = False):
         require_aligned("group_scales", group_scales, 8)  # 8-byte loads of a quad's 4 scales
     out_cols = _gated_rows(n, gated)
     y = output_array(out, (m, out_cols), np.float16)
-    n_slots, groups_per_warp, grid, block = _launch_shape(n, k, gated)
+    partial, tickets = _split_k_buffers("qpn8", m, n, k, gated, workspace)
+    n_slots, groups_per_warp, grid, block = _launch_shape("qpn8", n, k, gated)
     fn = kernel(QPN8_LINEAR[-(-m // TOKENS_PER_BLOCK), bool(gated), block_scales])
     fn(grid, block, (codes, group_scales, np.int32(kb_stride), x, y, np.int32(m), np.int32(n), np.int32(k),
-                     np.int32(n_slots), np.int32(groups_per_warp)))
+                     np.int32(n_slots), np.int32(groups_per_warp), partial, tickets))
     return y

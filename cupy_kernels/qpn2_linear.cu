@@ -5,8 +5,7 @@
 //          QPN_TILES          tile slots per block (a gated slot = gate tile + up tile)
 //          QPN_GATED          0: y [M][N];  1: y [M][N/2] = silu_and_mul(gate rows [0,N/2), up rows [N/2,N))
 //          QPN_WARPS          most warps per block (launch bound, shared-memory size)
-//          QPN_UNROLL         groups per load batch;  QPN_DOUBLE_BUFFER  two batches in flight (1) or one
-//          QPN_PREFETCH       L2 prefetch distance in groups (0 = off: measured no gain, see below)
+//          QPN_UNROLL         groups per load batch;  QPN_MIN_BLOCKS  blocks per SM the registers must allow (qpn_mma.cuh)
 //          QPN2_EXACT_PATH, QPN_ABLATE   benchmark-only switches (bench_decode.py "ablate"); never registered
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][8 bytes]  QPN2 order (spec/QPN2.md)
@@ -58,7 +57,7 @@
 // bytes x 16 codes x ~3000 global scales). A batch where any lane's block is below that (blocks
 // whose weights are all < 7.3e-4: fp16-subnormal territory, never seen in LLM-like weights) takes
 // the exact fp32 path for the whole warp:  W16 = cvt.rn.f16(RN32(e2m1 * S)), the contract itself.
-// Measured cost of that path: 0.1 % such blocks (3 % of warp-batches) -> +0-1 % time.
+// Measured cost of that path: 0.1 % such blocks (3 % of warp-batches of 4 groups) -> +0-1 % time.
 //
 // Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200*.md), M = 1,
 // 28672x8192: 83 us = 34.5 % of the 4.6 TB/s read ceiling (QPN8: 84.5 %). The load stream alone
@@ -69,9 +68,6 @@
 // -54..+14 % by shape), 16 warps per tile instead of 8 (+/-2 %). QPN_UNROLL 4 beats 2 by 5-10 %.
 #include "qpn_mma.cuh"
 
-#ifndef QPN_PREFETCH
-#define QPN_PREFETCH 0  // L2 prefetch distance in groups (0: none; measured: no gain, see linear.py)
-#endif
 #define QPN2_SLOW_XY 0xFFFFFFFFu  // scale-table marker: this (byte, g) block takes the exact path
 #ifndef QPN2_EXACT_PATH
 #define QPN2_EXACT_PATH 1  // 0 only to count the fast path's instructions (benchmarks): never ship it
@@ -80,52 +76,24 @@
 #define QPN_ABLATE 0  // benchmarks only (never registered): 1 loads only, 2 no exchange, 3 no decode, 4 no mma
 #endif
 
-struct Qpn2Batch {
+struct Qpn2Batch {  // one load batch (qpn_run_batches): QPN_UNROLL groups of every tile
     uint2 code[QPN_UNROLL][QPN_NT];
     qpn_u32 scale[QPN_UNROLL][QPN_NT];
-    uint2 xf[QPN_UNROLL][QPN_NB];
 };
 
-__device__ __forceinline__ void qpn_prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-// Loads of one batch: group g0 + u of every tile. The per-tile pointers point at group g_begin
-// of the warp's K-slice (codes: this lane's 8 bytes; scales: its byte; x: its 4 halves), so every
-// address is a pointer plus a loop offset plus an immediate (no per-load index arithmetic).
-__device__ __forceinline__ void qpn2_load_batch(
-    Qpn2Batch& b, int gi, int n_local, const qpn_u8* const (&pc)[QPN_NT], const qpn_u8* const (&ps)[QPN_NT],
-    const qpn_u16* const (&px)[QPN_NB], int lane)
+// Group g0 + u of the warp's slice into slot u; pc / ps point at the slice's first group (the
+// address is a per-batch base g0 plus the immediate u * 256: no per-load 64-bit arithmetic).
+__device__ __forceinline__ void qpn2_load_slot(
+    Qpn2Batch& sl, int u, int g0, bool valid, const qpn_u8* const (&pc)[QPN_NT], const qpn_u8* const (&ps)[QPN_NT])
 {
 #pragma unroll
-    for (int u = 0; u < QPN_UNROLL; ++u) {
-        const int i = gi + u;
-        if (i < n_local) {  // uniform
-#pragma unroll
-            for (int tt = 0; tt < QPN_NT; ++tt) {
-                b.code[u][tt] = qpn_ldcs_u2(pc[tt] + 256 * i);  // 32 lanes x 8 bytes per group
-                b.scale[u][tt] = qpn_ldcs_u8(ps[tt] + 32 * i);
-#if QPN_PREFETCH
-                // the group QPN_PREFETCH ahead into L2: its 256 code bytes (lanes 0 and 16 cover
-                // the two 128-byte lines) and its 32 scale bytes; no registers held
-                if (i + QPN_PREFETCH < n_local) {
-                    if ((lane & 15) == 0) qpn_prefetch_l2(pc[tt] + 256 * (i + QPN_PREFETCH));
-                    if (lane == 0) qpn_prefetch_l2(ps[tt] + 32 * (i + QPN_PREFETCH));
-                }
-#endif
-            }
-#pragma unroll
-            for (int j = 0; j < QPN_NB; ++j) {
-                uint2 v;
-                asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(px[j] + 16 * i));
-                b.xf[u][j] = v;
-            }
-        } else {
-            // a pad group past the warp's K-slice: its (stale, finite) weights meet x = 0, so its
-            // mma adds exactly +0 and the compute loop needs no per-group guard (lets the
-            // compiler interleave the groups of a batch)
-#pragma unroll
-            for (int j = 0; j < QPN_NB; ++j) b.xf[u][j] = make_uint2(0u, 0u);
+    for (int tt = 0; tt < QPN_NT; ++tt) {
+        if (valid) {
+            sl.code[u][tt] = qpn_ldcs_u2(pc[tt] + 256 * (long long)g0 + 256 * u);  // 32 lanes x 8 bytes per group
+            sl.scale[u][tt] = __ldcs(ps[tt] + 32 * (long long)g0 + 32 * u);  // zero-extended: indexes the {X, Y} table as is
+        } else {  // pad group: code 0 and scale byte 0 decode to zeros on the fast path
+            sl.code[u][tt] = make_uint2(0u, 0u);
+            sl.scale[u][tt] = 0u;
         }
     }
 }
@@ -175,19 +143,19 @@ __device__ __forceinline__ qpn_u32 qpn2_decode_exact(qpn_u32 e14, float s) {
 __device__ __forceinline__ void qpn2_e14_pairs(qpn_u32 w, qpn_u32 (&e)[4]) {
     // odd nibbles (step B): sign bits from w, magnitudes from w >> 3; the bits outside the final
     // masks are don't-care, so one LOP3 (c ? a : b with c = 0x80808080) builds both fields
-    const qpn_u32 ta = (w & 0x80808080u) | ((w >> 3) & 0x7F7F7F7Fu);
+    const qpn_u32 ta = qpn_select_bits(w, w >> 3, 0x80808080u);
     // even nibbles (step A): the same on w << 4 ((w << 4) >> 3 equals w << 1 on every kept bit)
-    const qpn_u32 tb = ((w << 4) & 0x80808080u) | ((w << 1) & 0x7F7F7F7Fu);
+    const qpn_u32 tb = qpn_select_bits(w << 4, w << 1, 0x80808080u);
     e[0] = (tb & 0x008E008Eu) << 8;  // 0x8E = 1000_1110: sign bit, 3 magnitude bits
     e[1] = tb & 0x8E008E00u;
     e[2] = (ta & 0x008E008Eu) << 8;
     e[3] = ta & 0x8E008E00u;
 }
 
-extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn2_linear(
+extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn2_linear(
     const qpn_u8* __restrict__ codes, const qpn_u8* __restrict__ scales, const float* __restrict__ gscale,
     int gs_stride, const qpn_u16* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
-    int n_slots, int groups_per_warp)
+    int n_slots, int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
     __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
     __shared__ qpn_u32 xy_table[QPN_NT][256];  // {X, Y} of every scale byte for each tile's g
@@ -197,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn2_linear(
     const int n_tiles = n / QPN_TILE_N;
     const int groups = k / QPN_GROUP_K;
     const int slot0 = blockIdx.x * QPN_TILES;
-    const int g_begin = warp * groups_per_warp;
+    const int g_begin = (blockIdx.y * split + warp) * groups_per_warp;  // K-slice: part, then warp
     const int g_end = min(groups, g_begin + groups_per_warp);
 
     int tile[QPN_NT];
@@ -224,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn2_linear(
     __syncthreads();
 
     // lane-dependent byte-permute selectors of the quad transpose (see header comment)
-    // per-tile / per-token-block base pointers at group g_begin (see qpn2_load_batch)
+    // per-tile / per-token-block base pointers at group g_begin (see qpn2_load_slot)
     const qpn_u8* pc[QPN_NT];
     const qpn_u8* ps[QPN_NT];
 #pragma unroll
@@ -236,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn2_linear(
     const qpn_u16* px[QPN_NB];
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j) {
-        const int row = min(8 * j + (lane >> 2), m_rows - 1);  // rows past M: see qpn_load_x_fragment
+        const int row = min(8 * j + (lane >> 2), m_rows - 1);  // rows past M: see qpn_load_x_group
         px[j] = x + (long long)row * k + 16 * g_begin + 4 * (lane & 3);
     }
     const int n_local = g_end - g_begin;
@@ -264,10 +232,10 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn2_linear(
 
     // one group x tile: exchange, decode (fast or exact), 4 mma per 8 tokens
     qpn_u32 ablate_sink = 0;
-    auto group_tile = [&](const Qpn2Batch& b, int u, int tt, qpn_u32 xy, bool exact) {
+    auto group_tile = [&](const Qpn2Batch& b, const uint2 (&xf)[QPN_NB], int u, int tt, qpn_u32 xy, bool exact) {
         const qpn_u32 w0 = b.code[u][tt].x, w1 = b.code[u][tt].y;
 #if QPN_ABLATE == 1
-        ablate_sink ^= w0 ^ w1 ^ xy ^ b.xf[u][0].x ^ b.xf[u][0].y;
+        ablate_sink ^= w0 ^ w1 ^ xy ^ xf[0].x ^ xf[0].y;
         return;
 #endif
         const qpn_u32 keep = qpn_prmt(w0, w1, sel_keep1);
@@ -312,62 +280,47 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn2_linear(
         }
         const int s_idx = tt / QPN_HT, h_idx = tt % QPN_HT;
 #if QPN_ABLATE == 4
-        ablate_sink ^= a[0][0] ^ a[0][1] ^ a[0][2] ^ a[0][3] ^ a[1][0] ^ a[1][1] ^ a[1][2] ^ a[1][3] ^ b.xf[u][0].x;
+        ablate_sink ^= a[0][0] ^ a[0][1] ^ a[0][2] ^ a[0][3] ^ a[1][0] ^ a[1][1] ^ a[1][2] ^ a[1][3] ^ xf[0].x;
         return;
 #endif
 #pragma unroll
         for (int j = 0; j < QPN_NB; ++j) {  // the host launches QPN_NB = ceil(M / 8): no block is empty
 #pragma unroll
             for (int rb = 0; rb < 2; ++rb) {
-                qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][0], a[rb][1], b.xf[u][j].x);  // step A
-                qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][2], a[rb][3], b.xf[u][j].y);  // step B
+                qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][0], a[rb][1], xf[j].x);  // step A
+                qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][2], a[rb][3], xf[j].y);  // step B
             }
         }
     };
 
-    // One batch: look the block constants up, vote once whether any block of the batch needs
-    // the exact path, then run the batch branch-free (lets the compiler interleave its groups).
-    auto compute = [&](const Qpn2Batch& b, int g0) {
+    // One batch: look the U groups' block constants up, vote once whether any block needs the
+    // exact path, then run the batch branch-free (lets the compiler interleave its groups).
+    auto compute = [&](const Qpn2Batch& b, int i, bool full) {
         qpn_u32 xy[QPN_UNROLL][QPN_NT];
         bool slow = false;
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u)
 #pragma unroll
             for (int tt = 0; tt < QPN_NT; ++tt) {
-                xy[u][tt] = xy_table[tt][b.scale[u][tt] & 0xFFu];
+                xy[u][tt] = xy_table[tt][b.scale[u][tt]];
                 slow |= xy[u][tt] == QPN2_SLOW_XY;
             }
-        if (QPN2_EXACT_PATH && __any_sync(0xFFFFFFFFu, slow)) {
+        auto run = [&](bool exact_path) {
 #pragma unroll
-            for (int u = 0; u < QPN_UNROLL; ++u)
+            for (int u = 0; u < QPN_UNROLL; ++u) {
+                uint2 xf[QPN_NB];
+                qpn_load_x_group(xf, px, i, u, full || i + u < n_local);
 #pragma unroll
-                for (int tt = 0; tt < QPN_NT; ++tt) group_tile(b, u, tt, xy[u][tt], true);
-        } else {
-#pragma unroll
-            for (int u = 0; u < QPN_UNROLL; ++u)
-#pragma unroll
-                for (int tt = 0; tt < QPN_NT; ++tt) group_tile(b, u, tt, xy[u][tt], false);
-        }
+                for (int tt = 0; tt < QPN_NT; ++tt) group_tile(b, xf, u, tt, xy[u][tt], exact_path);
+            }
+        };
+        if (QPN2_EXACT_PATH && __any_sync(0xFFFFFFFFu, slow))
+            run(true);
+        else
+            run(false);
     };
-
-    // double-buffered main loop: batch B loads while batch A computes, and back
-#if QPN_DOUBLE_BUFFER
-    Qpn2Batch ba = {}, bb = {};  // zeros: a pad group of a first batch decodes to 0 (finite)
-    qpn2_load_batch(ba, 0, n_local, pc, ps, px, lane);
-    for (int gi = 0; gi < n_local; gi += 2 * QPN_UNROLL) {
-        qpn2_load_batch(bb, gi + QPN_UNROLL, n_local, pc, ps, px, lane);
-        compute(ba, g_begin + gi);
-        qpn2_load_batch(ba, gi + 2 * QPN_UNROLL, n_local, pc, ps, px, lane);
-        compute(bb, g_begin + gi + QPN_UNROLL);
-    }
-#else
-    // single buffer (the register-heaviest variants): load a batch, then compute it
-    Qpn2Batch ba = {};  // zeros: a pad group of a first batch decodes to 0 (finite)
-    for (int gi = 0; gi < n_local; gi += QPN_UNROLL) {
-        qpn2_load_batch(ba, gi, n_local, pc, ps, px, lane);
-        compute(ba, g_begin + gi);
-    }
-#endif
+    qpn_run_batches<Qpn2Batch>(
+        n_local, [&](Qpn2Batch& b, int u, int i, bool valid) { qpn2_load_slot(b, u, i, valid, pc, ps); }, compute);
 
 #if QPN_ABLATE
     if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive
@@ -375,6 +328,6 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn2_linear(
 #pragma unroll
     for (int s = 0; s < QPN_TILES; ++s) {
         if (slot0 + s >= n_slots) break;  // uniform over the block
-        qpn_reduce_store(red, acc[s], y, m_rows, QPN_GATED ? n / 2 : n, slot0 + s, split);
+        qpn_reduce_store(red, acc[s], y, m_rows, QPN_GATED ? n / 2 : n, slot0 + s, split, partial, tickets);
     }
 }

@@ -38,46 +38,18 @@
 #ifndef QPN_ABLATE
 #define QPN_ABLATE 0  // benchmarks only (never registered): 1 loads only
 #endif
-#ifndef QPN_PREFETCH
-#define QPN_PREFETCH 0  // L2 prefetch distance in groups (0: none; measured: no gain, see linear.py)
-#endif
 
-struct Qpn8Batch {
+struct Qpn8Batch {  // one load batch (qpn_run_batches): QPN_UNROLL groups of every tile
     uint4 code[QPN_UNROLL][QPN_NT];
-    uint2 xf[QPN_UNROLL][QPN_NB];
 };
 
-// Loads of one batch: group g_begin + gi + u of every tile, from per-tile pointers at g_begin.
-__device__ __forceinline__ void qpn8_load_batch(
-    Qpn8Batch& b, int gi, int n_local, const qpn_u8* const (&pc)[QPN_NT], const qpn_u16* const (&px)[QPN_NB], int lane)
+// Group g0 + u of the warp's slice into slot u (pc: the slice's first group; per-batch base g0
+// plus an immediate); a pad group past the slice gets code 0 (decodes to +0).
+__device__ __forceinline__ void qpn8_load_slot(Qpn8Batch& sl, int u, int g0, bool valid, const qpn_u8* const (&pc)[QPN_NT])
 {
 #pragma unroll
-    for (int u = 0; u < QPN_UNROLL; ++u) {
-        const int i = gi + u;
-        if (i < n_local) {  // uniform
-#pragma unroll
-            for (int tt = 0; tt < QPN_NT; ++tt) {
-                b.code[u][tt] = qpn_ldcs_u4(pc[tt] + 512 * i);  // 32 lanes x 16 bytes per group
-#if QPN_PREFETCH
-                // the group QPN_PREFETCH ahead into L2 (512 bytes: lanes 0, 8, 16, 24 take a
-                // 128-byte line each); no registers held, so the in-flight bytes per SM no longer
-                // scale with the register-bound unroll
-                if (i + QPN_PREFETCH < n_local && (lane & 7) == 0)
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(pc[tt] + 512 * (i + QPN_PREFETCH)));
-#endif
-            }
-#pragma unroll
-            for (int j = 0; j < QPN_NB; ++j) {
-                uint2 v;
-                asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(px[j] + 16 * i));
-                b.xf[u][j] = v;
-            }
-        } else {
-            // a pad group past the warp's K-slice: x = 0 makes its mma add exactly +0 (qpn2_linear.cu)
-#pragma unroll
-            for (int j = 0; j < QPN_NB; ++j) b.xf[u][j] = make_uint2(0u, 0u);
-        }
-    }
+    for (int tt = 0; tt < QPN_NT; ++tt)  // 32 lanes x 16 bytes per group
+        sl.code[u][tt] = valid ? qpn_ldcs_u4(pc[tt] + 512 * (long long)g0 + 512 * u) : make_uint4(0u, 0u, 0u, 0u);
 }
 
 // e4m3 bytes 0 and 2 of e -> fp16 pair (exact e4m3 * 2^-8); bytes 1 and 3 -> the other pair.
@@ -101,10 +73,10 @@ __device__ __forceinline__ qpn_u32 qpn8_scale_pair(qpn_u32 bits, qpn_u32 s2) {
     return w;
 }
 
-extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn8_linear(
+extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn8_linear(
     const qpn_u8* __restrict__ codes, const qpn_u16* __restrict__ gs16, int kb_stride,
     const qpn_u16* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k, int n_slots,
-    int groups_per_warp)
+    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
     __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
     const int lane = threadIdx.x & 31;
@@ -113,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn8_linear(
     const int n_tiles = n / QPN_TILE_N;
     const int groups = k / QPN_GROUP_K;
     const int slot0 = blockIdx.x * QPN_TILES;
-    const int g_begin = warp * groups_per_warp;
+    const int g_begin = (blockIdx.y * split + warp) * groups_per_warp;  // K-slice: part, then warp
     const int g_end = min(groups, g_begin + groups_per_warp);
     const int quad = lane >> 2;
 
@@ -140,7 +112,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn8_linear(
     const qpn_u16* px[QPN_NB];
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j) {
-        const int row = min(8 * j + (lane >> 2), m_rows - 1);  // rows past M: see qpn_load_x_fragment
+        const int row = min(8 * j + (lane >> 2), m_rows - 1);  // rows past M: see qpn_load_x_group
         px[j] = x + (long long)row * k + 16 * g_begin + 4 * (lane & 3);
     }
     const int n_local = g_end - g_begin;
@@ -162,14 +134,19 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn8_linear(
                     for (int i = 0; i < 4; ++i) acc[s][h][j][rb][i] = 0.0f;
 
     qpn_u32 ablate_sink = 0;
-    auto compute = [&](const Qpn8Batch& b, int g0) {
+    // One batch: groups i .. i+U-1 of the slice.
+    auto compute = [&](const Qpn8Batch& b, int i, bool full) {
+        const int g0 = g_begin + i;
+        (void)g0;  // block scales only
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u) {
+            uint2 xf[QPN_NB];
+            qpn_load_x_group(xf, px, i, u, full || i + u < n_local);
 #pragma unroll
             for (int tt = 0; tt < QPN_NT; ++tt) {
                 const uint4 c = b.code[u][tt];
 #if QPN_ABLATE == 1
-                ablate_sink ^= c.x ^ c.y ^ c.z ^ c.w ^ b.xf[u][0].x ^ b.xf[u][0].y;
+                ablate_sink ^= c.x ^ c.y ^ c.z ^ c.w ^ xf[0].x ^ xf[0].y;
                 continue;
 #endif
                 // round 1 (partner lane ^ 1): keep the elements for receivers of my parity
@@ -206,31 +183,14 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn8_linear(
                 for (int j = 0; j < QPN_NB; ++j) {  // the host launches QPN_NB = ceil(M / 8)
 #pragma unroll
                     for (int rb = 0; rb < 2; ++rb) {
-                        qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][0], a[rb][1], b.xf[u][j].x);  // step A
-                        qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][2], a[rb][3], b.xf[u][j].y);  // step B
+                        qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][0], a[rb][1], xf[j].x);  // step A
+                        qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][2], a[rb][3], xf[j].y);  // step B
                     }
                 }
             }
         }
     };
-
-#if QPN_DOUBLE_BUFFER
-    Qpn8Batch ba = {}, bb = {};  // zeros: a pad group of a first batch decodes to 0 (finite)
-    qpn8_load_batch(ba, 0, n_local, pc, px, lane);
-    for (int gi = 0; gi < n_local; gi += 2 * QPN_UNROLL) {
-        qpn8_load_batch(bb, gi + QPN_UNROLL, n_local, pc, px, lane);
-        compute(ba, g_begin + gi);
-        qpn8_load_batch(ba, gi + 2 * QPN_UNROLL, n_local, pc, px, lane);
-        compute(bb, g_begin + gi + QPN_UNROLL);
-    }
-#else
-    // single buffer (the register-heaviest variants): load a batch, then compute it
-    Qpn8Batch ba = {};  // zeros: a pad group of a first batch decodes to 0 (finite)
-    for (int gi = 0; gi < n_local; gi += QPN_UNROLL) {
-        qpn8_load_batch(ba, gi, n_local, pc, px, lane);
-        compute(ba, g_begin + gi);
-    }
-#endif
+    qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) { qpn8_load_slot(b, u, i, valid, pc); }, compute);
 
 #if QPN_ABLATE
     if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive
@@ -238,6 +198,6 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32) qpn8_linear(
 #pragma unroll
     for (int s = 0; s < QPN_TILES; ++s) {
         if (slot0 + s >= n_slots) break;  // uniform over the block
-        qpn_reduce_store(red, acc[s], y, m_rows, QPN_GATED ? n / 2 : n, slot0 + s, split);
+        qpn_reduce_store(red, acc[s], y, m_rows, QPN_GATED ? n / 2 : n, slot0 + s, split, partial, tickets);
     }
 }

@@ -14,7 +14,7 @@
 // it works on, the four consecutive k = 4t .. 4t+3 of the group:
 //   step A: slots (2t, 2t+1) = k (4t, 4t+1)      step B: slots (2t, 2t+1) = k (4t+2, 4t+3)
 // so a lane's two B registers of a group are ONE 8-byte load of x[m][16g+4t .. 16g+4t+3]
-// (qpn_load_x_fragment), straight from x's natural [M][K] layout: no staging, no permutation.
+// (qpn_load_x_group), straight from x's natural [M][K] layout: no staging, no permutation.
 // The weight side gets the same k's from the QPN2 / QPN8 byte order with a 4x4 transpose
 // inside each quad (see the kernels).
 //
@@ -38,11 +38,11 @@
 #ifndef QPN_WARPS
 #define QPN_WARPS 16  // most warps (K-slices) per block; the host launches split <= QPN_WARPS
 #endif
-#ifndef QPN_UNROLL
-#define QPN_UNROLL 2  // groups per load batch
+#ifndef QPN_MIN_BLOCKS
+#define QPN_MIN_BLOCKS 1  // blocks of QPN_WARPS warps per SM the registers must allow (launch bound)
 #endif
-#ifndef QPN_DOUBLE_BUFFER
-#define QPN_DOUBLE_BUFFER 1  // two batches in flight (0: one, for the register-heaviest variants)
+#ifndef QPN_UNROLL
+#define QPN_UNROLL 4  // groups per load batch (qpn_run_batches)
 #endif
 
 #define QPN_HT (QPN_GATED ? 2 : 1)       // tiles per slot
@@ -57,6 +57,13 @@ __device__ __forceinline__ qpn_u32 qpn_prmt(qpn_u32 a, qpn_u32 b, qpn_u32 sel) {
 __device__ __forceinline__ qpn_u32 qpn_hfma2_rn(qpn_u32 a, qpn_u32 b, qpn_u32 c) {
     qpn_u32 d;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// (a & c) | (b & ~c) in one LOP3 (ptxas splits the C++ form into two on sm_90: measured)
+__device__ __forceinline__ qpn_u32 qpn_select_bits(qpn_u32 a, qpn_u32 b, qpn_u32 c) {
+    qpn_u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(c));  // 0xE4 = (F0 & AA) | (CC & ~AA)
     return d;
 }
 
@@ -79,25 +86,61 @@ __device__ __forceinline__ uint4 qpn_ldcs_u4(const void* p) {
     asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
-__device__ __forceinline__ qpn_u32 qpn_ldcs_u8(const void* p) {
-    qpn_u32 v;
-    asm volatile("ld.global.cs.u8 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
+
+// The B fragments of group g0 + u of the warp's K-slice for every 8-token block j:
+// x[row][16g + 4t .. 16g + 4t + 3] (g = g0 + u; 8 bytes, one load), px[j] = row 8j + gid (clamped to M-1: rows
+// >= M only feed output columns that are never stored; clamping keeps the loads in bounds and on
+// the same cache lines, so M = 1 reads 32 bytes of x per group, not 256) at the slice's first
+// group. x is re-read by every tile of a block and by the other blocks of the SM: the .nc (read-
+// only, L1-allocating) path keeps it on chip, so it is loaded when its group computes, not with
+// the weights: an L1 hit under ~80 instructions of decode, and no registers held across the DRAM
+// latency (holding x with the weights cost 2 * NB registers per group in flight).
+// A pad group past the slice (valid = false) gets x = 0: its mma add exactly +0.
+// .x = step A register (k 4t, 4t+1), .y = step B register (k 4t+2, 4t+3).
+// Addresses: a per-batch base g0 plus the immediate 32 * u bytes.
+__device__ __forceinline__ void qpn_load_x_group(uint2 (&xf)[QPN_NB], const qpn_u16* const (&px)[QPN_NB], int g0, int u, bool valid)
+{
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j) {
+        if (valid) {
+            const qpn_u16* p = px[j] + 16 * (long long)g0 + 16 * u;
+            asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(xf[j].x), "=r"(xf[j].y) : "l"(p));
+        } else {
+            xf[j] = make_uint2(0u, 0u);
+        }
+    }
 }
 
-// The B fragments of one 16-k group for 8-token block j: x[row][16g + 4t .. 16g + 4t + 3]
-// (8 bytes, one load), row = 8j + gid clamped to M-1 (rows >= M only feed output columns that
-// are never stored; clamping keeps the loads in bounds and on the same cache lines, so M = 1
-// reads 32 bytes of x per group, not 256). x is re-read by every tile of a block and by the
-// other blocks of the SM: the .nc (read-only, L1-allocating) path keeps it on chip.
-// .x = step A register (k 4t, 4t+1), .y = step B register (k 4t+2, 4t+3).
-__device__ __forceinline__ uint2 qpn_load_x_fragment(const qpn_u16* __restrict__ x, int m_rows, int k, int g, int j, int lane) {
-    int row = 8 * j + (lane >> 2);
-    row = row < m_rows ? row : m_rows - 1;
-    const qpn_u16* p = x + (long long)row * k + 16 * g + 4 * (lane & 3);
-    uint2 v;
-    asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
+// ---------------------------------------------------------------------------------------------
+// The main loop of both decode kernels: the warp's K-slice of n_local groups in batches of
+// QPN_UNROLL groups (batch i = groups [i, i + U) of the slice): issue all of a batch's weight
+// loads back to back, then compute it. Latency is hidden by the other warps of the SM (the
+// registers allow 2 blocks of 16 warps where QPN_MIN_BLOCKS = 2), not inside the warp.
+//   load(batch, u, i, valid)  issue group i + u's weight loads into slot u; valid = the group lies
+//                             in the slice (uniform); a pad slot gets code 0 (decodes to zeros).
+//   compute(batch, i, full)   decode and multiply groups i .. i+U-1; full = all lie in the slice
+//                             (pad groups get x = 0: their mma add exactly +0).
+// Chosen by measurement on the H200 (bench_decode.py "variants", results/decode_h200_tuning.md;
+// M = 1, 28672 x 8192, % of the read ceiling): single batches of 4 at 64 registers (32 warps/SM)
+// QPN2 41.8 / QPN8 84.8; double-buffered batches of 4 (124 / 100 registers, 16 warps/SM) 39.9 /
+// 76.4; a rolling pipeline refilling each slot right after use, 4 or 8 groups in flight, 39.7-41.7
+// / 75.8-79.8. Per-batch guards and base + immediate addresses: with per-group guards and
+// (base + 256 * group) addressing, ptxas spent ~37 of 115 SASS instructions per group of
+// qpn2_linear on IMAD.WIDE / LEA / ISETP / BSSY (sm_90 SASS of the compute_75 PTX).
+template <class Batch, class Load, class Compute>
+__device__ __forceinline__ void qpn_run_batches(int n_local, Load&& load, Compute&& compute) {
+    for (int i = 0; i < n_local; i += QPN_UNROLL) {
+        Batch b;
+        if (i + QPN_UNROLL <= n_local) {  // uniform: the steady state, no per-group guard
+#pragma unroll
+            for (int u = 0; u < QPN_UNROLL; ++u) load(b, u, i, true);
+            compute(b, i, true);
+        } else {  // the slice's last, partial batch (never for QPN2: K % 64 == 0, slices of 4k groups)
+#pragma unroll
+            for (int u = 0; u < QPN_UNROLL; ++u) load(b, u, i, i + u < n_local);
+            compute(b, i, false);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -119,15 +162,34 @@ __device__ __forceinline__ qpn_u16 qpn_silu_mul(qpn_u16 gate16, qpn_u16 up16) {
     return qpn_float_to_half_rn(__fmul_rn(qpn_half_to_float(silu16), qpn_half_to_float(up16)));
 }
 
+// The slot's outputs from their fp32 sums s[h] (gate, up when gated): one RN16, the epilogue.
+__device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT]) {
+#if QPN_GATED
+    return qpn_silu_mul(qpn_float_to_half_rn(s[0]), qpn_float_to_half_rn(s[1]));
+#else
+    return qpn_float_to_half_rn(s[0]);
+#endif
+}
+
 // acc[h][j][rb][i] of this warp for the QPN_HT tiles of one slot -> y.
 //   non-gated: tile = tiles[0], y [M][N]      gated: gate tiles[0], up tiles[1], y [M][N/2]
 // out_tile = the 32-column output tile index, y_cols = row length of y.
+//
+// Split-K across blocks (gridDim.y = parts > 1, for layers with too few tiles to fill the GPU):
+// block (tile, part) holds the K-slices [part * split, (part + 1) * split) and writes its block
+// sum to partial[part][h][m][y_cols] (fp32); the last of the tile's blocks to arrive (ticket
+// counter per output tile, reset by that block for the next launch) adds the parts in ascending
+// order -- fixed whatever the arrival order, so the result is deterministic and, as the split
+// depends on N and K only, batch-invariant -- and stores the outputs.
 __device__ __forceinline__ void qpn_reduce_store(
     float (*red)[QPN_HT][2][4][32], const float (&acc)[QPN_HT][QPN_NB][2][4],
-    qpn_u16* __restrict__ y, int m_rows, int y_cols, int out_tile, int split)
+    qpn_u16* __restrict__ y, int m_rows, int y_cols, int out_tile, int split,
+    float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
+    __shared__ unsigned last_part;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int parts = gridDim.y, part = blockIdx.y;
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j) {
         if (8 * j >= m_rows) break;  // uniform
@@ -156,13 +218,34 @@ __device__ __forceinline__ void qpn_reduce_store(
                 s[h] = red[0][h][rb][i][src];
                 for (int w = 1; w < split; ++w) s[h] = __fadd_rn(s[h], red[w][h][rb][i][src]);
             }
-            qpn_u16 out;
-#if QPN_GATED
-            out = qpn_silu_mul(qpn_float_to_half_rn(s[0]), qpn_float_to_half_rn(s[1]));
-#else
-            out = qpn_float_to_half_rn(s[0]);
-#endif
-            y[(long long)m * y_cols + 32 * out_tile + c] = out;
+            const long long at = (long long)m * y_cols + 32 * out_tile + c;
+            if (parts == 1) {
+                y[at] = qpn_output(s);
+            } else {
+#pragma unroll
+                for (int h = 0; h < QPN_HT; ++h) partial[((long long)part * QPN_HT + h) * m_rows * y_cols + at] = s[h];
+            }
         }
+    }
+    if (parts == 1) return;
+    __threadfence();  // this block's partials are visible device-wide before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last_part = atomicAdd(&tickets[out_tile], 1u) == (unsigned)(parts - 1);
+        if (last_part) tickets[out_tile] = 0u;  // every part has arrived: ready for the next launch
+    }
+    __syncthreads();
+    if (!last_part) return;
+    __threadfence();
+    for (int v = threadIdx.x; v < 32 * m_rows; v += blockDim.x) {
+        const long long at = (long long)(v >> 5) * y_cols + 32 * out_tile + (v & 31);
+        float s[QPN_HT];
+#pragma unroll
+        for (int h = 0; h < QPN_HT; ++h) {
+            s[h] = __ldcg(partial + (long long)h * m_rows * y_cols + at);  // L2: written by other SMs
+            for (int p = 1; p < parts; ++p)
+                s[h] = __fadd_rn(s[h], __ldcg(partial + ((long long)p * QPN_HT + h) * m_rows * y_cols + at));
+        }
+        y[at] = qpn_output(s);
     }
 }

@@ -251,6 +251,46 @@ def test_gated(cp, fmt, m):
     assert_gated_matches(out, y, f"{fmt} gated M={m}")
 
 
+# (N, K) with too few tiles to fill the GPU: split_k adds blocks per tile (parts, summed across
+# blocks in a fixed order): 2, 4 and 2 parts on any GPU of more than 2 SMs
+SPLIT_K_SHAPES = [(64, 4096), (32, 8192), (96, 4608)]
+
+
+@pytest.mark.parametrize("n,k", SPLIT_K_SHAPES)
+def test_split_k_across_blocks(cp, n, k):
+    """parts > 1: inside the bound, batch-invariant, the same bits on every call (ticket counters
+    reset by the last block), the same bits with a caller's workspace, gated matches plain."""
+    from qpn.cupy_kernels import linear as L
+    from qpn.cupy_kernels import qpn2_linear, qpn8_linear
+
+    parts2, parts8 = L.decode_split("qpn2", n, k)[0], L.decode_split("qpn8", n, k)[0]
+    assert parts2 > 1 and parts8 > 1, (parts2, parts8)
+    rng = np.random.default_rng(n + k)
+    x = activations(rng, 32, k)
+    xd = cp.asarray(x)
+    c2, s2 = qpn2_buffers(rng, n, k)
+    c8, s8 = qpn8_buffers(rng, n, k)
+    c2d, s2d, c8d, s8d = cp.asarray(c2), cp.asarray(s2), cp.asarray(c8), cp.asarray(s8)
+    calls = {
+        "qpn2": (lambda a, **kw: qpn2_linear(a, c2d, s2d, G_SCALAR, **kw), qpn2_dequantize(c2, s2, G_SCALAR, n, k)),
+        "qpn8": (lambda a, **kw: qpn8_linear(a, c8d, s8d, **kw), qpn8_dequantize(c8, s8, n, k)),
+    }
+    for name, (f, w16) in calls.items():
+        y32 = f(xd).get()
+        assert_in_bounds(y32, x, w16, f"{name} split-K N={n} K={k} M=32")
+        for _ in range(3):  # tickets must be back at zero after every launch
+            assert np.array_equal(f(xd).get().view(np.uint16), y32.view(np.uint16)), f"{name}: a repeated call differs"
+        for m in (1, 8, 9, 31):
+            ym = f(xd[:m]).get()
+            assert np.array_equal(ym.view(np.uint16), y32[:m].view(np.uint16)), f"{name} M={m} rows differ from the 32-row call"
+        ws = cp.full(L.decode_workspace_size(name, 32, n, k), np.nan, dtype=cp.float32)
+        assert np.array_equal(f(xd, workspace=ws).get().view(np.uint16), y32.view(np.uint16)), f"{name}: workspace= differs"
+        if n % 64 == 0:
+            assert_gated_matches(f(xd, gated=True).get(), y32, f"{name} split-K gated N={n} K={k}")
+        with pytest.raises(ValueError, match="decode_workspace_size"):
+            f(xd, workspace=cp.zeros(8, cp.float32))
+
+
 def test_out_argument_is_written_and_returned(cp):
     from qpn.cupy_kernels import qpn2_linear
 
@@ -349,13 +389,13 @@ def drive() -> None:
     cupy.cuda.set_allocator(None)  # exact-size allocations: memcheck sees every overrun
     rng = np.random.default_rng(0)
     for m in (1, 9, 17, 32):
-        for n, k in [(32, 64), (64, 192), (96, 1024)]:
+        for n, k in [(32, 64), (64, 192), (96, 1024), (64, 4096)]:  # the last: split-K across blocks
             codes, scales = qpn2_buffers(rng, n, k)
             x = cupy.asarray(activations(rng, m, k))
             qpn2_linear(x, cupy.asarray(codes), cupy.asarray(scales), G_SCALAR)
         codes, scales = qpn2_buffers(rng, 128, 256)
         qpn2_linear(cupy.asarray(activations(rng, m, 256)), cupy.asarray(codes), cupy.asarray(scales), np.full(4, 2.0**-20, np.float32), gated=True)
-        for n, k, block in [(32, 16, False), (64, 48, False), (128, 256, True), (256, 384, True)]:
+        for n, k, block in [(32, 16, False), (64, 48, False), (128, 256, True), (256, 384, True), (64, 4096, False)]:
             codes, gs = qpn8_buffers(rng, n, k, block)
             qpn8_linear(cupy.asarray(activations(rng, m, k)), cupy.asarray(codes), cupy.asarray(gs), gated=n % 64 == 0)
     cupy.cuda.runtime.deviceSynchronize()

@@ -416,8 +416,8 @@ def test_cuda_rows_agree_across_threshold(fmt, n, k, variant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_cuda_graph_capture_and_replay_of_decode_path(fmt):
-    n, k = 256, 256
+@pytest.mark.parametrize("n,k", [(256, 256), (64, 4096)])  # the second: split-K across blocks
+def test_cuda_graph_capture_and_replay_of_decode_path(fmt, n, k):
     buffers, w16 = buffers_for(fmt, n, k, "per_tile" if fmt == "nvfp4" else "channel", "cuda", seed=23)
     threshold = _cuda.decode_threshold(fmt, n, k)
     if threshold < 1:

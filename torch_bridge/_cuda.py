@@ -154,6 +154,18 @@ def fp8_dequantize(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tenso
 # ----------------------------------------------------------------------------- linear
 
 
+def _decode(fmt: str, x: Tensor, n: int, k: int, n_out: int, gated: bool, launch) -> Tensor:
+    """The decode kernel's call: output and split-K workspace from torch's allocator (graph-safe)."""
+    kernels = _kernels()
+    m = x.shape[0]
+    out = torch.empty((m, n_out), dtype=torch.float16, device=x.device)
+    with _on_torch_stream(x.device) as as_cupy:
+        size = kernels.decode_workspace_size(fmt, m, n, k, gated)  # the split depends on x's device
+        workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
+        launch(kernels, as_cupy, out=as_cupy(out), gated=gated, workspace=workspace)
+    return out
+
+
 def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
                  n: int, k: int, n_out: int, gated: bool) -> Tensor:
     from .ops import silu_and_mul
@@ -162,12 +174,8 @@ def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
     if m == 0:
         return x.new_empty((0, n_out))
     if m <= decode_threshold("nvfp4", n, k):
-        kernels = _kernels()
-        out = torch.empty((m, n_out), dtype=torch.float16, device=x.device)
-        with _on_torch_stream(x.device) as as_cupy:
-            kernels.qpn2_linear(as_cupy(x), as_cupy(codes), as_cupy(scales),
-                                as_cupy(global_scale.reshape(-1)), out=as_cupy(out), gated=gated)
-        return out
+        return _decode("qpn2", x, n, k, n_out, gated, lambda kernels, as_cupy, **kw: kernels.qpn2_linear(
+            as_cupy(x), as_cupy(codes), as_cupy(scales), as_cupy(global_scale.reshape(-1)), **kw))
     y = _mm_rn16(x, nvfp4_dequantize(codes, scales, global_scale, n, k))
     return silu_and_mul(y) if gated else y
 
@@ -179,11 +187,7 @@ def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, n: int, k: int, n
     if m == 0:
         return x.new_empty((0, n_out))
     if m <= decode_threshold("fp8", n, k):
-        kernels = _kernels()
-        out = torch.empty((m, n_out), dtype=torch.float16, device=x.device)
-        with _on_torch_stream(x.device) as as_cupy:
-            kernels.qpn8_linear(as_cupy(x), as_cupy(codes), as_cupy(group_scales),
-                                out=as_cupy(out), gated=gated)
-        return out
+        return _decode("qpn8", x, n, k, n_out, gated, lambda kernels, as_cupy, **kw: kernels.qpn8_linear(
+            as_cupy(x), as_cupy(codes), as_cupy(group_scales), **kw))
     y = _mm_rn16(x, fp8_dequantize(codes, group_scales, n, k))
     return silu_and_mul(y) if gated else y
