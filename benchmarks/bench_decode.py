@@ -1,6 +1,7 @@
 """Decode-kernel benchmark (qpn2_linear / qpn8_linear, M <= 32): a script for the GPU machine.
 
-    python benchmarks/bench_decode.py [--sections ceiling,decode,variants] [--quick]
+    python benchmarks/bench_decode.py [--sections ceiling,decode,variants,ablate,targets] [--quick]
+                                      [--shapes 4096x4096,...]
                                       [--out benchmarks/results] [--name decode_h200]
 
 Uses bench_kernels.py's framework (the same ceiling kernel, CUDA-graph timing, L2-defeating
@@ -175,9 +176,9 @@ def section_decode(ctx: bk.Context) -> bk.Section:
     return sec
 
 
-# Rolling-pipeline variants (groups of weights in flight per warp, blocks per SM the registers
-# must allow) and K-split warp targets timed by "variants"; the wrapper's own choice is one of them.
-PIPELINE_VARIANTS = {1: ((4, 1), (4, 2), (8, 1), (2, 2), (6, 1)), 4: ((2, 1), (4, 1), (1, 2), (1, 1))}
+# Load-batch variants (groups per batch, blocks per SM the registers must allow) and K-split warp
+# targets timed by "variants"; the wrapper's own choice is one of them.
+PIPELINE_VARIANTS = {1: ((4, 2), (4, 1), (2, 2)), 4: ((4, 1), (2, 1), (1, 2))}
 WARP_TARGETS = (4096, 8192)
 
 
@@ -189,11 +190,11 @@ def section_variants(ctx: bk.Context) -> bk.Section:
     cp = ctx.cp
     read = ctx.ceiling["read"]
     g_dev = cp.full(1, G, dtype=cp.float32)
-    sec = bk.Section("variants", "Decode kernel variants: rolling pipeline (groups in flight per warp, blocks/SM) and warp target", [
+    sec = bk.Section("variants", "Decode kernel variants: load batches (unroll, blocks/SM) and warp target", [
         bk.Column("fmt", "format"), bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
         bk.Column("variant", "variant"), bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
     ])
-    shapes = ctx.shapes if not ctx.quick else [(28672, 8192)]
+    shapes = ctx.shapes
     for n, k in shapes:
         slots = ctx.rotations(n * k // 2, minimum=2, maximum=16)
         bufs = {"qpn2": _qpn2_copies(cp, n, k, slots), "qpn8": _qpn8_copies(cp, n, k, slots)}
@@ -212,7 +213,7 @@ def section_variants(ctx: bk.Context) -> bk.Section:
                         macros.update(L.pipeline_macros(*pipe))
                         if fmt == "qpn8":
                             macros["QPN8_BLOCK_SCALES"] = "0"
-                        label = f"in flight {pipe[0]} blocks/SM {pipe[1]} target {target}"
+                        label = f"unroll {pipe[0]} blocks/SM {pipe[1]} target {target}"
                         if pipe == shipped and target == L.TARGET_WARPS:
                             label += " (shipped)"
                         try:
@@ -294,13 +295,62 @@ def section_ablate(ctx: bk.Context) -> bk.Section:
     return sec
 
 
-SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants, "ablate": section_ablate}
+# Issue 4's targets on shapes with >= 64 MB of quantized weight: (format, M, metric, threshold).
+TARGETS = (("qpn2", 1, "pct", 85.0), ("qpn2", 8, "pct", 75.0), ("qpn2", 32, "x", 2.0),
+           ("qpn8", 1, "pct", 85.0), ("qpn8", 8, "pct", 75.0))
+SMALL_TARGET = ((4096, 4096), 1, "x", 2.0)  # 4096x4096 (fits in L2) at M = 1: >= 2x cuBLAS fp16
+BYTES_PER_WEIGHT = {"qpn2": 0.5625, "qpn8": 1.0}
+
+
+def section_targets(ctx: bk.Context) -> bk.Section:
+    """Issue 4's targets checked against this run's "decode" rows (run that section first)."""
+    sec = bk.Section("targets", "Targets (issue 4), from the decode rows of this run", [
+        bk.Column("target", "target"), bk.Column("shape", "shape"), bk.Column("measured", "measured"), bk.Column("met", "met"),
+    ])
+    decode = next((sec_ for sec_ in ctx.sections if sec_.name == "decode"), None)
+    if decode is None:
+        sec.notes.append("no decode section in this run: nothing to check")
+        return sec
+    rows = {(r["n"], r["k"], r["m"]): r for r in decode.rows}
+
+    def add(fmt, n, k, m, metric, threshold):
+        row = rows.get((n, k, m))
+        if row is None:
+            return
+        value = row[f"{fmt}_{metric}"]
+        unit = "% of the read ceiling" if metric == "pct" else "x cuBLAS fp16"
+        sec.rows.append({"target": f"{fmt.upper()} >= {threshold:g} {unit}, M={m}", "shape": f"{n}x{k}",
+                         "measured": f"{value:.1f} %" if metric == "pct" else f"{value:.2f}x",
+                         "met": "yes" if value >= threshold else "no"})
+
+    for fmt, m, metric, threshold in TARGETS:
+        for n, k in ctx.shapes:
+            if n * k * BYTES_PER_WEIGHT[fmt] >= 64e6:
+                add(fmt, n, k, m, metric, threshold)
+    (n, k), m, metric, threshold = SMALL_TARGET
+    for fmt in ("qpn2", "qpn8"):
+        add(fmt, n, k, m, metric, threshold)
+    # the decode/prefill threshold (decode_threshold): decode vs the dense path at every measured M
+    ratios = [r[f"dense{f[-1]}_us"] / r[f"{f}_us"] for r in decode.rows for f in ("qpn2", "qpn8")]
+    losing = sorted({(r["n"], r["k"], r["m"]) for r in decode.rows for f in ("qpn2", "qpn8")
+                     if r[f"dense{f[-1]}_us"] < r[f"{f}_us"]})
+    sec.notes.append(
+        f"decode/prefill threshold: the decode kernels beat dequantize + cuBLAS by {min(ratios):.2f}x to "
+        f"{max(ratios):.1f}x at every measured M <= 32 on every shape"
+        + (f", except {losing}" if losing else "; decode_threshold keeps M <= 32 (the kernels' limit) for every shape")
+    )
+    return sec
+
+
+SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants, "ablate": section_ablate,
+            "targets": section_targets}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", default="ceiling,decode,variants")
+    parser.add_argument("--sections", default="ceiling,decode,variants,ablate,targets")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--shapes", default="", help="N x K list, e.g. 4096x4096,5120x17408 (default: all)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--name", default="decode_h200")
     args = parser.parse_args(argv)
@@ -308,6 +358,8 @@ def main(argv=None) -> int:
     if "ceiling" not in wanted:
         wanted.insert(0, "ceiling")
     ctx = bk.Context(args.quick)
+    if args.shapes:
+        ctx.shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
     env = bk.environment(ctx)
     print(f"{ctx.gpu_name}: {ctx.sm_count} SMs; {env['kernel_build']['built_as']}", flush=True)
     for name in wanted:

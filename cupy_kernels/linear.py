@@ -50,12 +50,14 @@ MIN_GROUPS_PER_WARP = 8
 TILES_PER_BLOCK = 1  # tile slots per block (a gated slot = gate tile + up tile)
 # The load batches (qpn_mma.cuh, qpn_run_batches) per (format, 8-token blocks, gated): (groups per
 # batch, blocks of MAX_WARPS warps per SM the registers must allow). Measured on the H200
-# (bench_decode.py "variants", results/decode_h200_tuning.md, % of the read ceiling, 28672x8192):
-# M <= 8: 4 groups at 2 blocks/SM (64 registers) QPN2 41.8 / QPN8 84.8 against 37.0 / 80.2 at
-# 1 block/SM; M = 32: 4 groups at 1 block/SM 24.5 / 46.3 against 20.8 / 42.0 with 2 groups.
+# (bench_decode.py "variants", results/decode_h200.md, % of the read ceiling, 28672x8192):
+# M <= 8: QPN2 4 groups at 2 blocks/SM (64 registers) 40.1 against 35.3 at 1 block/SM (111
+# registers); QPN8 4 groups need 58 registers either way (84.1 at 1 block/SM, 81.6 at 2).
+# M = 32: 4 groups at 1 block/SM QPN2 22.1 / QPN8 44.6 against 17.3 / 39.4 with 1 group at 2.
 # Gated builds hold two tiles' accumulators: fewer groups per batch keep them free of spills.
 PIPELINE = {
-    **{(fmt, nb, False): (4, 2 if nb == 1 else 1) for fmt in ("qpn2", "qpn8") for nb in (1, 2, 3, 4)},
+    **{("qpn2", nb, False): (4, 2 if nb == 1 else 1) for nb in (1, 2, 3, 4)},
+    **{("qpn8", nb, False): (4, 1) for nb in (1, 2, 3, 4)},
     **{(fmt, nb, True): (2 if nb <= 2 else 1, 1) for fmt in ("qpn2", "qpn8") for nb in (1, 2, 3, 4)},
 }
 QPN8_K_MULTIPLE = GROUP_K

@@ -120,11 +120,13 @@ __device__ __forceinline__ void qpn_load_x_group(uint2 (&xf)[QPN_NB], const qpn_
 //                             in the slice (uniform); a pad slot gets code 0 (decodes to zeros).
 //   compute(batch, i, full)   decode and multiply groups i .. i+U-1; full = all lie in the slice
 //                             (pad groups get x = 0: their mma add exactly +0).
-// Chosen by measurement on the H200 (bench_decode.py "variants", results/decode_h200_tuning.md;
-// M = 1, 28672 x 8192, % of the read ceiling): single batches of 4 at 64 registers (32 warps/SM)
-// QPN2 41.8 / QPN8 84.8; double-buffered batches of 4 (124 / 100 registers, 16 warps/SM) 39.9 /
-// 76.4; a rolling pipeline refilling each slot right after use, 4 or 8 groups in flight, 39.7-41.7
-// / 75.8-79.8. Per-batch guards and base + immediate addresses: with per-group guards and
+// Chosen by measurement on the H200 (bench_decode.py "variants": results/decode_h200.md, and for the
+// pipelines no longer built results/decode_h200_pipelines.md; M = 1, 28672 x 8192,
+// % of the read ceiling, QPN2 / QPN8): single batches of 4 at 2 blocks/SM 40.1 / 81.6, at 1 block/SM
+// 35.3 / 84.1; double-buffered batches of 2 or 4 (the next batch's loads in flight while one
+// computes) 33.5-37.1 / 70.4-76.1, also no better on 4096 x 4096 (8.5-9.4 us against 8.1-9.1);
+// a rolling pipeline refilling each slot right after use, 4-8 groups in flight, 33.6-41.7 /
+// 70.7-79.8. Per-batch guards and base + immediate addresses: with per-group guards and
 // (base + 256 * group) addressing, ptxas spent ~37 of 115 SASS instructions per group of
 // qpn2_linear on IMAD.WIDE / LEA / ISETP / BSSY (sm_90 SASS of the compute_75 PTX).
 template <class Batch, class Load, class Compute>
