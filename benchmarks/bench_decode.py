@@ -211,6 +211,7 @@ def section_variants(ctx: bk.Context) -> bk.Section:
                             continue  # the warp target only around the shipped pipeline
                         macros = dict((("QPN_GATED", "0"), ("QPN_NB", str(nb)), ("QPN_TILES", "1"), ("QPN_WARPS", "16")))
                         macros.update(L.pipeline_macros(*pipe))
+                        macros["QPN_X_BATCH"] = str(L.X_BATCH[fmt])
                         if fmt == "qpn8":
                             macros["QPN8_BLOCK_SCALES"] = "0"
                         label = f"unroll {pipe[0]} blocks/SM {pipe[1]} target {target}"

@@ -67,9 +67,13 @@ def pipeline_macros(unroll: int, min_blocks: int) -> tuple[tuple[str, str], ...]
     return (("QPN_MIN_BLOCKS", str(min_blocks)), ("QPN_UNROLL", str(unroll)))
 
 
+X_BATCH = {"qpn2": 1, "qpn8": 0}  # when a batch's x is loaded: qpn_mma.cuh, QPN_X_BATCH (measured)
+
+
 def _macros(fmt: str, nb: int, gated: bool, extra=()) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((
         *pipeline_macros(*PIPELINE[fmt, nb, gated]),
+        ("QPN_X_BATCH", str(X_BATCH[fmt])),
         ("QPN_GATED", str(int(gated))),
         ("QPN_NB", str(nb)),
         ("QPN_TILES", str(TILES_PER_BLOCK)),

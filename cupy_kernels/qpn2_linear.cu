@@ -5,7 +5,7 @@
 //          QPN_TILES          tile slots per block (a gated slot = gate tile + up tile)
 //          QPN_GATED          0: y [M][N];  1: y [M][N/2] = silu_and_mul(gate rows [0,N/2), up rows [N/2,N))
 //          QPN_WARPS          most warps per block (launch bound, shared-memory size)
-//          QPN_UNROLL         groups per load batch;  QPN_MIN_BLOCKS  blocks per SM the registers must allow (qpn_mma.cuh)
+//          QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   the load batches (qpn_mma.cuh)
 //          QPN2_EXACT_PATH, QPN_ABLATE   benchmark-only switches (bench_decode.py "ablate"); never registered
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][8 bytes]  QPN2 order (spec/QPN2.md)
@@ -296,6 +296,8 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     // One batch: look the U groups' block constants up, vote once whether any block needs the
     // exact path, then run the batch branch-free (lets the compiler interleave its groups).
     auto compute = [&](const Qpn2Batch& b, int i, bool full) {
+        QpnBatchX xb;
+        qpn_x_batch_start(xb, px, i, full, n_local);
         qpn_u32 xy[QPN_UNROLL][QPN_NT];
         bool slow = false;
 #pragma unroll
@@ -308,8 +310,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         auto run = [&](bool exact_path) {
 #pragma unroll
             for (int u = 0; u < QPN_UNROLL; ++u) {
-                uint2 xf[QPN_NB];
-                qpn_load_x_group(xf, px, i, u, full || i + u < n_local);
+                const uint2 (&xf)[QPN_NB] = qpn_x_group(xb, px, i, u, full, n_local);
 #pragma unroll
                 for (int tt = 0; tt < QPN_NT; ++tt) group_tile(b, xf, u, tt, xy[u][tt], exact_path);
             }

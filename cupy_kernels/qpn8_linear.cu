@@ -1,7 +1,7 @@
 // qpn8_linear.cu: y = x @ W16^T for a QPN8 (FP8 e4m3) weight, M <= 32 tokens (the decode path).
 //
 // Kernel:  qpn8_linear
-// Macros:  QPN_NB, QPN_TILES, QPN_GATED, QPN_WARPS, QPN_UNROLL   as in qpn_mma.cuh / qpn2_linear.cu
+// Macros:  QPN_NB, QPN_TILES, QPN_GATED, QPN_WARPS, QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   qpn_mma.cuh
 //          QPN8_BLOCK_SCALES  0: channel / tensor scales S16[0, n];  1: 128x128 block S16[kb, t]
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][16 bytes]  QPN8 order (spec/QPN8.md):
@@ -138,10 +138,11 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     auto compute = [&](const Qpn8Batch& b, int i, bool full) {
         const int g0 = g_begin + i;
         (void)g0;  // block scales only
+        QpnBatchX xb;
+        qpn_x_batch_start(xb, px, i, full, n_local);
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u) {
-            uint2 xf[QPN_NB];
-            qpn_load_x_group(xf, px, i, u, full || i + u < n_local);
+            const uint2 (&xf)[QPN_NB] = qpn_x_group(xb, px, i, u, full, n_local);
 #pragma unroll
             for (int tt = 0; tt < QPN_NT; ++tt) {
                 const uint4 c = b.code[u][tt];

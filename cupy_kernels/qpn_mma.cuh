@@ -38,6 +38,9 @@
 #ifndef QPN_WARPS
 #define QPN_WARPS 16  // most warps (K-slices) per block; the host launches split <= QPN_WARPS
 #endif
+#ifndef QPN_X_BATCH
+#define QPN_X_BATCH 0  // 1: a batch's x loaded when it starts computing; 0: each group's before it
+#endif
 #ifndef QPN_MIN_BLOCKS
 #define QPN_MIN_BLOCKS 1  // blocks of QPN_WARPS warps per SM the registers must allow (launch bound)
 #endif
@@ -109,6 +112,36 @@ __device__ __forceinline__ void qpn_load_x_group(uint2 (&xf)[QPN_NB], const qpn_
             xf[j] = make_uint2(0u, 0u);
         }
     }
+}
+
+// When a batch's x is loaded (QPN_X_BATCH, per format by measurement on the H200, bench_decode.py):
+// 1 = all U groups' fragments as the batch starts computing, 0 = each group's right before it.
+// QPN2 (the longer decode per byte) gains from the early loads: 28672x8192 M = 32 139 -> 122 us,
+// 4096x14336 M = 1 23.8 -> 22.3 us; QPN8 loses: 5120x17408 M = 1 33.8 -> 43.2 us, 28672x8192
+// 61.6 -> 63.7 us.
+struct QpnBatchX {
+    uint2 f[QPN_X_BATCH ? QPN_UNROLL : 1][QPN_NB];
+};
+
+__device__ __forceinline__ void qpn_x_batch_start(
+    QpnBatchX& xb, const qpn_u16* const (&px)[QPN_NB], int i, bool full, int n_local)
+{
+#if QPN_X_BATCH
+#pragma unroll
+    for (int u = 0; u < QPN_UNROLL; ++u) qpn_load_x_group(xb.f[u], px, i, u, full || i + u < n_local);
+#endif
+}
+
+// group u's fragments (loaded here when QPN_X_BATCH = 0)
+__device__ __forceinline__ const uint2 (&qpn_x_group(
+    QpnBatchX& xb, const qpn_u16* const (&px)[QPN_NB], int i, int u, bool full, int n_local))[QPN_NB]
+{
+#if QPN_X_BATCH
+    return xb.f[u];
+#else
+    qpn_load_x_group(xb.f[0], px, i, u, full || i + u < n_local);
+    return xb.f[0];
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
