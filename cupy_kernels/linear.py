@@ -11,8 +11,8 @@ up rows [N/2, N) and the result is fp16 [M, N/2] = silu_and_mul(gate, up) (DESIG
 Numerics (DESIGN.md): the weights are exactly the contract's W16 (the same values the
 dequantize kernels write), products are exact, accumulation is fp32 (tensor cores), one RN16 at
 the end. Batch invariance: row i of an M-row call equals row i computed alone, bit for bit, for
-every M in [1, 32] -- the K split (`split_k`) depends on N and K only, and every output element
-goes through the same fp32 operations whatever M is.
+every M in [1, 32] -- the K split (`split_k`) depends on N, K and the SM count only, and every
+output element goes through the same fp32 operations whatever M is.
 
 No validation of the data here (it is the per-token hot path, and a value check would cost a
 host sync): validate weights once at load time (prepack, or dequantize with check=True).
@@ -153,9 +153,9 @@ def decode_threshold(fmt: str, n: int, k: int) -> int:
     """Largest M that should run the decode kernel (above it: dequantize + cuBLAS) for [N, K].
 
     Chosen by measurement (benchmarks/results/decode_h200.md, H200): at every M <= 32 and on every
-    benchmark shape the decode kernel beats dequantize-then-cuBLAS, by 1.3x to 10x, for both
+    benchmark shape the decode kernel beats dequantize-then-cuBLAS, by 1.6x to 11x, for both
     formats; extrapolating its time linearly in M, the crossover would come at M ~ 55
-    (5120 x 17408) to M ~ 90 (28672 x 8192), past the kernels' range. So the threshold is the
+    (5120 x 17408) to M ~ 100 (28672 x 8192), past the kernels' range. So the threshold is the
     kernels' limit for every shape; N and K stay in the signature because the crossover is
     shape-dependent and a future kernel (or a Turing measurement) may move it below 32.
     Pure host arithmetic: safe to call on every forward, also during CUDA-graph capture.

@@ -18,10 +18,12 @@
 // Numerics: the weights are exactly the contract's W16 = RN16(RN32(e2m1 * RN32(e4m3 * g))),
 // products W16 * x exact in the tensor core, fp32 accumulation, one RN16 at the end.
 //
-// Work split. Block b = QPN_TILES tile slots; warp w of the block = K-slice
-// [w * groups_per_warp, (w+1) * groups_per_warp) of every tile of the block (split-K inside the
-// block, partials added in shared memory in ascending warp order: qpn_reduce_store). The host
-// chooses the split from N and K only, never from M (batch invariance).
+// Work split. Block (b, p) = QPN_TILES tile slots, part p; warp w of the block = K-slice
+// s = p * split + w, groups [s * groups_per_warp, (s+1) * groups_per_warp) of every tile of the
+// block (split-K inside the block, partials added in shared memory in ascending warp order:
+// qpn_reduce_store). The host
+// chooses the split from N, K and the SM count, never from M (batch invariance); layers with few
+// tiles also split K across blocks (gridDim.y parts, added in a fixed order: qpn_reduce_store).
 //
 // Per lane, per group, per tile (the inner loop):
 //  1. load    its own 8 code bytes (the owner's column, 16 k) + 1 scale byte (streaming), and
@@ -59,13 +61,16 @@
 // the exact fp32 path for the whole warp:  W16 = cvt.rn.f16(RN32(e2m1 * S)), the contract itself.
 // Measured cost of that path: 0.1 % such blocks (3 % of warp-batches of 4 groups) -> +0-1 % time.
 //
-// Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200*.md), M = 1,
-// 28672x8192: 83 us = 34.5 % of the 4.6 TB/s read ceiling (QPN8: 84.5 %). The load stream alone
-// (QPN_ABLATE=1) runs at 82 %; the kernel is issue-bound: ~90 SASS instructions per 512 weights
-// in the fast path (per pair: 3 ALU for the nibble fields, 1 LOP3 + 3 fp16 ops for the decode),
-// ncu 0.63 issued warps per scheduler with 'fixed latency execution dependency' the top stall.
-// Tried and kept off: L2 prefetch 8-32 groups ahead (+1..-19 %), 2 tiles per block (x reuse:
-// -54..+14 % by shape), 16 warps per tile instead of 8 (+/-2 %). QPN_UNROLL 4 beats 2 by 5-10 %.
+// Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200.md), M = 1,
+// 28672x8192: 71 us = 41.5 % of the 4.6 TB/s read ceiling (QPN8: 85 %); M = 32: 0.97x cuBLAS fp16.
+// The kernel is issue-bound: ~100 SASS instructions per group-tile (512 weights) at 64 registers
+// in the fast path -- 32 for the decode (4 fp16/logic ops per pair), 22 for the nibble fields,
+// 8 exchange, 6 {X, Y} gather, 4 mma, 3 loads, the rest address and selector rematerialisation --
+// against the ~63 per group-tile at which 132 SMs x 4 schedulers at ~1.9 GHz would issue as fast
+// as the 288 bytes per group-tile stream in; ncu (28672x8192): 60-68 % of issue slots busy. Stage
+// ablations (bench_decode.py "ablate", % of the ceiling): loads only 75.5, no decode 65.7, no mma
+// 46.7, no exchange 43.9, full 40.1. Tried and kept off: L2 prefetch 8-32 groups ahead (+1..-19 %),
+// 2 tiles per block (x reuse: -54..+14 % by shape), the load pipelines of qpn_mma.cuh.
 #include "qpn_mma.cuh"
 
 #define QPN2_SLOW_XY 0xFFFFFFFFu  // scale-table marker: this (byte, g) block takes the exact path

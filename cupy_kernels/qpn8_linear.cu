@@ -24,12 +24,12 @@
 // per weight, so it has twice QPN2's instruction budget per weight).
 // Decode of E: step A pair (k 4t, 4t+1) = bytes 0, 2; step B pair (k 4t+2, 4t+3) = bytes 1, 3.
 //
-// Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200*.md), M = 1:
-// 28672x8192 60 us = 84.5-85.4 % of the 4.6 TB/s read ceiling (M = 8: 82 %); 34816x5120 67 %,
-// 4096x14336 67 %, 5120x17408 55 % (160 tiles on 132 SMs: one block per tile leaves the second
-// wave mostly empty). The load stream alone (QPN_ABLATE=1) reaches 90 %. Chosen by measurement:
-// QPN_UNROLL 2 (69 registers) over 4 (+27 % at 28672x8192: more resident warps), no L2 prefetch
-// (prefetch 8 groups ahead: -10 %), 8 warps per tile on 28672x8192 (86.5 % vs 79.9 % with 4).
+// Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200.md), M = 1:
+// 28672x8192 62 us = 85.2 % of the 4.6 TB/s read ceiling (M = 8: 82.3 %; 81.6-85.2 % over the
+// session's runs), 34816x5120 79 %, 4096x14336 65 %, 5120x17408 59 % (160 tiles on 132 SMs: split
+// into 4 parts per tile across blocks, from 55 % with one block per tile). The load stream alone
+// (QPN_ABLATE=1) reaches 93.5 %. Chosen by measurement: batches of 4 groups (58 registers), no L2
+// prefetch (8 groups ahead: -10 %), 8 warps per tile on 28672x8192 (86.5 % vs 79.9 % with 4).
 #include "qpn_mma.cuh"
 
 #ifndef QPN8_BLOCK_SCALES

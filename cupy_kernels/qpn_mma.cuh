@@ -91,13 +91,13 @@ __device__ __forceinline__ uint4 qpn_ldcs_u4(const void* p) {
 }
 
 // The B fragments of group g0 + u of the warp's K-slice for every 8-token block j:
-// x[row][16g + 4t .. 16g + 4t + 3] (g = g0 + u; 8 bytes, one load), px[j] = row 8j + gid (clamped to M-1: rows
-// >= M only feed output columns that are never stored; clamping keeps the loads in bounds and on
-// the same cache lines, so M = 1 reads 32 bytes of x per group, not 256) at the slice's first
-// group. x is re-read by every tile of a block and by the other blocks of the SM: the .nc (read-
-// only, L1-allocating) path keeps it on chip, so it is loaded when its group computes, not with
-// the weights: an L1 hit under ~80 instructions of decode, and no registers held across the DRAM
-// latency (holding x with the weights cost 2 * NB registers per group in flight).
+// x[row][16g + 4t .. 16g + 4t + 3] (g = g0 + u; 8 bytes, one load), px[j] = row 8j + gid
+// (clamped to M-1: rows >= M only feed output columns that are never stored; clamping keeps the
+// loads in bounds and on the same cache lines, so M = 1 reads 32 bytes of x per group, not 256)
+// at the slice's first group. x is re-read by every tile of a block and by the other blocks of
+// the SM: the .nc (read-only, L1-allocating) path keeps it on chip, so it is loaded when its
+// batch computes (QPN_X_BATCH below), not with the weights: L1 hits, and no registers held
+// across the DRAM latency (holding x with the weights cost 2 * NB registers per group in flight).
 // A pad group past the slice (valid = false) gets x = 0: its mma add exactly +0.
 // .x = step A register (k 4t, 4t+1), .y = step B register (k 4t+2, 4t+3).
 // Addresses: a per-batch base g0 plus the immediate 32 * u bytes.
@@ -215,7 +215,7 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT]) {
 // sum to partial[part][h][m][y_cols] (fp32); the last of the tile's blocks to arrive (ticket
 // counter per output tile, reset by that block for the next launch) adds the parts in ascending
 // order -- fixed whatever the arrival order, so the result is deterministic and, as the split
-// depends on N and K only, batch-invariant -- and stores the outputs.
+// depends on N, K and the SM count, never on M, batch-invariant -- and stores the outputs.
 __device__ __forceinline__ void qpn_reduce_store(
     float (*red)[QPN_HT][2][4][32], const float (&acc)[QPN_HT][QPN_NB][2][4],
     qpn_u16* __restrict__ y, int m_rows, int y_cols, int out_tile, int split,
