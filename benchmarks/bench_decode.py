@@ -61,6 +61,25 @@ def _qpn8_copies(cp, n, k, slots, seed=0):
     return out
 
 
+def _buffers(ctx, n, k):
+    """(rotation slots, {"qpn2": copies, "qpn8": copies}) of random [N, K] weights for timing."""
+    slots = ctx.rotations(n * k // 2, minimum=2, maximum=16)
+    return slots, {"qpn2": _qpn2_copies(ctx.cp, n, k, slots), "qpn8": _qpn8_copies(ctx.cp, n, k, slots)}
+
+
+def weight_bytes(fmt, n, k):
+    """Bytes a decode call must read for its weight: QPN2 codes + e4m3 block scales (0.5625 B per
+    weight), QPN8 codes + fp16 channel scales."""
+    return n * k // 2 + n * k // 16 if fmt == "qpn2" else n * k + 2 * n
+
+
+def shipped_macros(fmt, nb):
+    """The wrapper's own build for M <= 8 * nb (channel scales for QPN8), as a dict to override."""
+    from qpn.cupy_kernels import linear as L
+
+    return dict(L._macros(fmt, nb, False, (("QPN8_BLOCK_SCALES", "0"),) if fmt == "qpn8" else ()))
+
+
 def _check(ctx, what, y, x, w16_rows, n_check):
     """y[:, :n_check] inside qpn.ref.linear_bounds for the first n_check weight rows."""
     from qpn.ref import linear_bounds
@@ -128,15 +147,12 @@ def section_decode(ctx: bk.Context) -> bk.Section:
         bk.Column("method", "timing"),
     ])
     for n, k in ctx.shapes:
-        slots = ctx.rotations(n * k // 2, minimum=2, maximum=16)
-        q2 = _qpn2_copies(cp, n, k, slots)
-        q8 = _qpn8_copies(cp, n, k, slots)
+        slots, bufs = _buffers(ctx, n, k)
+        q2, q8 = bufs["qpn2"], bufs["qpn8"]
         w_slots = ctx.rotations(2 * n * k, minimum=2, maximum=16)  # fp16 copies for cuBLAS
         w16 = [qpn2_dequantize(*q2[i % slots], G, n, k) for i in range(w_slots)]  # cuBLAS operand, resident fp16
         w16_8 = qpn8_dequantize(*q8[0], n, k)
         workspace = cp.empty((n, k), cp.float16)
-        bytes2 = n * k // 2 + n * k // 16
-        bytes8 = n * k + 2 * n
         for m in DECODE_MS:
             x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
             y = cp.empty((m, n), cp.float16)
@@ -159,13 +175,13 @@ def section_decode(ctx: bk.Context) -> bk.Section:
                 sec.notes.append(f"torch F.linear timing failed ({type(exc).__name__}: {exc}); cuBLAS = cupy.matmul loop")
             row = {"n": n, "k": k, "m": m, **{f"{name}_us": v for name, v in us.items()},
                    "method": "/".join(sorted({v["method"] for v in t.values()})), "slots": slots}
-            for name, nbytes in (("qpn2", bytes2), ("qpn8", bytes8)):
-                row[f"{name}_gbps"] = bk.gbps(nbytes + io, us[name])
+            for name in ("qpn2", "qpn8"):
+                row[f"{name}_gbps"] = bk.gbps(weight_bytes(name, n, k) + io, us[name])
                 row[f"{name}_pct"] = 100.0 * row[f"{name}_gbps"] / read
                 row[f"{name}_x"] = us["cublas"] / us[name]
             row["cublas_pct"] = 100.0 * bk.gbps(2 * n * k + io, us["cublas"]) / read
             sec.rows.append(row)
-        del q2, q8, w16, w16_8, workspace
+        del bufs, q2, q8, w16, w16_8, workspace
         cp.get_default_memory_pool().free_all_blocks()
     sec.notes.append(
         "GB/s = (weight bytes + x + y) / time: QPN2 0.5625 B/weight (codes + e4m3 scales), QPN8 1 B/weight; "
@@ -194,10 +210,8 @@ def section_variants(ctx: bk.Context) -> bk.Section:
         bk.Column("fmt", "format"), bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
         bk.Column("variant", "variant"), bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
     ])
-    shapes = ctx.shapes
-    for n, k in shapes:
-        slots = ctx.rotations(n * k // 2, minimum=2, maximum=16)
-        bufs = {"qpn2": _qpn2_copies(cp, n, k, slots), "qpn8": _qpn8_copies(cp, n, k, slots)}
+    for n, k in ctx.shapes:
+        slots, bufs = _buffers(ctx, n, k)
         w16 = {"qpn2": qpn2_dequantize(*bufs["qpn2"][0], G, n, k), "qpn8": qpn8_dequantize(*bufs["qpn8"][0], n, k)}
         for m in (1, 8, 32):
             x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
@@ -209,11 +223,8 @@ def section_variants(ctx: bk.Context) -> bk.Section:
                     for target in WARP_TARGETS:
                         if target != L.TARGET_WARPS and pipe != shipped:
                             continue  # the warp target only around the shipped pipeline
-                        macros = dict((("QPN_GATED", "0"), ("QPN_NB", str(nb)), ("QPN_TILES", "1"), ("QPN_WARPS", "16")))
+                        macros = shipped_macros(fmt, nb)
                         macros.update(L.pipeline_macros(*pipe))
-                        macros["QPN_X_BATCH"] = str(L.X_BATCH[fmt])
-                        if fmt == "qpn8":
-                            macros["QPN8_BLOCK_SCALES"] = "0"
                         label = f"unroll {pipe[0]} blocks/SM {pipe[1]} target {target}"
                         if pipe == shipped and target == L.TARGET_WARPS:
                             label += " (shipped)"
@@ -223,9 +234,8 @@ def section_variants(ctx: bk.Context) -> bk.Section:
                         except Exception as exc:  # noqa: BLE001 - a variant that fails is a row, not a crash
                             sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label}: {exc}"[:120]})
                             continue
-                        nbytes = n * k // 2 + n * k // 16 if fmt == "qpn2" else n * k
                         sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label} split {split}",
-                                         "us": t["us"], "pct": 100.0 * bk.gbps(nbytes, t["us"]) / read})
+                                         "us": t["us"], "pct": 100.0 * bk.gbps(weight_bytes(fmt, n, k), t["us"]) / read})
         del bufs, w16
         cp.get_default_memory_pool().free_all_blocks()
     return sec
@@ -238,16 +248,12 @@ def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=
     from qpn.cupy_kernels.loader import get_function
 
     fn = get_function(f"{fmt}_linear.cu", f"{fmt}_linear", macros)
-    tiles = int(dict(macros).get("QPN_TILES", "1"))
-    n_slots = n // 32
     saved, L.TARGET_WARPS = L.TARGET_WARPS, target or L.TARGET_WARPS
     try:
         parts, split, gpw = L.decode_split(fmt, n, k)
-        partial, tickets = L._split_k_buffers(fmt, m, n, k, False, None)
+        grid, block, tail = L._launch_config(fmt, m, n, k, False, None)
     finally:
         L.TARGET_WARPS = saved
-    grid, block = (-(-n_slots // tiles), parts), (32 * split,)
-    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(gpw), partial, tickets)
     if fmt == "qpn2":
         launch = lambda i: fn(grid, block, (*bufs[i % slots], g_dev, np.int32(0), x, y, *tail))  # noqa: E731
     else:
@@ -270,8 +276,6 @@ ABLATIONS = (  # (format, label, extra macros): where the time goes (METHOD.md: 
 
 def section_ablate(ctx: bk.Context) -> bk.Section:
     """Stage ablations at M = 1 (not correct outputs: timing only)."""
-    from qpn.cupy_kernels import linear as L
-
     cp = ctx.cp
     read = ctx.ceiling["read"]
     g_dev = cp.full(1, G, dtype=cp.float32)
@@ -280,17 +284,15 @@ def section_ablate(ctx: bk.Context) -> bk.Section:
         bk.Column("split", "split"), bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
     ])
     for n, k in [(28672, 8192), (4096, 14336)]:
-        slots = ctx.rotations(n * k // 2, minimum=2, maximum=16)
-        bufs = {"qpn2": _qpn2_copies(cp, n, k, slots), "qpn8": _qpn8_copies(cp, n, k, slots)}
+        slots, bufs = _buffers(ctx, n, k)
         x = (cp.random.RandomState(1).standard_normal((1, k)) * 0.5).astype(cp.float16)
         y = cp.empty((1, n), cp.float16)
         for fmt, label, extra in ABLATIONS:
-            macros = dict(L._macros(fmt, 1, False, (("QPN8_BLOCK_SCALES", "0"),) if fmt == "qpn8" else ()))  # the shipped M <= 8 build
+            macros = shipped_macros(fmt, 1)
             macros.update(extra)
             t, split = _launch_variant(ctx, fmt, tuple(sorted(macros.items())), n, k, 1, bufs[fmt], x, y, slots, g_dev)
-            nbytes = n * k // 2 + n * k // 16 if fmt == "qpn2" else n * k
             sec.rows.append({"fmt": fmt, "n": n, "k": k, "variant": label, "split": split, "us": t["us"],
-                             "pct": 100.0 * bk.gbps(nbytes, t["us"]) / read})
+                             "pct": 100.0 * bk.gbps(weight_bytes(fmt, n, k), t["us"]) / read})
         del bufs
         cp.get_default_memory_pool().free_all_blocks()
     return sec
@@ -300,7 +302,6 @@ def section_ablate(ctx: bk.Context) -> bk.Section:
 TARGETS = (("qpn2", 1, "pct", 85.0), ("qpn2", 8, "pct", 75.0), ("qpn2", 32, "x", 2.0),
            ("qpn8", 1, "pct", 85.0), ("qpn8", 8, "pct", 75.0))
 SMALL_TARGET = ((4096, 4096), 1, "x", 2.0)  # 4096x4096 (fits in L2) at M = 1: >= 2x cuBLAS fp16
-BYTES_PER_WEIGHT = {"qpn2": 0.5625, "qpn8": 1.0}
 
 
 def section_targets(ctx: bk.Context) -> bk.Section:
@@ -326,7 +327,7 @@ def section_targets(ctx: bk.Context) -> bk.Section:
 
     for fmt, m, metric, threshold in TARGETS:
         for n, k in ctx.shapes:
-            if n * k * BYTES_PER_WEIGHT[fmt] >= 64e6:
+            if weight_bytes(fmt, n, k) >= 64e6:
                 add(fmt, n, k, m, metric, threshold)
     (n, k), m, metric, threshold = SMALL_TARGET
     for fmt in ("qpn2", "qpn8"):

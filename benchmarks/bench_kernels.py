@@ -285,6 +285,15 @@ def section_layouts(ctx: Context) -> Section:
         Column("pct_read", "% read ceiling", "{:.1f}"), Column("pct_copy", "% copy ceiling", "{:.1f}"),
         Column("slots", "copies"), Column("method", "timing"),
     ])
+
+    def add_row(fmt, n, k, q_bytes, op, fn, traffic, slots):
+        t = ctx.time_calls(fn, slots)
+        rate = gbps(traffic, t["us"])
+        sec.rows.append({"fmt": fmt, "n": n, "k": k, "quant_mb": q_bytes / 1e6, "op": op, "us": t["us"],
+                         "gbps": rate, "pct_read": 100 * rate / ctx.ceiling["read"],
+                         "pct_copy": 100 * rate / ctx.ceiling["copy"], "slots": slots, "method": t["method"],
+                         "bytes": traffic, "us_min": t["us_min"], "us_max": t["us_max"]})
+
     for n, k in ctx.shapes:
         # ---- QPN2 (NVFP4): codes N*K/2, scales N*K/16, W16 2*N*K
         q_bytes = n * k // 2 + n * k // 16
@@ -308,12 +317,7 @@ def section_layouts(ctx: Context) -> Section:
             qpn2_dequantize(codes, scales, g, n, k, out=outs[i % slots], check=False)
 
         for op, fn, traffic in (("prepack", prepack2, 2 * q_bytes), ("dequantize", dequant2, q_bytes + w_bytes)):
-            t = ctx.time_calls(fn, slots)
-            rate = gbps(traffic, t["us"])
-            sec.rows.append({"fmt": "qpn2", "n": n, "k": k, "quant_mb": q_bytes / 1e6, "op": op, "us": t["us"],
-                             "gbps": rate, "pct_read": 100 * rate / ctx.ceiling["read"],
-                             "pct_copy": 100 * rate / ctx.ceiling["copy"], "slots": slots, "method": t["method"],
-                             "bytes": traffic, "us_min": t["us_min"], "us_max": t["us_max"]})
+            add_row("qpn2", n, k, q_bytes, op, fn, traffic, slots)
         del inputs, packed, outs
 
         # ---- QPN8 (FP8, per-channel): codes N*K, S16 2*N, W16 2*N*K
@@ -334,12 +338,7 @@ def section_layouts(ctx: Context) -> Section:
             qpn8_dequantize(codes, group_scales, n, k, out=outs[i % slots], check=False)
 
         for op, fn, traffic in (("prepack", prepack8, 2 * q_bytes + 6 * n), ("dequantize", dequant8, q_bytes + 2 * n + w_bytes)):
-            t = ctx.time_calls(fn, slots)
-            rate = gbps(traffic, t["us"])
-            sec.rows.append({"fmt": "qpn8", "n": n, "k": k, "quant_mb": q_bytes / 1e6, "op": op, "us": t["us"],
-                             "gbps": rate, "pct_read": 100 * rate / ctx.ceiling["read"],
-                             "pct_copy": 100 * rate / ctx.ceiling["copy"], "slots": slots, "method": t["method"],
-                             "bytes": traffic, "us_min": t["us_min"], "us_max": t["us_max"]})
+            add_row("qpn8", n, k, q_bytes, op, fn, traffic, slots)
         del inputs, packed, outs
         cp.get_default_memory_pool().free_all_blocks()
     big = [r for r in sec.rows if r["op"] == "dequantize" and r["quant_mb"] >= 64]

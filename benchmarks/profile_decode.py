@@ -10,7 +10,7 @@ import numpy as np
 import cupy as cp
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_decode import G, _launch_variant, _qpn2_copies, _qpn8_copies  # noqa: E402
+from bench_decode import G, _launch_variant, _qpn2_copies, _qpn8_copies, shipped_macros  # noqa: E402
 
 
 class _Ctx:  # minimal stand-in for bench_kernels.Context.time_calls: 2 launches, no timing
@@ -34,7 +34,7 @@ if __name__ == "__main__":
     y = cp.empty((1, n), cp.float16)
     g = cp.full(1, G, cp.float32)
     for fmt, pipe, extra in VARIANTS:
-        macros = dict(L._macros(fmt, 1, False, (("QPN8_BLOCK_SCALES", "0"),) if fmt == "qpn8" else ()))
+        macros = shipped_macros(fmt, 1)
         if pipe is not None:
             macros.update(L.pipeline_macros(*pipe))
         macros.update(extra)

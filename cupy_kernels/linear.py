@@ -105,7 +105,7 @@ QPN8_LINEAR = {
 KERNEL_VARIANTS = (*QPN2_LINEAR.values(), *QPN8_LINEAR.values())
 
 
-def split_k(n_tiles: int, groups: int, multiple: int = 1, sms: int = 0) -> tuple[int, int, int]:
+def split_k(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, int, int]:
     """(blocks per tile, warps per block, groups per warp) for N/32 tiles and K/16 groups on a GPU
     of `sms` SMs (0: one block per tile). Never depends on M (batch invariance).
 
@@ -210,14 +210,8 @@ def _gated_rows(n: int, gated: bool) -> int:
 SLICE_MULTIPLE = {"qpn2": QPN2_K_MULTIPLE // GROUP_K, "qpn8": 1}
 
 
-def _launch_shape(fmt: str, n: int, k: int, gated: bool):
-    n_slots = n // TILE_N // (2 if gated else 1)
-    # the split follows the weight's tile count, gated or not: the gated kernel then sums every
-    # tile exactly as the plain kernel does (its gate / up values equal qpn2_linear's, bit for bit)
-    parts, split, groups_per_warp = decode_split(fmt, n, k)
-    grid = (-(-n_slots // TILES_PER_BLOCK), parts)
-    block = (32 * split,)
-    return n_slots, groups_per_warp, grid, block
+def _workspace_elements(parts: int, m: int, n: int, gated: bool) -> int:
+    return 0 if parts == 1 else parts * (2 if gated else 1) * m * _gated_rows(n, gated)
 
 
 def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False) -> int:
@@ -228,8 +222,7 @@ def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False)
     """
     if fmt not in ("qpn2", "qpn8"):
         raise ValueError(f"fmt must be 'qpn2' or 'qpn8', got {fmt!r}")
-    parts = decode_split(fmt, n, k)[0]
-    return 0 if parts == 1 else parts * (2 if gated else 1) * m * _gated_rows(n, gated)
+    return _workspace_elements(decode_split(fmt, n, k)[0], m, n, gated)
 
 
 # Split-K arrival counters ("tickets"), one per output tile of a launch. The last block of each
@@ -259,7 +252,9 @@ def _tickets(tiles: int):
         table = _TICKETS[device] = cupy.zeros((TICKET_STREAMS, TICKET_TILES), dtype=np.uint32)
     if tiles > TICKET_TILES:  # only a warp target > 16 * TICKET_TILES could get here
         raise ValueError(f"split-K over {tiles} tiles exceeds the {TICKET_TILES} counters per stream")
-    row = _TICKET_ROWS.setdefault((device, stream.ptr), len([key for key in _TICKET_ROWS if key[0] == device]))
+    row = _TICKET_ROWS.get((device, stream.ptr))
+    if row is None:  # the device's next free row
+        row = _TICKET_ROWS[device, stream.ptr] = sum(1 for d, _ in _TICKET_ROWS if d == device)
     if row >= TICKET_STREAMS:
         raise ValueError(
             f"split-K decode calls came from more than {TICKET_STREAMS} CUDA streams on device {device}; "
@@ -268,23 +263,33 @@ def _tickets(tiles: int):
     return table[row]
 
 
-def _split_k_buffers(fmt: str, m: int, n: int, k: int, gated: bool, workspace):
-    """(partial sums, tickets) for a split-K launch, or (0, 0) null pointers when parts == 1."""
+def _launch_config(fmt: str, m: int, n: int, k: int, gated: bool, workspace):
+    """(grid, block, trailing kernel arguments) of a decode launch: the split (decode_split), and
+    the split-K partial sums and arrival counters (null pointers when the split has one part).
+
+    The split follows the weight's tile count, gated or not: the gated kernel then sums every tile
+    exactly as the plain kernel does (its gate / up values equal the plain call's, bit for bit).
+    """
     import cupy  # noqa: PLC0415
 
-    size = decode_workspace_size(fmt, m, n, k, gated)
-    if size == 0:
-        return np.uint64(0), np.uint64(0)
-    if workspace is None:
-        workspace = cupy.empty(size, dtype=np.float32)
-    else:
-        require_cupy("workspace", workspace, np.float32)
-        if workspace.size < size or not workspace.flags.c_contiguous:
-            raise ValueError(
-                f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
-                f"(decode_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one"
-            )
-    return workspace, _tickets(n // TILE_N)
+    parts, split, groups_per_warp = decode_split(fmt, n, k)
+    n_slots = n // TILE_N // (2 if gated else 1)
+    partial = tickets = np.uint64(0)
+    size = _workspace_elements(parts, m, n, gated)
+    if size:
+        if workspace is None:
+            workspace = cupy.empty(size, dtype=np.float32)
+        else:
+            require_cupy("workspace", workspace, np.float32)
+            if workspace.size < size or not workspace.flags.c_contiguous:
+                raise ValueError(
+                    f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
+                    f"(decode_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one"
+                )
+        partial, tickets = workspace, _tickets(n // TILE_N)
+    grid = (-(-n_slots // TILES_PER_BLOCK), parts)
+    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(groups_per_warp), partial, tickets)
+    return grid, (32 * split,), tail
 
 
 def qpn2_linear(x, codes, scales, global_scale, out=None, gated: bool = False, workspace=None):
@@ -301,11 +306,9 @@ def qpn2_linear(x, codes, scales, global_scale, out=None, gated: bool = False, w
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
     out_cols = _gated_rows(n, gated)
     y = output_array(out, (m, out_cols), np.float16)
-    partial, tickets = _split_k_buffers("qpn2", m, n, k, gated, workspace)
-    n_slots, groups_per_warp, grid, block = _launch_shape("qpn2", n, k, gated)
+    grid, block, tail = _launch_config("qpn2", m, n, k, gated, workspace)
     fn = kernel(QPN2_LINEAR[-(-m // TOKENS_PER_BLOCK), bool(gated)])
-    fn(grid, block, (codes, scales, g, np.int32(g_stride), x, y, np.int32(m), np.int32(n), np.int32(k),
-                     np.int32(n_slots), np.int32(groups_per_warp), partial, tickets))
+    fn(grid, block, (codes, scales, g, np.int32(g_stride), x, y, *tail))
     return y
 
 
@@ -325,9 +328,7 @@ def qpn8_linear(x, codes, group_scales, out=None, gated: bool = False, workspace
         require_aligned("group_scales", group_scales, 8)  # 8-byte loads of a quad's 4 scales
     out_cols = _gated_rows(n, gated)
     y = output_array(out, (m, out_cols), np.float16)
-    partial, tickets = _split_k_buffers("qpn8", m, n, k, gated, workspace)
-    n_slots, groups_per_warp, grid, block = _launch_shape("qpn8", n, k, gated)
+    grid, block, tail = _launch_config("qpn8", m, n, k, gated, workspace)
     fn = kernel(QPN8_LINEAR[-(-m // TOKENS_PER_BLOCK), bool(gated), block_scales])
-    fn(grid, block, (codes, group_scales, np.int32(kb_stride), x, y, np.int32(m), np.int32(n), np.int32(k),
-                     np.int32(n_slots), np.int32(groups_per_warp), partial, tickets))
+    fn(grid, block, (codes, group_scales, np.int32(kb_stride), x, y, *tail))
     return y

@@ -39,19 +39,7 @@
 //   Writes  flags |= 1 NaN scale byte, |= 2 a block whose largest weight
 //           RN16(RN32(6 * RN32(|e4m3| * g))) is inf (RN32(...) >= 65520), |= 4 a global scale
 //           that is NaN, inf or <= 0.
-#include "qpn_common.cuh"
-
-#ifndef QPN_GROUPS_PER_THREAD
-#define QPN_GROUPS_PER_THREAD 2
-#endif
-#ifndef QPN_STAGE_GROUPS
-#define QPN_STAGE_GROUPS 2
-#endif
-#ifndef QPN_WARPS_PER_BLOCK
-#define QPN_WARPS_PER_BLOCK 8
-#endif
-#define QPN_STAGE_CHUNKS (2 * QPN_STAGE_GROUPS)  // 16-byte chunks per staged row (2 per group)
-static_assert(QPN_GROUPS_PER_THREAD % QPN_STAGE_GROUPS == 0, "whole staging phases per thread");
+#include "qpn_dequant.cuh"
 
 // Nibble pair (i, i+4) of a code word, already shifted down to bits 0..3 and 16..19 of x,
 // -> two fp16 weights (bits 0..15 = k 2i, bits 16..31 = k 2i+1).
@@ -83,14 +71,9 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS_PER_BLOCK * 32) qpn2_dequ
     int n_tiles,
     int groups)
 {
-    __shared__ uint4 stage_all[QPN_WARPS_PER_BLOCK][QPN_TILE_N][QPN_STAGE_CHUNKS];
-    uint4 (*stage)[QPN_STAGE_CHUNKS] = stage_all[threadIdx.x >> 5];
     const int lane = threadIdx.x & 31;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int chunks = (groups + QPN_GROUPS_PER_THREAD - 1) / QPN_GROUPS_PER_THREAD;
-    if (warp >= (long long)n_tiles * chunks) return;  // whole warps only: __syncwarp below is safe
-    const int t = (int)(warp / chunks);
-    const int g0 = (int)(warp - (long long)t * chunks) * QPN_GROUPS_PER_THREAD;
+    int t, g0;
+    if (!qpn_dequant_item(n_tiles, groups, t, g0)) return;
 
     // Issue every load before any decoding: GPT x (8 + 1) bytes in flight per lane. More groups
     // per lane (more bytes in flight, fewer warps) measured slower: benchmarks, section sweep.
@@ -106,24 +89,12 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS_PER_BLOCK * 32) qpn2_dequ
     }
     const float g = __ldg(global_scale + (long long)t * global_scale_tile_stride);
 
-#pragma unroll
-    for (int p = 0; p < QPN_GROUPS_PER_THREAD; p += QPN_STAGE_GROUPS) {
-#pragma unroll
-        for (int h = 0; h < QPN_STAGE_GROUPS; ++h) {
-            const int j = p + h;
-            if (g0 + j < groups) {
-                const float e = __fmul_rn(qpn_e4m3_to_float(sb[j]), g);  // E = RN32(e4m3 * g)
-                const float e_scaled = __fmul_rn(e, 16384.0f);            // E * 2^14, exact
-                qpn_stage_put<QPN_STAGE_CHUNKS>(stage, lane, 2 * h, qpn2_decode_word(c[j].x, e_scaled));      // k 0..7
-                qpn_stage_put<QPN_STAGE_CHUNKS>(stage, lane, 2 * h + 1, qpn2_decode_word(c[j].y, e_scaled));  // k 8..15
-            }
-        }
-        __syncwarp();
-        const int valid = 2 * min(QPN_STAGE_GROUPS, groups - (g0 + p));  // ragged last phase
-        // row n holds 2*groups uint4; group g starts at uint4 2g
-        qpn_stage_store_rows<QPN_STAGE_CHUNKS>(stage, out, t, 2LL * groups, 2LL * (g0 + p), valid, lane);
-        __syncwarp();
-    }
+    qpn_dequant_store(out, t, groups, g0, [&](int j, uint4& lo, uint4& hi) {
+        const float e = __fmul_rn(qpn_e4m3_to_float(sb[j]), g);  // E = RN32(e4m3 * g)
+        const float e_scaled = __fmul_rn(e, 16384.0f);            // E * 2^14, exact
+        lo = qpn2_decode_word(c[j].x, e_scaled);                  // k 0..7
+        hi = qpn2_decode_word(c[j].y, e_scaled);                  // k 8..15
+    });
 }
 
 extern "C" __global__ void qpn2_check_scales(

@@ -165,30 +165,18 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
     __shared__ qpn_u32 xy_table[QPN_NT][256];  // {X, Y} of every scale byte for each tile's g
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int split = blockDim.x >> 5;
     const int n_tiles = n / QPN_TILE_N;
-    const int groups = k / QPN_GROUP_K;
-    const int slot0 = blockIdx.x * QPN_TILES;
-    const int g_begin = (blockIdx.y * split + warp) * groups_per_warp;  // K-slice: part, then warp
-    const int g_end = min(groups, g_begin + groups_per_warp);
+    const QpnSlice sl = qpn_block_slice(n, k, n_slots, groups_per_warp);
+    const int n_local = sl.n_local;
 
-    int tile[QPN_NT];
     float gval[QPN_NT];
 #pragma unroll
-    for (int s = 0; s < QPN_TILES; ++s) {
-        const int slot = min(slot0 + s, n_slots - 1);  // a missing slot recomputes the last one, never stored
-#pragma unroll
-        for (int h = 0; h < QPN_HT; ++h) {
-            tile[s * QPN_HT + h] = slot + h * (n_tiles / 2);  // gated: gate tile, then up tile
-            gval[s * QPN_HT + h] = gscale[(long long)tile[s * QPN_HT + h] * gs_stride];
-        }
-    }
+    for (int tt = 0; tt < QPN_NT; ++tt) gval[tt] = gscale[(long long)sl.tile[tt] * gs_stride];
     // The block constants depend only on (scale byte, g): a 256-entry table per tile replaces
     // ~15 instructions per lane and group (2 cvt, 3 fmul, packs, 2 fp16 ops) by one LDS.
     for (int i = threadIdx.x; i < QPN_NT * 256; i += blockDim.x) {
         const int tt = i >> 8;
-        const int slot = min(slot0 + (tt / QPN_HT), n_slots - 1);
+        const int slot = min((int)blockIdx.x * QPN_TILES + (tt / QPN_HT), n_slots - 1);
         const float g = gscale[(long long)(slot + (tt % QPN_HT) * (n_tiles / 2)) * gs_stride];
         float s;
         const qpn_u32 xy = qpn2_block_xy(i & 255, g, s);
@@ -196,24 +184,19 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     }
     __syncthreads();
 
-    // lane-dependent byte-permute selectors of the quad transpose (see header comment)
-    // per-tile / per-token-block base pointers at group g_begin (see qpn2_load_slot)
+    // per-tile / per-token-block base pointers at the slice's first group (see qpn2_load_slot)
     const qpn_u8* pc[QPN_NT];
     const qpn_u8* ps[QPN_NT];
 #pragma unroll
     for (int tt = 0; tt < QPN_NT; ++tt) {
-        const long long unit = ((long long)tile[tt] * groups + g_begin) * 32 + lane;
+        const long long unit = ((long long)sl.tile[tt] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane;
         pc[tt] = codes + unit * 8;
         ps[tt] = scales + unit;
     }
     const qpn_u16* px[QPN_NB];
-#pragma unroll
-    for (int j = 0; j < QPN_NB; ++j) {
-        const int row = min(8 * j + (lane >> 2), m_rows - 1);  // rows past M: see qpn_load_x_group
-        px[j] = x + (long long)row * k + 16 * g_begin + 4 * (lane & 3);
-    }
-    const int n_local = g_end - g_begin;
+    qpn_x_pointers(px, x, m_rows, k, sl.g_begin);
 
+    // lane-dependent byte-permute selectors of the quad transpose (see header comment)
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;
     const qpn_u32 sel_keep1 = q0 ? 0x7531u : 0x6420u;
     const qpn_u32 sel_send1 = q0 ? 0x6420u : 0x7531u;
@@ -223,17 +206,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     const qpn_u32 sel_fin1 = q1 ? 0x3120u : 0x7564u;
     const int quad = lane & ~3;
 
-    float acc[QPN_TILES][QPN_HT][QPN_NB][2][4];
-#pragma unroll
-    for (int s = 0; s < QPN_TILES; ++s)
-#pragma unroll
-        for (int h = 0; h < QPN_HT; ++h)
-#pragma unroll
-            for (int j = 0; j < QPN_NB; ++j)
-#pragma unroll
-                for (int rb = 0; rb < 2; ++rb)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[s][h][j][rb][i] = 0.0f;
+    float acc[QPN_TILES][QPN_HT][QPN_NB][2][4] = {};
 
     // one group x tile: exchange, decode (fast or exact), 4 mma per 8 tokens
     qpn_u32 ablate_sink = 0;
@@ -254,48 +227,34 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         const qpn_u32 wq[2] = {qpn_prmt(keep2, recv2, sel_fin0), qpn_prmt(keep2, recv2, sel_fin1)};
 #endif
         qpn_u32 a[2][4];  // [rowblock][c step A, c' step A, c step B, c' step B]
-        if (exact) {
-            float cs[4];
-            const float s = __fmul_rn(qpn_e4m3_to_float(b.scale[u][tt]), gval[tt]);
+#if QPN_ABLATE == 3
 #pragma unroll
-            for (int c = 0; c < 4; ++c) cs[c] = __shfl_sync(0xFFFFFFFFu, s, quad | c);
+        for (int rb = 0; rb < 2; ++rb)
 #pragma unroll
-            for (int rb = 0; rb < 2; ++rb) {
-                qpn_u32 e[4];
-                qpn2_e14_pairs(wq[rb], e);
+            for (int i = 0; i < 4; ++i) a[rb][i] = wq[rb] ^ (i * 0x00100010u) ^ xy;
+#else
+        // the owner column's decode constant -- {X, Y}, or S = RN32(e4m3 * g) on the exact path --
+        // gathered for the quad's four columns (`exact` is a constant at both call sites)
+        const qpn_u32 own = exact ? __float_as_uint(__fmul_rn(qpn_e4m3_to_float(b.scale[u][tt]), gval[tt])) : xy;
+        qpn_u32 col[4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) a[rb][i] = qpn2_decode_exact(e[i], cs[2 * rb + (i & 1)]);
-            }
-        } else if (QPN_ABLATE == 3) {
+        for (int c = 0; c < 4; ++c) col[c] = __shfl_sync(0xFFFFFFFFu, own, quad | c);
 #pragma unroll
-            for (int rb = 0; rb < 2; ++rb)
+        for (int rb = 0; rb < 2; ++rb) {
+            qpn_u32 e[4];
+            qpn2_e14_pairs(wq[rb], e);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) a[rb][i] = wq[rb] ^ (i * 0x00100010u) ^ xy;
-        } else {
-            qpn_u32 cxy[4];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) cxy[c] = __shfl_sync(0xFFFFFFFFu, xy, quad | c);
-#pragma unroll
-            for (int rb = 0; rb < 2; ++rb) {
-                qpn_u32 e[4];
-                qpn2_e14_pairs(wq[rb], e);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) a[rb][i] = qpn2_decode_fast(e[i], cxy[2 * rb + (i & 1)]);
+            for (int i = 0; i < 4; ++i) {
+                const qpn_u32 c = col[2 * rb + (i & 1)];
+                a[rb][i] = exact ? qpn2_decode_exact(e[i], __uint_as_float(c)) : qpn2_decode_fast(e[i], c);
             }
         }
-        const int s_idx = tt / QPN_HT, h_idx = tt % QPN_HT;
+#endif
 #if QPN_ABLATE == 4
         ablate_sink ^= a[0][0] ^ a[0][1] ^ a[0][2] ^ a[0][3] ^ a[1][0] ^ a[1][1] ^ a[1][2] ^ a[1][3] ^ xf[0].x;
         return;
 #endif
-#pragma unroll
-        for (int j = 0; j < QPN_NB; ++j) {  // the host launches QPN_NB = ceil(M / 8): no block is empty
-#pragma unroll
-            for (int rb = 0; rb < 2; ++rb) {
-                qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][0], a[rb][1], xf[j].x);  // step A
-                qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][2], a[rb][3], xf[j].y);  // step B
-            }
-        }
+        qpn_mma_group(acc[tt / QPN_HT][tt % QPN_HT], a, xf);
     };
 
     // One batch: look the U groups' block constants up, vote once whether any block needs the
@@ -331,9 +290,5 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #if QPN_ABLATE
     if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive
 #endif
-#pragma unroll
-    for (int s = 0; s < QPN_TILES; ++s) {
-        if (slot0 + s >= n_slots) break;  // uniform over the block
-        qpn_reduce_store(red, acc[s], y, m_rows, QPN_GATED ? n / 2 : n, slot0 + s, split, partial, tickets);
-    }
+    qpn_store_slots(red, acc, y, m_rows, n, n_slots, partial, tickets);
 }

@@ -35,19 +35,7 @@
 //   Reads   codes (all N*K bytes) and the fp16 group scales
 //   Writes  flags |= 1 NaN code byte (0x7F/0xFF), |= 2 a group scale that is NaN, inf or has
 //           its sign bit set, |= 4 a group scale whose largest weight RN16(1.75 * S16) is inf.
-#include "qpn_common.cuh"
-
-#ifndef QPN_GROUPS_PER_THREAD
-#define QPN_GROUPS_PER_THREAD 2
-#endif
-#ifndef QPN_STAGE_GROUPS
-#define QPN_STAGE_GROUPS 2
-#endif
-#ifndef QPN_WARPS_PER_BLOCK
-#define QPN_WARPS_PER_BLOCK 8
-#endif
-#define QPN_STAGE_CHUNKS (2 * QPN_STAGE_GROUPS)  // 16-byte chunks per staged row (2 per group)
-static_assert(QPN_GROUPS_PER_THREAD % QPN_STAGE_GROUPS == 0, "whole staging phases per thread");
+#include "qpn_dequant.cuh"
 
 // Byte i of `a` and byte i of `b` (a 4-byte word each) -> fp16 weights of k (2i, 2i+1).
 // Selector nibbles: byte 0 <- a.b_i, byte 2 <- b.b_i (bytes 1, 3 are masked off anyway).
@@ -74,14 +62,9 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS_PER_BLOCK * 32) qpn8_dequ
     int n_tiles,
     int groups)
 {
-    __shared__ uint4 stage_all[QPN_WARPS_PER_BLOCK][QPN_TILE_N][QPN_STAGE_CHUNKS];
-    uint4 (*stage)[QPN_STAGE_CHUNKS] = stage_all[threadIdx.x >> 5];
     const int lane = threadIdx.x & 31;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int chunks = (groups + QPN_GROUPS_PER_THREAD - 1) / QPN_GROUPS_PER_THREAD;
-    if (warp >= (long long)n_tiles * chunks) return;  // whole warps only: __syncwarp below is safe
-    const int t = (int)(warp / chunks);
-    const int g0 = (int)(warp - (long long)t * chunks) * QPN_GROUPS_PER_THREAD;
+    int t, g0;
+    if (!qpn_dequant_item(n_tiles, groups, t, g0)) return;
     const int col = qpn_column_of_lane(lane);
 
     // Issue every load before any decoding: GPT x 16 code bytes in flight per lane. The scales
@@ -98,23 +81,11 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS_PER_BLOCK * 32) qpn8_dequ
         }
     }
 
-#pragma unroll
-    for (int p = 0; p < QPN_GROUPS_PER_THREAD; p += QPN_STAGE_GROUPS) {
-#pragma unroll
-        for (int h = 0; h < QPN_STAGE_GROUPS; ++h) {
-            const int j = p + h;
-            if (g0 + j < groups) {
-                const qpn_u32 s2 = s[j] | (s[j] << 16);  // {S16, S16}
-                qpn_stage_put<QPN_STAGE_CHUNKS>(stage, lane, 2 * h, qpn8_decode_half(v[j].x, v[j].y, s2));      // k 0..7
-                qpn_stage_put<QPN_STAGE_CHUNKS>(stage, lane, 2 * h + 1, qpn8_decode_half(v[j].z, v[j].w, s2));  // k 8..15
-            }
-        }
-        __syncwarp();
-        const int valid = 2 * min(QPN_STAGE_GROUPS, groups - (g0 + p));  // ragged last phase
-        // row n holds 2*groups uint4; group g starts at uint4 2g
-        qpn_stage_store_rows<QPN_STAGE_CHUNKS>(stage, out, t, 2LL * groups, 2LL * (g0 + p), valid, lane);
-        __syncwarp();
-    }
+    qpn_dequant_store(out, t, groups, g0, [&](int j, uint4& lo, uint4& hi) {
+        const qpn_u32 s2 = s[j] | (s[j] << 16);  // {S16, S16}
+        lo = qpn8_decode_half(v[j].x, v[j].y, s2);  // k 0..7
+        hi = qpn8_decode_half(v[j].z, v[j].w, s2);  // k 8..15
+    });
 }
 
 extern "C" __global__ void qpn8_check(

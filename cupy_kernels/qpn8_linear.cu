@@ -80,63 +80,36 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 {
     __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int split = blockDim.x >> 5;
-    const int n_tiles = n / QPN_TILE_N;
-    const int groups = k / QPN_GROUP_K;
-    const int slot0 = blockIdx.x * QPN_TILES;
-    const int g_begin = (blockIdx.y * split + warp) * groups_per_warp;  // K-slice: part, then warp
-    const int g_end = min(groups, g_begin + groups_per_warp);
     const int quad = lane >> 2;
-
-    int tile[QPN_NT];
-#pragma unroll
-    for (int s = 0; s < QPN_TILES; ++s) {
-        const int slot = min(slot0 + s, n_slots - 1);  // a missing slot recomputes the last one, never stored
-#pragma unroll
-        for (int h = 0; h < QPN_HT; ++h) tile[s * QPN_HT + h] = slot + h * (n_tiles / 2);
-    }
+    const QpnSlice sl = qpn_block_slice(n, k, n_slots, groups_per_warp);
+    const int n_local = sl.n_local;
 #if !QPN8_BLOCK_SCALES
     // channel scales of the quad's 4 columns col(4q+j) = 8(q&3) + 4(q>>2) + j: 8 contiguous bytes
     uint2 s16[QPN_NT];
 #pragma unroll
     for (int tt = 0; tt < QPN_NT; ++tt) {
-        const qpn_u16* p = gs16 + 32 * tile[tt] + 8 * (quad & 3) + 4 * (quad >> 2);
+        const qpn_u16* p = gs16 + 32 * sl.tile[tt] + 8 * (quad & 3) + 4 * (quad >> 2);
         asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(s16[tt].x), "=r"(s16[tt].y) : "l"(p));
     }
 #endif
 
     const qpn_u8* pc[QPN_NT];
 #pragma unroll
-    for (int tt = 0; tt < QPN_NT; ++tt) pc[tt] = codes + (((long long)tile[tt] * groups + g_begin) * 32 + lane) * 16;
+    for (int tt = 0; tt < QPN_NT; ++tt)
+        pc[tt] = codes + (((long long)sl.tile[tt] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane) * 16;
     const qpn_u16* px[QPN_NB];
-#pragma unroll
-    for (int j = 0; j < QPN_NB; ++j) {
-        const int row = min(8 * j + (lane >> 2), m_rows - 1);  // rows past M: see qpn_load_x_group
-        px[j] = x + (long long)row * k + 16 * g_begin + 4 * (lane & 3);
-    }
-    const int n_local = g_end - g_begin;
+    qpn_x_pointers(px, x, m_rows, k, sl.g_begin);
 
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;
     const qpn_u32 sel_keep = q0 ? 0x7632u : 0x5410u;
     const qpn_u32 sel_send = q0 ? 0x5410u : 0x7632u;
 
-    float acc[QPN_TILES][QPN_HT][QPN_NB][2][4];
-#pragma unroll
-    for (int s = 0; s < QPN_TILES; ++s)
-#pragma unroll
-        for (int h = 0; h < QPN_HT; ++h)
-#pragma unroll
-            for (int j = 0; j < QPN_NB; ++j)
-#pragma unroll
-                for (int rb = 0; rb < 2; ++rb)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[s][h][j][rb][i] = 0.0f;
+    float acc[QPN_TILES][QPN_HT][QPN_NB][2][4] = {};
 
     qpn_u32 ablate_sink = 0;
     // One batch: groups i .. i+U-1 of the slice.
     auto compute = [&](const Qpn8Batch& b, int i, bool full) {
-        const int g0 = g_begin + i;
+        const int g0 = sl.g_begin + i;
         (void)g0;  // block scales only
         QpnBatchX xb;
         qpn_x_batch_start(xb, px, i, full, n_local);
@@ -164,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
                 const qpn_u32 f[4] = {q1 ? r0 : k0, q1 ? r1 : k1, q1 ? k0 : r0, q1 ? k1 : r1};  // from quad lane 0..3
 
 #if QPN8_BLOCK_SCALES
-                const qpn_u32 sb = gs16[(long long)((g0 + u) >> 3) * kb_stride + tile[tt]];
+                const qpn_u32 sb = gs16[(long long)((g0 + u) >> 3) * kb_stride + sl.tile[tt]];
                 const qpn_u32 s01 = sb | (sb << 16), s23 = s01;
 #else
                 const qpn_u32 s01 = s16[tt].x, s23 = s16[tt].y;
@@ -179,15 +152,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
                 a[1][2] = qpn8_scale_pair<0>(qpn8_pair_bytes13(f[2]), s23);
                 a[1][3] = qpn8_scale_pair<1>(qpn8_pair_bytes13(f[3]), s23);
 
-                const int s_idx = tt / QPN_HT, h_idx = tt % QPN_HT;
-#pragma unroll
-                for (int j = 0; j < QPN_NB; ++j) {  // the host launches QPN_NB = ceil(M / 8)
-#pragma unroll
-                    for (int rb = 0; rb < 2; ++rb) {
-                        qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][0], a[rb][1], xf[j].x);  // step A
-                        qpn_mma(acc[s_idx][h_idx][j][rb], a[rb][2], a[rb][3], xf[j].y);  // step B
-                    }
-                }
+                qpn_mma_group(acc[tt / QPN_HT][tt % QPN_HT], a, xf);
             }
         }
     };
@@ -196,9 +161,5 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #if QPN_ABLATE
     if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive
 #endif
-#pragma unroll
-    for (int s = 0; s < QPN_TILES; ++s) {
-        if (slot0 + s >= n_slots) break;  // uniform over the block
-        qpn_reduce_store(red, acc[s], y, m_rows, QPN_GATED ? n / 2 : n, slot0 + s, split, partial, tickets);
-    }
+    qpn_store_slots(red, acc, y, m_rows, n, n_slots, partial, tickets);
 }

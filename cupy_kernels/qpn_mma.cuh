@@ -78,6 +78,44 @@ __device__ __forceinline__ void qpn_mma(float (&c)[4], qpn_u32 a0, qpn_u32 a1, q
         : "r"(a0), "r"(a1), "r"(b));
 }
 
+// One group-tile into the accumulators of its tile: a[rb] = the A fragments of rowblock rb
+// ([c step A, c' step A, c step B, c' step B]), 4 mma per 8-token block (the host launches
+// QPN_NB = ceil(M / 8): no block is empty).
+__device__ __forceinline__ void qpn_mma_group(float (&acc)[QPN_NB][2][4], const qpn_u32 (&a)[2][4], const uint2 (&xf)[QPN_NB]) {
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j)
+#pragma unroll
+        for (int rb = 0; rb < 2; ++rb) {
+            qpn_mma(acc[j][rb], a[rb][0], a[rb][1], xf[j].x);  // step A
+            qpn_mma(acc[j][rb], a[rb][2], a[rb][3], xf[j].y);  // step B
+        }
+}
+
+// The block's share of the layer and this warp's K-slice (both decode kernels).
+//   tile[s * QPN_HT + h]: tile of slot s (gated: h = 0 gate tile, 1 up tile); a slot past n_slots
+//                         (the last block's) recomputes the last slot and is never stored
+//   g_begin, n_local:     the K-slice s = part * split + warp, groups [s * gpw, (s+1) * gpw)
+//                         clipped to K (n_local <= 0: a trailing warp with nothing to do)
+struct QpnSlice {
+    int tile[QPN_NT];
+    int g_begin;
+    int n_local;
+};
+
+__device__ __forceinline__ QpnSlice qpn_block_slice(int n, int k, int n_slots, int groups_per_warp) {
+    QpnSlice sl;
+    const int n_tiles = n / QPN_TILE_N;
+#pragma unroll
+    for (int s = 0; s < QPN_TILES; ++s) {
+        const int slot = min((int)blockIdx.x * QPN_TILES + s, n_slots - 1);
+#pragma unroll
+        for (int h = 0; h < QPN_HT; ++h) sl.tile[s * QPN_HT + h] = slot + h * (n_tiles / 2);
+    }
+    sl.g_begin = (blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)) * groups_per_warp;
+    sl.n_local = min(k / QPN_GROUP_K, sl.g_begin + groups_per_warp) - sl.g_begin;
+    return sl;
+}
+
 // Streaming loads of the weights (read once: evict-first, do not pollute L1/L2 for x).
 __device__ __forceinline__ uint2 qpn_ldcs_u2(const void* p) {
     uint2 v;
@@ -111,6 +149,18 @@ __device__ __forceinline__ void qpn_load_x_group(uint2 (&xf)[QPN_NB], const qpn_
         } else {
             xf[j] = make_uint2(0u, 0u);
         }
+    }
+}
+
+// Per 8-token block j, this lane's x row (8j + gid, clamped to M-1: see below) at group g_begin.
+__device__ __forceinline__ void qpn_x_pointers(
+    const qpn_u16* (&px)[QPN_NB], const qpn_u16* __restrict__ x, int m_rows, int k, int g_begin)
+{
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j) {
+        const int row = min(8 * j + (lane >> 2), m_rows - 1);
+        px[j] = x + (long long)row * k + 16 * g_begin + 4 * (lane & 3);
     }
 }
 
@@ -282,5 +332,19 @@ __device__ __forceinline__ void qpn_reduce_store(
                 s[h] = __fadd_rn(s[h], __ldcg(partial + ((long long)p * QPN_HT + h) * m_rows * y_cols + at));
         }
         y[at] = qpn_output(s);
+    }
+}
+
+// Every stored slot of the block: reduce and store (qpn_reduce_store); y_cols = N (N/2 gated).
+__device__ __forceinline__ void qpn_store_slots(
+    float (*red)[QPN_HT][2][4][32], const float (&acc)[QPN_TILES][QPN_HT][QPN_NB][2][4],
+    qpn_u16* __restrict__ y, int m_rows, int n, int n_slots, float* __restrict__ partial,
+    unsigned* __restrict__ tickets)
+{
+#pragma unroll
+    for (int s = 0; s < QPN_TILES; ++s) {
+        const int slot = blockIdx.x * QPN_TILES + s;
+        if (slot >= n_slots) break;  // uniform over the block
+        qpn_reduce_store(red, acc[s], y, m_rows, QPN_GATED ? n / 2 : n, slot, blockDim.x >> 5, partial, tickets);
     }
 }
