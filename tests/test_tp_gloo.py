@@ -27,6 +27,10 @@ import vllm_standin as st  # noqa: E402
 
 from qpn import ref  # noqa: E402
 
+if st.vm.VLLM_AVAILABLE:
+    pytest.skip("vLLM is installed: the stand-in runs only where it is absent; tests/test_vllm_real.py runs "
+                "tensor parallelism 2 inside vLLM's own LLM()", allow_module_level=True)
+
 WORLD_SIZE = 2
 HIDDEN, INTERMEDIATE = 128, 256
 M = 5

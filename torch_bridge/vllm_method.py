@@ -10,8 +10,10 @@ The checkpoint is unchanged: it keeps its own ModelOpt quantization config (conf
 `quantization_config`, or the older `hf_quant_config.json`), which `QPNConfig.from_config` parses.
 vLLM would match that config to "modelopt" / "modelopt_fp4" / "modelopt_mixed" and then refuse the
 user's "qpn" as a mismatch; `QPNConfig.override_quantization_method` (vLLM asks plugin configs first)
-claims a ModelOpt NVFP4 / W4A16_NVFP4 / FP8 / FP8_PER_CHANNEL_PER_TOKEN / MIXED_PRECISION config,
-but only when the user asked for "qpn", so vLLM's own ModelOpt path stays the default otherwise.
+claims a ModelOpt NVFP4 / W4A16_NVFP4 / FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO / MIXED_PRECISION
+config, but only when the user asked for "qpn", so vLLM's own ModelOpt path stays the default
+otherwise; asked for "qpn" on a checkpoint it cannot run (another quant_algo, compressed-tensors), it
+raises a ValueError saying why, instead of vLLM's bare "does not match" message.
 `dtype="half"`: the kernels take fp16 activations (get_supported_act_dtypes), so a bf16 model must
 run in fp16.
 
@@ -35,13 +37,20 @@ K_part = input_size_per_partition, S = number of logical shards, e.g. 3 for q/k/
     FP8 per tensor (FP8): weight float8_e4m3fn [N_part, K_part], weight_scale float32 [S],
         input_scale float32 [S] (loaded, unused)
     FP8 per channel (FP8_PER_CHANNEL_PER_TOKEN): weight as above, weight_scale float32 [N_part]
+        ([N, 1] on disk is read as [N])
+    FP8 128x128 blocks (FP8_PB_WO): weight as above, weight_scale float32 [sum_i ceil(N_i/128),
+        K_part/128]: each shard's own block grid, stacked (ModelOpt 0.47 writes [N/128, 1, K/128, 1],
+        or [] for a layer of one block: the same values). K_part % 128 == 0; a fused layer's shards
+        must be multiples of 32 rows on this rank and start on a 128-row block (ValueError otherwise):
+        each shard is packed with its own grid and the 32-row tiles concatenated
 
 Every parameter carries its own `weight_loader(param, loaded_weight, loaded_shard_id=None)` (the
 one the layer passes in `extra_weight_attrs` is not used; vLLM's model `load_weights` calls
 `param.weight_loader`). It shards exactly as vLLM's linear layers do, from the layer's attributes:
 - ColumnParallelLinear: output rows [tp_rank * N_part, +N_part) of the checkpoint tensor.
 - RowParallelLinear: input columns [tp_rank * K_part, +K_part) (for packed weight / block scales:
-  the same fraction of the packed columns, K_part/2 bytes or K_part/16 scales).
+  the same fraction of the packed columns, K_part/2 bytes, K_part/16 NVFP4 scales or K_part/128 FP8
+  block scales).
 - MergedColumnParallelLinear (gate_up, shard ids 0, 1, ...) and QKVParallelLinear (shard ids
   "q", "k", "v"): shard i lands at row offset sum(partitions[:i]) and takes rows
   [r * partitions[i], +partitions[i]) of its checkpoint tensor, r = tp_rank, except k/v with
@@ -62,7 +71,8 @@ process_weights_after_loading (every slot must have been loaded; ValueError othe
   needs every shard's N_part to be a multiple of 32 (ValueError otherwise). Different shard
   scales are NEVER collapsed with max() (that makes the smaller shards 1.5-3x too large).
 - FP8: per-shard scalars become a per-channel scale vector (each row keeps its shard's scale:
-  exact), then torch.ops.qpn.fp8_prepack (per-channel QPN8: S16 = RN16(256 * s)).
+  exact), then torch.ops.qpn.fp8_prepack (per-channel QPN8: S16 = RN16(256 * s)); block scales
+  prepack as they are (QPN8 block layout).
 - The original parameters are deleted; the layer keeps qpn_codes, qpn_scales (and
   qpn_global_scale for NVFP4) as frozen Parameters.
 
@@ -72,11 +82,19 @@ cropped -> bias added as RN16(y + b) (computed in fp32 and rounded once: exact s
 values rounded to fp16, because fp32 holds 24 >= 2 * 11 + 2 bits, so the double rounding is
 innocuous) -> [..., N_part].
 
+Embeddings and lm_head (VocabParallelEmbedding, ParallelLMHead) are left to vLLM (get_quant_method
+returns None: vLLM's unquantized embedding); vLLM gives them the same `output_partition_sizes` /
+`input_size` attributes as its linear layers, so they are recognised by class, never by shape.
+
+KV cache: attention layers get `QPNKVCacheMethod`, vLLM's own BaseKVCacheMethod, as vLLM's ModelOpt
+method does: the checkpoint's k_scale / v_scale (ModelOpt `kv_cache_quant_algo: FP8`, stored as
+self_attn.k_proj.k_scale / v_proj.v_scale and renamed by vLLM) reach the fp8 KV cache that vLLM picks
+from the same config. Activations stay fp16: only the cache is fp8.
+
 Not covered: MoE experts (a quantized FusedMoE layer raises), a quantized lm_head / embedding
-(raises: ModelOpt excludes lm_head), FP8_PB_WO / MXFP8 layers (raise), FP8 KV-cache scales
-(attention layers get no method here; whether a model's load_weights then skips the checkpoint's
-k_scale / v_scale tensors is up to vLLM and not verified), compressed-tensors checkpoints,
-pre-sharded (`is_sharded_weight`) loading and `--load-format dummy` (every shard must be loaded).
+(raises: ModelOpt excludes lm_head), MXFP8 / NVFP4_AWQ / W4A8 and other algorithms (refused with the
+reason), compressed-tensors checkpoints, pre-sharded (`is_sharded_weight`) loading and
+`--load-format dummy` (every shard must be loaded).
 """
 
 from __future__ import annotations
@@ -93,19 +111,21 @@ from torch.nn import Parameter
 from qpn.ref.geometry import GROUP_K, TILE_N
 
 from . import ops  # registers torch.ops.qpn.*
-from .module import pack_fp8, pack_nvfp4
+from .module import PackedWeight, pack_fp8, pack_nvfp4
 
 try:  # vLLM is optional: subclass its classes when it is installed
     from vllm.model_executor.layers.linear import LinearBase as _VllmLinearBase
     from vllm.model_executor.layers.linear import LinearMethodBase
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod as _VllmUnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod as _VllmKVCacheMethod
 
     VLLM_AVAILABLE = True
 except ImportError:
     VLLM_AVAILABLE = False
     _VllmLinearBase = None
     _VllmUnquantizedLinearMethod = None
+    _VllmKVCacheMethod = None
 
     class QuantizationConfig(ABC):  # the part of vLLM's base class this module relies on
         def __init__(self):
@@ -146,9 +166,13 @@ CONFIG_FILENAMES = ["hf_quant_config.json"]
 NVFP4_GROUP_SIZE = GROUP_K  # 16
 NVFP4_K_MULTIPLE = ops.NVFP4_K_MULTIPLE  # 64 (QPN2)
 FP8_K_MULTIPLE = ops.FP8_K_MULTIPLE  # 16 (QPN8, channel scales)
+FP8_BLOCK = ops.FP8_BLOCK  # 128: FP8_PB_WO scales one 128x128 block each
 # ModelOpt per-layer algorithm -> qpn method kind
 LAYER_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8_tensor",
-               "FP8_PER_CHANNEL_PER_TOKEN": "fp8_channel"}
+               "FP8_PER_CHANNEL_PER_TOKEN": "fp8_channel", "FP8_PB_WO": "fp8_block"}
+FP8_GRANULARITY = {"fp8_tensor": "tensor", "fp8_channel": "channel", "fp8_block": "block"}
+EMBEDDING_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}  # ParallelLMHead subclasses the former
+ATTENTION_CLASSES = {"Attention", "MLAAttention"}  # vLLM's attention layers (KV-cache scales)
 QUANT_ALGOS = tuple(LAYER_ALGOS) + ("MIXED_PRECISION",)
 QKV_SHARD_IDS = ("q", "k", "v")
 # vLLM models set packed_modules_mapping on the config; this is the fallback for the usual names
@@ -168,7 +192,11 @@ def _class_names(obj) -> set[str]:
 
 def is_linear_layer(layer) -> bool:
     """vLLM's LinearBase, or anything shaped like it (the stand-in): `output_partition_sizes` is set
-    by every vLLM linear layer before it asks the config for a method."""
+    by every vLLM linear layer before it asks the config for a method. vLLM's embeddings and lm_head
+    set the same two attributes, so they are excluded by class first: claiming one made vLLM call
+    the linear method's `embedding()`, which a linear method does not have."""
+    if _class_names(layer) & EMBEDDING_CLASSES:
+        return False
     if _VllmLinearBase is not None and isinstance(layer, _VllmLinearBase):
         return True
     return hasattr(layer, "output_partition_sizes") and hasattr(layer, "input_size")
@@ -357,10 +385,55 @@ def _load_per_shard(geom: ShardGeometry, name: str, param: Tensor, loaded: Tenso
         param.qpn_loaded.add(i)
 
 
+def _block_rows(partitions) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """FP8 block scales: (block rows of each shard on this rank, their first row in the parameter)."""
+    counts = tuple(-(-p // FP8_BLOCK) for p in partitions)
+    return counts, tuple(sum(counts[:i]) for i in range(len(counts)))
+
+
+def _load_block_grid(geom: ShardGeometry, name: str, param: Tensor, loaded: Tensor, shard_id) -> None:
+    """One shard's 128x128 block-scale grid: its rank's block rows (and, row-parallel, block columns).
+
+    ModelOpt 0.47 writes the grid [ceil(N/128), 1, ceil(K/128), 1], or [] for a layer of one block; both
+    hold the values of the 2-D grid. A shard's grid is kept whole per shard (fused q/k/v of 64 rows each
+    have one partial block row each), so a rank's rows must start on a block boundary.
+    """
+    indices = geom.shard_indices(shard_id)
+    if len(indices) != 1:
+        raise ValueError(f"layer {geom.prefix!r}: {name} holds the block scales of shards {shard_id!r} fused on disk; "
+                         "qpn splits FP8_PB_WO block scales per shard only - store the shards separately")
+    i = indices[0]
+    if loaded.dim() == 4 and loaded.shape[1] == 1 and loaded.shape[3] == 1:
+        loaded = loaded.reshape(loaded.shape[0], loaded.shape[2])
+    elif loaded.dim() == 0:
+        loaded = loaded.reshape(1, 1)
+    counts, starts = _block_rows(geom.partitions)
+    k_blocks = param.shape[1] * (geom.tp_size if geom.kind == "row" else 1)
+    disk_blocks = (-(-geom.disk_rows[i] // FP8_BLOCK), k_blocks)
+    what = f"shard {geom.shard_ids[i]!r}" if geom.shard_ids != (None,) else "the layer"
+    if loaded.dim() != 2 or tuple(loaded.shape) != disk_blocks:
+        raise ValueError(f"layer {geom.prefix!r}: {name} of {what} must be the 128x128 block grid {list(disk_blocks)} "
+                         f"(or ModelOpt's [{disk_blocks[0]}, 1, {disk_blocks[1]}, 1]), got shape {tuple(loaded.shape)}")
+    first_row = geom.source_ranks[i] * geom.partitions[i]
+    if first_row % FP8_BLOCK != 0:
+        raise ValueError(f"layer {geom.prefix!r}: {what} starts at row {first_row} on tp_rank {geom.tp_rank}, inside a "
+                         f"{FP8_BLOCK}-row scale block; use a tensor-parallel size that keeps whole blocks on each rank")
+    source = loaded.narrow(0, first_row // FP8_BLOCK, counts[i])
+    if geom.kind == "row":
+        source = source.narrow(1, geom.tp_rank * param.shape[1], param.shape[1])
+    param.data.narrow(0, starts[i], counts[i]).copy_(source)
+    param.qpn_loaded.add(i)
+
+
+_BLOCK_GRID = "block_grid"  # parameter role: per-shard FP8 128x128 block-scale grids (_load_block_grid)
+
+
 def _make_loader(geom: ShardGeometry, name: str, role: str):
     def weight_loader(param: Parameter, loaded_weight: Tensor, loaded_shard_id=None) -> None:
         loaded = _as_param_dtype(geom, name, param, loaded_weight)
-        if role == _ROWS:
+        if role == _BLOCK_GRID:
+            _load_block_grid(geom, name, param, loaded, loaded_shard_id)
+        elif role == _ROWS:
             _load_rows(geom, name, param, loaded, loaded_shard_id)
         else:
             _load_per_shard(geom, name, param, loaded, loaded_shard_id)
@@ -528,30 +601,42 @@ class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
 
 
 class QPNFP8LinearMethod(_QPNLinearMethodBase):
-    """ModelOpt FP8 (per-tensor, per shard) or FP8_PER_CHANNEL_PER_TOKEN weights, run weight-only
-    through the QPN8 ops with per-channel scales (module docstring)."""
+    """ModelOpt FP8 (per-tensor, per shard), FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO (128x128 blocks)
+    weights, run weight-only through the QPN8 ops (module docstring)."""
 
     fmt = "fp8"
 
     def __init__(self, quant_config: "QPNConfig | None" = None, granularity: str = "tensor"):
         super().__init__(quant_config)
-        if granularity not in ("tensor", "channel"):
-            raise ValueError(f"granularity must be 'tensor' or 'channel' (ModelOpt FP8 / FP8_PER_CHANNEL_PER_TOKEN), "
-                             f"got {granularity!r}")
+        if granularity not in ("tensor", "channel", "block"):
+            raise ValueError(f"granularity must be 'tensor', 'channel' or 'block' (ModelOpt FP8 / "
+                             f"FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO), got {granularity!r}")
         self.granularity = granularity
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
         del input_size, output_size, params_dtype
-        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, FP8_K_MULTIPLE,
-                             "FP8 (QPN8 layout)")
+        block = self.granularity == "block"
+        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes,
+                             FP8_BLOCK if block else FP8_K_MULTIPLE, "FP8 (QPN8 layout)")
         n, k, s = geom.n_partition, geom.k_partition, len(geom.partitions)
         _register(layer, geom, "weight", torch.empty((n, k), dtype=torch.float8_e4m3fn), _ROWS, extra_weight_attrs)
         if self.granularity == "tensor":
             _register(layer, geom, "weight_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
                       extra_weight_attrs)
-        else:
+        elif self.granularity == "channel":
             _register(layer, geom, "weight_scale", torch.full((n,), _UNLOADED, dtype=torch.float32), _ROWS,
+                      extra_weight_attrs)
+        else:
+            off_tile = {geom.shard_ids[i]: p for i, p in enumerate(geom.partitions) if p % TILE_N != 0}
+            if len(geom.partitions) > 1 and off_tile:
+                raise ValueError(
+                    f"layer {geom.prefix!r}: fused FP8_PB_WO shards are packed one by one into {TILE_N}-row tiles, so "
+                    f"every shard's rows on this rank must be a multiple of {TILE_N}, got {off_tile} (partitions "
+                    f"{list(geom.partitions)}, tp_size {geom.tp_size}); use a tensor-parallel size that keeps them aligned")
+            counts, _ = _block_rows(geom.partitions)
+            grid = (sum(counts), k // FP8_BLOCK)
+            _register(layer, geom, "weight_scale", torch.full(grid, _UNLOADED, dtype=torch.float32), _BLOCK_GRID,
                       extra_weight_attrs)
         _register(layer, geom, "input_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
                   extra_weight_attrs)
@@ -560,11 +645,30 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
         geom: ShardGeometry = layer.qpn_geometry
         _require_loaded(layer, geom, ("weight", "weight_scale"))
         s = layer.weight_scale.data
-        if self.granularity == "tensor":  # each row keeps its own shard's multiplier: exact
-            rows = torch.tensor(list(geom.partitions), device=s.device)
-            s = torch.repeat_interleave(s, rows)
-        packed = pack_fp8(layer.weight.data, s.contiguous(), "channel")
+        if self.granularity == "block":
+            packed = _pack_fp8_block_shards(layer.weight.data, s, geom)
+        else:
+            if self.granularity == "tensor":  # each row keeps its own shard's multiplier: exact
+                rows = torch.tensor(list(geom.partitions), device=s.device)
+                s = torch.repeat_interleave(s, rows)
+            packed = pack_fp8(layer.weight.data, s.contiguous(), "channel")
         _finish(layer, self.fmt, packed, ("weight", "weight_scale", "input_scale"))
+
+
+def _pack_fp8_block_shards(weight: Tensor, grid: Tensor, geom: ShardGeometry) -> PackedWeight:
+    """FP8_PB_WO: each shard packed with its own block grid (pack_fp8 validates and pads it to whole
+    128-row blocks), the pad cropped, the shards' 32-row tiles concatenated. QPN8's block layout keeps
+    one scale per (128 columns, 32-row tile), so a shard of 64 rows with its own block scale is exact."""
+    if len(geom.partitions) == 1:
+        return pack_fp8(weight, grid.contiguous(), "block")
+    counts, starts = _block_rows(geom.partitions)
+    codes, scales = [], []
+    for rows, offset, count, start in zip(geom.partitions, geom.offsets, counts, starts):
+        part = pack_fp8(weight.narrow(0, offset, rows), grid.narrow(0, start, count).contiguous(), "block")
+        codes.append(part.codes[:rows])
+        scales.append(part.scales[:, : rows // TILE_N])
+    return PackedWeight("fp8", torch.cat(codes).contiguous(), torch.cat(scales, dim=1).contiguous(), None,
+                        int(weight.shape[1]), geom.n_partition)
 
 
 class QPNUnquantizedLinearMethod(LinearMethodBase):
@@ -590,6 +694,15 @@ class QPNUnquantizedLinearMethod(LinearMethodBase):
         if bias is not None:
             y = (y.float() + bias.float()).to(y.dtype)
         return y
+
+
+if _VllmKVCacheMethod is not None:
+    class QPNKVCacheMethod(_VllmKVCacheMethod):
+        """vLLM's BaseKVCacheMethod for attention layers: creates k_scale / v_scale (and q / prob scales) so
+        the checkpoint's ModelOpt FP8 KV-cache scales load, and hands them to vLLM's fp8 KV cache after
+        loading (module docstring). qpn adds nothing: the name only says which config made it."""
+else:
+    QPNKVCacheMethod = None  # KV-cache scales need vLLM's attention layers; nothing to do without vLLM
 
 
 def _unquantized_method(config):
@@ -619,11 +732,12 @@ def _modelopt_section(config: Mapping) -> tuple[Mapping, str]:
 
 
 class QPNConfig(QuantizationConfig):
-    """ModelOpt NVFP4 / W4A16_NVFP4 / FP8 / FP8_PER_CHANNEL_PER_TOKEN / MIXED_PRECISION via qpn (module docstring).
+    """ModelOpt NVFP4 / W4A16_NVFP4 / FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO / MIXED_PRECISION via qpn.
 
     quant_algo: the checkpoint's quant_algo (upper case); exclude_modules: ModelOpt's `ignore` /
     `exclude_modules` (exact names or fnmatch wildcards); quantized_layers: MIXED_PRECISION's
-    {layer name: per-layer algo}; kv_cache_quant_algo is recorded and not used.
+    {layer name: per-layer algo}; kv_cache_quant_algo is recorded (vLLM reads it from the
+    checkpoint config itself to pick the fp8 KV cache; QPNKVCacheMethod loads the scales).
     """
 
     def __init__(self, quant_algo: str, exclude_modules=None, quantized_layers: Mapping[str, str] | None = None,
@@ -632,7 +746,7 @@ class QPNConfig(QuantizationConfig):
         algo = str(quant_algo).upper()
         if algo not in QUANT_ALGOS:
             raise ValueError(f"quant_algo {quant_algo!r} is not supported by qpn; supported: {QUANT_ALGOS} "
-                             "(FP8_PB_WO, MXFP8 and other algorithms need vLLM's own methods)")
+                             "(MXFP8, NVFP4_AWQ, W4A8_AWQ and other algorithms need vLLM's own methods)")
         self.quant_algo = algo
         self.exclude_modules = list(exclude_modules or [])
         if not all(isinstance(e, str) for e in self.exclude_modules):
@@ -709,14 +823,25 @@ class QPNConfig(QuantizationConfig):
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
-        """Claim a ModelOpt checkpoint only when the user asked for quantization="qpn"."""
+        """Claim a ModelOpt checkpoint only when the user asked for quantization="qpn".
+
+        Asked for "qpn" on a checkpoint qpn cannot run, raise a ValueError that says why (vLLM would
+        otherwise only say that "modelopt" does not match "qpn"); not asked, never claim or raise.
+        """
         if user_quant != QUANT_NAME or not isinstance(hf_quant_cfg, Mapping):
             return None
-        if not str(hf_quant_cfg.get("quant_method", "modelopt")).lower().startswith("modelopt"):
-            return None
+        method = str(hf_quant_cfg.get("quant_method", "modelopt"))
+        if not method.lower().startswith("modelopt"):
+            raise ValueError(f"quantization='qpn' runs ModelOpt checkpoints (quant_method 'modelopt'); this one has "
+                             f"quant_method {method!r}. Serve it without quantization='qpn' (vLLM's own method), or "
+                             "load it in PyTorch with qpn.torch_bridge.load_quantized (compressed-tensors NVFP4)")
         section = hf_quant_cfg.get("quantization", hf_quant_cfg)
         algo = str(section.get("quant_algo", "")).upper() if isinstance(section, Mapping) else ""
-        return QUANT_NAME if algo in QUANT_ALGOS else None
+        if algo not in QUANT_ALGOS:
+            raise ValueError(f"quantization='qpn' does not run ModelOpt quant_algo {algo or None!r}; it runs "
+                             f"{QUANT_ALGOS}. Serve this checkpoint without quantization='qpn' (vLLM's own ModelOpt "
+                             "path)")
+        return QUANT_NAME
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         """Rename checkpoint layer names to the vLLM model's (models with an hf_to_vllm_mapper)."""
@@ -734,16 +859,25 @@ class QPNConfig(QuantizationConfig):
             kind = LAYER_ALGOS[algo]
             if kind == "nvfp4":
                 return QPNNVFP4LinearMethod(self)
-            return QPNFP8LinearMethod(self, "tensor" if kind == "fp8_tensor" else "channel")
+            return QPNFP8LinearMethod(self, FP8_GRANULARITY[kind])
         if names & {"FusedMoE", "RoutedExperts"}:
             if self.layer_algo(prefix, fused=False) is not None or self._has_quantized_descendant(prefix):
                 raise ValueError(f"layer {prefix!r} is a quantized MoE layer; qpn's vLLM plugin runs dense linear "
                                  "layers only - serve this checkpoint with vLLM's ModelOpt path")
             return None
-        if "ParallelLMHead" in names and self.layer_algo(prefix, fused=False) is not None:
-            raise ValueError(f"layer {prefix!r} (lm_head) is quantized in this checkpoint; qpn runs linear layers "
-                             "only - add it to exclude_modules or use vLLM's ModelOpt path")
-        return None  # attention (no KV-cache method), embeddings: vLLM's defaults
+        if names & EMBEDDING_CLASSES:
+            # ModelOpt quantizes nn.Linear modules only: an input embedding is quantized only if a
+            # MIXED_PRECISION config lists it; lm_head is a Linear in HF, quantized unless excluded.
+            lm_head = "ParallelLMHead" in names
+            quantized = self.layer_algo(prefix, fused=False) is not None if lm_head else \
+                self.quant_algo == "MIXED_PRECISION" and self._listed_algo(prefix) is not None
+            if quantized:
+                raise ValueError(f"layer {prefix!r} ({type(layer).__name__}) is quantized in this checkpoint; qpn "
+                                 "runs linear layers only - add it to exclude_modules or use vLLM's ModelOpt path")
+            return None
+        if names & ATTENTION_CLASSES and QPNKVCacheMethod is not None:
+            return QPNKVCacheMethod(self)
+        return None
 
     # --- which layers are quantized, and how
 

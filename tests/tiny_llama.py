@@ -1,0 +1,210 @@
+"""A tiny Llama written as a real ModelOpt export, and its dense fp16 twin, for the real-vLLM tests.
+
+`write_tiny_llama(folder, algo)` builds a 2-layer `LlamaForCausalLM` (hidden 256, GQA 4/2 heads of
+64, intermediate 512, vocabulary 512) from a fixed seed, quantizes its seven linears per layer with
+`qpn.ref`'s ModelOpt quantizers and writes the folder exactly as ModelOpt's `export_hf_checkpoint`
+lays it out: the full Hugging Face `config.json` (model_type "llama", so vLLM accepts it) with a
+`quantization_config` {"quant_method": "modelopt", "quant_algo", "kv_cache_quant_algo", "group_size",
+"exclude_modules": ["lm_head"], "producer"} (plus `quantized_layers` for MIXED_PRECISION), the older
+`hf_quant_config.json` {"producer", "quantization": {...}} beside it when asked, and one
+`model.safetensors` holding, per quantized layer X:
+- NVFP4: X.weight U8 [N, K/2], X.weight_scale F8_E4M3 [N, K/16], X.weight_scale_2 F32 [], X.input_scale F32 [];
+- FP8: X.weight F8_E4M3 [N, K], X.weight_scale F32 [] (per tensor) or [N, 1] (per channel) or
+  [N/128, 1, K/128, 1] (FP8_PB_WO, 128x128 blocks: ModelOpt 0.47's 4-D shape), X.input_scale F32 [];
+- with kv_cache_quant_algo "FP8": self_attn.k_proj.k_scale and self_attn.v_proj.v_scale F32 [].
+Embeddings, norms and lm_head stay float16 (ModelOpt excludes lm_head).
+
+`write_dense_twin(folder, quantized_folder)` writes the same model unquantized: every quantized
+linear replaced by its contract W16 (`qpn.ref`'s exact dequantization), so vLLM's own fp16 path and
+qpn compute with bit-identical weights and differ only in accumulation order and rounding.
+
+The weights are random (std 0.08 instead of Llama's 0.02, so that the next-token distribution is
+peaked enough for greedy decoding to be meaningful); no download, a few MB per folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from qpn import ref
+from qpn.ref.geometry import GROUP_K
+
+HIDDEN = 256
+INTERMEDIATE = 512
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = HIDDEN // HEADS
+VOCAB = 512
+INIT_STD = 0.08
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# MIXED_PRECISION: attention in FP8 (per tensor), the MLP in NVFP4 - as ModelOpt's auto-quantize mixes them
+MIXED = {"self_attn": "FP8", "mlp": "NVFP4"}
+ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MIXED_PRECISION")
+_FP8_GRANULARITY = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
+KV_SCALE = np.float32(0.0625)  # a recognisable value, not 1.0: the test checks vLLM received it
+
+
+def hf_config() -> dict:
+    """A complete Hugging Face LlamaConfig dict (what transformers' save_pretrained writes)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": HEAD_DIM,
+        "hidden_act": "silu", "hidden_size": HIDDEN, "initializer_range": INIT_STD,
+        "intermediate_size": INTERMEDIATE, "max_position_embeddings": 256, "mlp_bias": False,
+        "num_attention_heads": HEADS, "num_hidden_layers": LAYERS, "num_key_value_heads": KV_HEADS,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.56.0",
+        "use_cache": True, "vocab_size": VOCAB,
+    }
+
+
+def _shape(name: str) -> tuple[int, int]:
+    leaf = name.rpartition(".")[2]
+    return {"q_proj": (HIDDEN, HIDDEN), "k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+            "v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HIDDEN),
+            "gate_proj": (INTERMEDIATE, HIDDEN), "up_proj": (INTERMEDIATE, HIDDEN),
+            "down_proj": (HIDDEN, INTERMEDIATE)}[leaf]
+
+
+def dense_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """The float32 model: {HF tensor name: array}."""
+    rng = np.random.default_rng(seed)
+    w = {"model.embed_tokens.weight": rng.normal(0, 1.0, (VOCAB, HIDDEN)),
+         "model.norm.weight": 1 + rng.normal(0, 0.05, HIDDEN),
+         "lm_head.weight": rng.normal(0, INIT_STD, (VOCAB, HIDDEN))}
+    for i in range(LAYERS):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w[f"model.layers.{i}.{norm}.weight"] = 1 + rng.normal(0, 0.05, HIDDEN)
+        for leaf in LINEARS:
+            w[f"model.layers.{i}.{leaf}.weight"] = rng.normal(0, INIT_STD, _shape(leaf))
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+def layer_algo(algo: str, name: str) -> str:
+    if algo != "MIXED_PRECISION":
+        return algo
+    return MIXED[name.split(".")[3]]
+
+
+def _quantize(name: str, w: np.ndarray, algo: str):
+    one = np.float32(1.0)
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        q = ref.nvfp4_quantize(w)
+        return ref.NVFP4Linear(name, q.weight_packed, q.weight_scale, q.weight_scale_2,
+                               input_scale=None if algo == "W4A16_NVFP4" else one)
+    granularity = _FP8_GRANULARITY[algo]
+    q = ref.fp8_quantize(w, granularity)
+    return ref.FP8Linear(name, q.weight, q.weight_scale, granularity, input_scale=one)
+
+
+def _stored(linear) -> dict[str, ref.StoredTensor]:
+    """The tensors ModelOpt's export writes for one quantized linear (module docstring)."""
+    n = linear.name
+    if isinstance(linear, ref.NVFP4Linear):
+        out = {f"{n}.weight": ref.StoredTensor(linear.weight_packed, "U8"),
+               f"{n}.weight_scale": ref.StoredTensor(linear.weight_scale, "F8_E4M3"),
+               f"{n}.weight_scale_2": ref.StoredTensor(np.asarray(linear.global_scale, np.float32), "F32")}
+    else:
+        scale = np.asarray(linear.weight_scale, np.float32)
+        if linear.granularity == "channel":
+            scale = scale.reshape(-1, 1)
+        elif linear.granularity == "block":
+            scale = scale.reshape(scale.shape[0], 1, scale.shape[1], 1)
+        out = {f"{n}.weight": ref.StoredTensor(linear.weight, "F8_E4M3"),
+               f"{n}.weight_scale": ref.StoredTensor(scale, "F32")}
+    if linear.input_scale is not None:
+        out[f"{n}.input_scale"] = ref.StoredTensor(np.asarray(linear.input_scale, np.float32), "F32")
+    return out
+
+
+def quantization_section(algo: str, kv_cache: bool) -> dict:
+    """The ModelOpt quantization description (config.json form; hf_quant_config.json nests it)."""
+    section = {"quant_algo": algo, "kv_cache_quant_algo": "FP8" if kv_cache else None,
+               "exclude_modules": ["lm_head"]}
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        section["group_size"] = GROUP_K
+    if algo == "MIXED_PRECISION":
+        layers = {}
+        for i in range(LAYERS):
+            for leaf in LINEARS:
+                name = f"model.layers.{i}.{leaf}"
+                entry = {"quant_algo": layer_algo(algo, name)}
+                if entry["quant_algo"] == "NVFP4":
+                    entry["group_size"] = GROUP_K
+                layers[name] = entry
+        section["quantized_layers"] = layers
+    return section
+
+
+def _write_folder(folder, config: dict, stored: dict, hf_quant_config: dict | None = None) -> None:
+    os.makedirs(folder, exist_ok=False)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if hf_quant_config is not None:
+        with open(os.path.join(folder, "hf_quant_config.json"), "w") as f:
+            json.dump(hf_quant_config, f, indent=2)
+    ref.write_safetensors(os.path.join(folder, "model.safetensors"), stored, {"format": "pt"})
+
+
+def write_tiny_llama(folder, algo: str, *, kv_cache: bool = False, form: str = "config.json",
+                     seed: int = 0) -> dict:
+    """Write the quantized tiny Llama; returns {layer name: NVFP4Linear | FP8Linear}.
+
+    form: "config.json" (quantization_config inside config.json, ModelOpt >= 0.29) or
+    "hf_quant_config.json" (the older form: config.json without quantization_config).
+    """
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    weights = dense_weights(seed)
+    stored, linears = {}, {}
+    for name, w in weights.items():
+        layer = name.removesuffix(".weight")
+        if layer.rpartition(".")[0].endswith(("self_attn", "mlp")):
+            linears[layer] = _quantize(layer, w, layer_algo(algo, layer))
+            stored.update(_stored(linears[layer]))
+        else:
+            stored[name] = ref.StoredTensor(w.astype(np.float16), "F16")
+    if kv_cache:
+        for i in range(LAYERS):
+            for kv in ("k", "v"):
+                stored[f"model.layers.{i}.self_attn.{kv}_proj.{kv}_scale"] = ref.StoredTensor(
+                    np.asarray(KV_SCALE, np.float32), "F32")
+    section = quantization_section(algo, kv_cache)
+    producer = {"name": "modelopt", "version": "0.47.0"}
+    config = hf_config()
+    hf_quant = None
+    if form == "config.json":
+        config["quantization_config"] = {"quant_method": "modelopt", **section, "producer": producer}
+    elif form == "hf_quant_config.json":
+        hf_quant = {"producer": producer, "quantization": section}
+    else:
+        raise ValueError(f"form must be 'config.json' or 'hf_quant_config.json', got {form!r}")
+    _write_folder(folder, config, stored, hf_quant)
+    return linears
+
+
+def contract_w16(linear) -> np.ndarray:
+    """float16 [N, K]: the weight every qpn path computes with (the numerics contract)."""
+    if isinstance(linear, ref.NVFP4Linear):
+        return ref.nvfp4_dequantize(linear.weight_packed, linear.weight_scale, linear.global_scale)
+    codes, group_scales = ref.qpn8_prepack(linear.weight, linear.weight_scale)
+    n, k = linear.weight.shape
+    return ref.qpn8_dequantize(codes, group_scales, n, k)
+
+
+def write_dense_twin(folder, linears: dict, seed: int = 0) -> None:
+    """The same model in float16 with every quantized linear replaced by its contract W16."""
+    stored = {}
+    for name, w in dense_weights(seed).items():
+        layer = name.removesuffix(".weight")
+        if layer in linears:
+            stored[name] = ref.StoredTensor(contract_w16(linears[layer]), "F16")
+        else:
+            stored[name] = ref.StoredTensor(w.astype(np.float16), "F16")
+    _write_folder(folder, hf_config(), stored)
