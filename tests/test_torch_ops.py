@@ -442,3 +442,17 @@ def test_cuda_graph_capture_and_replay_of_decode_path(fmt, n, k):
         eager = run_linear(fmt, static_x, buffers)
         assert np.array_equal(fp16_bits(static_y), fp16_bits(eager))
         assert_within_linear_bounds(static_y, x, w16)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("m", M_VALUES + [7, 9, 128])
+def test_linear_outputs_are_contiguous_row_major(m, device):
+    """Callers slice columns out of the rows (vLLM's q/k/v split) and its CPU attention requires unit
+    stride in the last dimension; a column-major result broke tensor-parallel serving in vLLM."""
+    rng = np.random.default_rng(m)
+    (codes, scales, g), _ = qpn2_buffers(rng, 128, 128, "scalar", device)
+    (codes8, group_scales), _ = qpn8_buffers(rng, 128, 128, "channel", device)
+    x = torch.from_numpy(rng.standard_normal((m, 128)).astype(np.float16)).to(device)
+    for y in (torch.ops.qpn.nvfp4_linear(x, codes, scales, g), torch.ops.qpn.fp8_linear(x, codes8, group_scales),
+              torch.ops.qpn.nvfp4_linear(x, codes, scales, g, True)):
+        assert y.is_contiguous(), f"M={m}: output strides {y.stride()} for shape {tuple(y.shape)}"

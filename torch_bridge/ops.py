@@ -38,6 +38,8 @@ QPNLinear constructors, not on every call.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -179,31 +181,72 @@ def _linear_out_features(x: Tensor, n: int, k: int, gated: bool) -> int:
 # ----------------------------------------------------------------------------- CPU helpers
 
 
-def _cpu_nvfp4_w16_f32(codes: Tensor, scales: Tensor, global_scale: Tensor, n: int, k: int) -> Tensor:
-    """float32 [N, K] holding W16 (see _cpu.py), computed by the numba kernel into torch memory."""
+def _cpu_kernels():
+    """The numba kernels (built on first use: numba is not imported before), running on as many
+    threads as torch uses (torch.get_num_threads()).
+
+    numba's OpenMP threading layer shares torch's OpenMP runtime (one libgomp.so.1 per process)
+    and its first launch sets that runtime's thread count to NUMBA_NUM_THREADS: torch's count is
+    put back, or a user's (or vLLM's) torch.set_num_threads would be lost on the first CPU op.
+    """
+    threads = torch.get_num_threads()
+    kernels = _cpu.kernels(threads)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return kernels
+
+
+def _cpu_nvfp4_operands(codes: Tensor, scales: Tensor, global_scale: Tensor, n: int) -> tuple:
+    """numpy views (codes, scales, g_tiles) for the QPN2 kernels; a scalar g is repeated per tile."""
     g_tiles = global_scale.reshape(-1).expand(n // TILE_N).contiguous() if global_scale.numel() == 1 \
         else global_scale.contiguous()
+    return codes.reshape(-1).numpy(), scales.reshape(-1).numpy(), g_tiles.numpy()
+
+
+def _cpu_fp8_operands(codes: Tensor, group_scales: Tensor, n: int) -> tuple:
+    """numpy (codes, S16 as float32, channel?) for the QPN8 kernels ([1, N] = channel, else block)."""
+    return codes.reshape(-1).numpy(), group_scales.float().numpy(), tuple(group_scales.shape) == (1, n)
+
+
+def _cpu_w16_f32(decode_rows, n: int, k: int) -> Tensor:
+    """float32 [N, K] holding W16 (every value an fp16 value), decoded by `decode_rows(out, row0)`."""
     out = torch.empty((n, k), dtype=torch.float32)
-    _cpu.qpn2_w16_into(codes.reshape(-1).numpy(), scales.reshape(-1).numpy(), g_tiles.numpy(), out.numpy())
+    decode_rows(out.numpy(), 0)
     return out
 
 
-def _cpu_fp8_w16_f32(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tensor:
-    out = torch.empty((n, k), dtype=torch.float32)
-    _cpu.qpn8_w16_into(codes.reshape(-1).numpy(), group_scales.float().numpy(), out.numpy())
-    return out
-
-
-def _cpu_matmul_rn16(x: Tensor, w16_f32: Tensor) -> Tensor:
+def _cpu_linear_rn16(x: Tensor, n: int, fused, decode_rows) -> Tensor:
     """RN16(x @ W16^T) with fp32 (or, under reduced matmul precision settings, fp64) accumulation.
 
-    Both operands hold fp16 values exactly, so every product is exact and only the sum rounds.
-    torch's fp32 CPU matmul accumulates in fp32 at the default "highest" matmul precision; at
-    "high"/"medium" it may use bf16 internally, so the product is then taken in float64.
+    M <= _cpu.FUSED_MAX_M: `fused(x_positions, y)`, the decode fused into the dot products.
+    Otherwise W16 is decoded by `decode_rows(out, row0)` in chunks of rows that stay in L2, each
+    multiplied by torch's fp32 matmul (y^T = W16 @ x^T, chunk by chunk). Both operands hold fp16
+    values exactly, so every product is exact and only the sums round. torch's fp32 CPU matmul
+    accumulates in fp32 at the default "highest" matmul precision; at "high"/"medium" it may use
+    bf16 internally, so the product is then taken in float64.
     """
-    if torch.get_float32_matmul_precision() == "highest":
-        return torch.mm(x.float(), w16_f32.t()).to(torch.float16)
-    return torch.mm(x.double(), w16_f32.double().t()).to(torch.float16)
+    m, k = x.shape
+    if m <= _cpu.FUSED_MAX_M:
+        y = torch.empty((m, n), dtype=torch.float32)
+        fused(x.float()[:, _cpu_x_position_index(k)].numpy(), y.numpy())
+        return y.to(torch.float16)
+    if torch.get_float32_matmul_precision() != "highest":
+        return torch.mm(x.double(), _cpu_w16_f32(decode_rows, n, k).double().t()).to(torch.float16)
+    chunk = min(n, max(TILE_N, _cpu.CHUNK_ELEMENTS // k // TILE_N * TILE_N))
+    w16 = torch.empty((chunk, k), dtype=torch.float32)
+    x_t = x.float().t()
+    y_t = torch.empty((n, m), dtype=torch.float32)
+    for row0 in range(0, n, chunk):
+        rows = min(chunk, n - row0)
+        decode_rows(w16[:rows].numpy(), row0)
+        torch.mm(w16[:rows], x_t, out=y_t[row0:row0 + rows])
+    # contiguous: vLLM slices q/k/v out of the rows and its CPU attention requires unit stride
+    return y_t.t().to(torch.float16, memory_format=torch.contiguous_format)
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_x_position_index(k: int) -> Tensor:
+    return torch.from_numpy(_cpu.x_position_index(k))
 
 
 def silu_and_mul(y: Tensor) -> Tensor:
@@ -294,7 +337,9 @@ def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Ten
     qpn.ref.qpn2_dequantize."""
     _require_same_device(codes=codes, scales=scales, global_scale=global_scale)
     n, k = _nvfp4_dims(codes, scales, global_scale)
-    return _cpu_nvfp4_w16_f32(codes, scales, global_scale, n, k).to(torch.float16)  # exact: values are fp16
+    operands = _cpu_nvfp4_operands(codes, scales, global_scale, n)
+    decode_rows = functools.partial(_cpu_kernels().qpn2_w16_rows, *operands)
+    return _cpu_w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
 
 
 @nvfp4_dequantize.register_kernel("cuda")
@@ -315,7 +360,8 @@ def fp8_dequantize(codes: Tensor, group_scales: Tensor) -> Tensor:
     """QPN8 buffers -> float16 [N, K] = RN16(e4m3 * 2^-8 * S16), byte-identical to qpn.ref.qpn8_dequantize."""
     _require_same_device(codes=codes, group_scales=group_scales)
     n, k = _fp8_dims(codes, group_scales)
-    return _cpu_fp8_w16_f32(codes, group_scales, n, k).to(torch.float16)  # exact: values are fp16
+    decode_rows = functools.partial(_cpu_kernels().qpn8_w16_rows, *_cpu_fp8_operands(codes, group_scales, n))
+    return _cpu_w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
 
 
 @fp8_dequantize.register_kernel("cuda")
@@ -338,14 +384,16 @@ def _fp8_dequantize_fake(codes, group_scales):
 def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, gated: bool = False) -> Tensor:
     """x float16 [M, K] times the QPN2 weight -> float16 [M, N] (or [M, N/2] gated).
 
-    CPU: W16 by the numba kernel, then one fp32 matmul and one RN16 (the same path for every M).
+    CPU: the numba kernels, fused for small M, decode-then-fp32-matmul above (_cpu_linear_rn16).
     """
     _require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
     n, k = _nvfp4_dims(codes, scales, global_scale)
     n_out = _linear_out_features(x, n, k, gated)
     if x.shape[0] == 0:
         return x.new_empty((0, n_out))
-    y = _cpu_matmul_rn16(x, _cpu_nvfp4_w16_f32(codes, scales, global_scale, n, k))
+    kernels, operands = _cpu_kernels(), _cpu_nvfp4_operands(codes, scales, global_scale, n)
+    y = _cpu_linear_rn16(x, n, functools.partial(kernels.qpn2_linear_fused, *operands),
+                         functools.partial(kernels.qpn2_w16_rows, *operands))
     return silu_and_mul(y) if gated else y
 
 
@@ -372,7 +420,9 @@ def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = Fal
     n_out = _linear_out_features(x, n, k, gated)
     if x.shape[0] == 0:
         return x.new_empty((0, n_out))
-    y = _cpu_matmul_rn16(x, _cpu_fp8_w16_f32(codes, group_scales, n, k))
+    kernels, operands = _cpu_kernels(), _cpu_fp8_operands(codes, group_scales, n)
+    y = _cpu_linear_rn16(x, n, functools.partial(kernels.qpn8_linear_fused, *operands),
+                         functools.partial(kernels.qpn8_w16_rows, *operands))
     return silu_and_mul(y) if gated else y
 
 
