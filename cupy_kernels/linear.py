@@ -210,57 +210,45 @@ def _gated_rows(n: int, gated: bool) -> int:
 SLICE_MULTIPLE = {"qpn2": QPN2_K_MULTIPLE // GROUP_K, "qpn8": 1}
 
 
+# Split-K state lives in the call's workspace, nothing outlives a call: the fp32 partial sums
+# [parts][gated ? 2 : 1][M][columns], then one uint32 arrival counter ("ticket") per output tile,
+# zeroed by a memset on the call's stream just before the launch. Stream order makes a workspace
+# safe to reuse as soon as the launch is queued (the caching allocator hands it out again only in
+# stream order), so any number of streams, concurrent or not, and CUDA-graph capture (the memset
+# becomes a graph node) need no shared table. Cost: one memset of N/32 * 4 bytes per split-K call,
+# measured on the H200 at +2 us on 5120x17408 (M=1: QPN2 33.8 -> 35.8 us, QPN8 34.0 -> 35.8 us;
+# benchmarks/results/splitk_streams_h200.md), +0.1 us on 4096x14336; split-K itself saved 7-11 us.
+
+
+def _partial_elements(parts: int, m: int, n: int, gated: bool) -> int:
+    return parts * (2 if gated else 1) * m * _gated_rows(n, gated)
+
+
 def _workspace_elements(parts: int, m: int, n: int, gated: bool) -> int:
-    return 0 if parts == 1 else parts * (2 if gated else 1) * m * _gated_rows(n, gated)
+    """fp32 slots of a split-K call's workspace: the partial sums, then N/32 uint32 tickets."""
+    return 0 if parts == 1 else _partial_elements(parts, m, n, gated) + n // TILE_N
 
 
 def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False) -> int:
     """fp32 elements of the split-K workspace qpn2_linear / qpn8_linear need for this call (0: none).
 
     Pass a workspace of at least this size (`workspace=`) where allocations must come from the
-    caller (torch's allocator under CUDA-graph capture); without one the wrappers allocate it.
+    caller (torch's allocator under CUDA-graph capture); without one the wrappers allocate it. It
+    holds the call's partial sums and arrival counters; it may be reused by the next call on the
+    same stream (or freed to the caching allocator) once this one is queued.
     """
     if fmt not in ("qpn2", "qpn8"):
         raise ValueError(f"fmt must be 'qpn2' or 'qpn8', got {fmt!r}")
     return _workspace_elements(decode_split(fmt, n, k)[0], m, n, gated)
 
 
-# Split-K arrival counters ("tickets"), one per output tile of a launch. The last block of each
-# tile resets its counter, so they are zero between launches; concurrent launches need separate
-# counters, hence one row per stream. Rows are preallocated per device (zeroed on the device's
-# first split-K call, normally the warm-up), so a stream first seen inside a CUDA-graph capture
-# (torch.cuda.graph's own capture stream) needs no allocation. parts > 1 only when N/32 tiles <
-# TARGET_WARPS / MAX_WARPS (256), which bounds the counters a launch uses (the benchmarks try
-# targets up to 16384: 1024 tiles).
-TICKET_STREAMS = 16
-TICKET_TILES = 2048
-_TICKETS: dict = {}  # device id -> uint32 [TICKET_STREAMS, TICKET_TILES]
-_TICKET_ROWS: dict = {}  # (device id, stream) -> row
-
-
-def _tickets(tiles: int):
+def _split_k_state(workspace, partial_size: int, tiles: int):
+    """(partial sums, zeroed tickets) carved out of the call's workspace (module comment above)."""
     import cupy  # noqa: PLC0415
 
-    device, stream = cupy.cuda.Device().id, cupy.cuda.get_current_stream()
-    table = _TICKETS.get(device)
-    if table is None:
-        if stream.is_capturing():
-            raise ValueError(
-                "the first split-K decode call on a device cannot be inside a CUDA-graph capture (it "
-                "allocates and zeroes the arrival counters); run the layer once before capturing"
-            )
-        table = _TICKETS[device] = cupy.zeros((TICKET_STREAMS, TICKET_TILES), dtype=np.uint32)
-    if tiles > TICKET_TILES:  # only a warp target > 16 * TICKET_TILES could get here
-        raise ValueError(f"split-K over {tiles} tiles exceeds the {TICKET_TILES} counters per stream")
-    row = _TICKET_ROWS.get((device, stream.ptr))
-    if row is None:  # the device's next free row
-        row = _TICKET_ROWS[device, stream.ptr] = sum(1 for d, _ in _TICKET_ROWS if d == device)
-    if row >= TICKET_STREAMS:
-        raise ValueError(
-            f"split-K decode calls came from more than {TICKET_STREAMS} CUDA streams on device {device}; "
-            "reuse streams (each keeps its own arrival counters)"
-        )
-    return table[row]
+    tickets = workspace[partial_size:partial_size + tiles].view(np.uint32)
+    cupy.cuda.runtime.memsetAsync(tickets.data.ptr, 0, tickets.nbytes, cupy.cuda.get_current_stream().ptr)
+    return workspace, tickets
 
 
 def _launch_config(fmt: str, m: int, n: int, k: int, gated: bool, workspace):
@@ -286,7 +274,7 @@ def _launch_config(fmt: str, m: int, n: int, k: int, gated: bool, workspace):
                     f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
                     f"(decode_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one"
                 )
-        partial, tickets = workspace, _tickets(n // TILE_N)
+        partial, tickets = _split_k_state(workspace, _partial_elements(parts, m, n, gated), n // TILE_N)
     grid = (-(-n_slots // TILES_PER_BLOCK), parts)
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(groups_per_warp), partial, tickets)
     return grid, (32 * split,), tail

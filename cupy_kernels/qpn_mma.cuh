@@ -263,7 +263,8 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT]) {
 // Split-K across blocks (gridDim.y = parts > 1, for layers with too few tiles to fill the GPU):
 // block (tile, part) holds the K-slices [part * split, (part + 1) * split) and writes its block
 // sum to partial[part][h][m][y_cols] (fp32); the last of the tile's blocks to arrive (ticket
-// counter per output tile, reset by that block for the next launch) adds the parts in ascending
+// counter per output tile, in the call's workspace, zeroed by the wrapper on the call's stream
+// before the launch: no state outlives a call) adds the parts in ascending
 // order -- fixed whatever the arrival order, so the result is deterministic and, as the split
 // depends on N, K and the SM count, never on M, batch-invariant -- and stores the outputs.
 __device__ __forceinline__ void qpn_reduce_store(
@@ -317,7 +318,6 @@ __device__ __forceinline__ void qpn_reduce_store(
     __syncthreads();
     if (threadIdx.x == 0) {
         last_part = atomicAdd(&tickets[out_tile], 1u) == (unsigned)(parts - 1);
-        if (last_part) tickets[out_tile] = 0u;  // every part has arrived: ready for the next launch
     }
     __syncthreads();
     if (!last_part) return;

@@ -444,6 +444,45 @@ def test_cuda_graph_capture_and_replay_of_decode_path(fmt, n, k):
         assert_within_linear_bounds(static_y, x, w16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_split_k_decode_on_any_number_of_streams(fmt):
+    """Split-K state is per call (cupy_kernels/linear.py): 64 streams used concurrently, then 64 fresh
+    ones in sequence, then a graph captured on yet another fresh stream, all give the serial bits. (A
+    per-device table of 16 streams refused every stream after the 16th, and a first call in capture.)"""
+    n, k = 64, 4096  # split-K across blocks on any GPU of more than 2 SMs
+    buffers, w16 = buffers_for(fmt, n, k, "per_tile" if fmt == "nvfp4" else "channel", "cuda", seed=31)
+    rng = np.random.default_rng(31)
+    xs = [torch.from_numpy((rng.standard_normal((1 + i % 8, k)) / np.sqrt(k)).astype(np.float16)).cuda()
+          for i in range(64)]
+    serial = [run_linear(fmt, x, buffers) for x in xs]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in xs]
+    outs = []
+    for stream, x in zip(streams, xs):  # all queued before any is waited for: concurrent
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            outs.append(run_linear(fmt, x, buffers))
+    torch.cuda.synchronize()
+    for i in range(64):  # 64 more, one after the other
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            y = run_linear(fmt, xs[i], buffers)
+        stream.synchronize()
+        assert torch.equal(y, serial[i]), f"sequential stream {i} differs from the serial call"
+    for i, y in enumerate(outs):
+        assert torch.equal(y, serial[i]), f"concurrent stream {i} differs from the serial call"
+    capture = torch.cuda.Stream()  # never used before: its first split-K call is inside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=capture):
+        static_y = run_linear(fmt, xs[5], buffers)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, serial[5]), "the captured split-K call differs from the serial one"
+    assert_within_linear_bounds(serial[5], xs[5].cpu().numpy(), w16)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("m", M_VALUES + [7, 9, 128])
 def test_linear_outputs_are_contiguous_row_major(m, device):
