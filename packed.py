@@ -72,7 +72,7 @@ from qpn.ref.checks import require_no_nan_e4m3
 from qpn.ref.geometry import GROUP_K, TILE_N
 from qpn.ref.qpn2 import QPN2_K_MULTIPLE
 from qpn.ref.qpn8 import QPN8_BLOCK
-from qpn.ref.atomic import atomic_folder, require_writable_target, write_json
+from qpn.ref.atomic import atomic_folder, recover_interrupted, require_writable_target, write_json
 
 PACKED_FORMAT = "qpn-packed"
 PACKED_VERSION = 1
@@ -271,13 +271,46 @@ def _layer_entry(name: str, linear, file: str, buffers: Mapping[str, np.ndarray]
     return entry
 
 
-def _check_target(source: str, target: str, overwrite: bool) -> None:
-    if os.path.realpath(target) == os.path.realpath(source):
-        raise PackError(target, None, "is the source folder; write the packed checkpoint to another folder")
+def _not_packed_output(folder: str) -> str | None:
+    """None if `folder` holds only what `qpn pack` writes (its manifest names the rest), else why not.
+
+    The rule of `--overwrite`: a folder qpn did not write, or one a user has added files to,
+    is never replaced.
+    """
+    manifest_path = os.path.join(folder, MANIFEST_FILE)
+    if not os.path.isfile(manifest_path):
+        return f"it has no {MANIFEST_FILE}"
     try:
-        require_writable_target(target, overwrite, flag="--overwrite")
+        manifest = _read_json(manifest_path)
+        written = {MANIFEST_FILE, INDEX_FILE, *COPIED_CONFIG_FILES}
+        written |= {entry["file"] for key in ("layers", "tensors") for entry in manifest[key].values()}
+    except (PackError, OSError, TypeError, KeyError, AttributeError):
+        return f"its {MANIFEST_FILE} is not a qpn packed manifest"
+    if manifest.get("format") != PACKED_FORMAT:
+        return f"its {MANIFEST_FILE} is not a qpn packed manifest"
+    foreign = sorted(entry for entry in os.listdir(folder)
+                     if entry not in written or os.path.islink(os.path.join(folder, entry))
+                     or not os.path.isfile(os.path.join(folder, entry)))
+    if foreign:
+        more = " ..." if len(foreign) > 5 else ""
+        return f"it also holds {', '.join(foreign[:5])}{more}, which qpn pack does not write"
+    return None
+
+
+_TARGET_RULES = {"flag": "--overwrite", "ours": _not_packed_output, "what": "packed checkpoint"}
+
+
+def _check_target(source: str, target: str, overwrite: bool) -> None:
+    """The output rule (qpn.ref.atomic): absent, empty, or with overwrite a folder qpn pack wrote;
+    never the source, a folder containing it or one inside it. Interrupted writes next to
+    `target` are finished or rolled back first, so the rule sees the real state."""
+    parent = os.path.dirname(target)
+    if os.path.isdir(parent):
+        recover_interrupted(parent)
+    try:
+        require_writable_target(target, overwrite, protected=(source,), **_TARGET_RULES)
     except ValueError as exc:
-        raise PackError(target, None, str(exc)) from None
+        raise PackError(target, None, str(exc).removeprefix(f"{target} ")) from None
 
 
 def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progress = _no_progress) -> dict:
@@ -287,7 +320,9 @@ def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progre
     can be packed (all reasons are reported at once, before anything is written), prepacks each
     one with qpn.ref, and writes the folder described in the module docstring into a temporary
     sibling folder that is renamed into place: a failure leaves no partial `target`. An existing
-    non-empty `target` needs overwrite=True (swapped atomically). Returns the manifest.
+    non-empty `target` needs overwrite=True, and is replaced (swapped atomically, recoverably:
+    qpn.ref.atomic) only if qpn pack wrote it; `target` may never be, contain or lie inside
+    `source`. Returns the manifest.
     """
     source = os.path.abspath(os.fspath(source))
     target = os.path.abspath(os.fspath(target))
@@ -325,7 +360,7 @@ def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progre
     }
     out_map: dict[str, str] = {}
     total_size = 0  # tensor bytes, as transformers' index files count them
-    with atomic_folder(target, overwrite=overwrite) as tmp:
+    with atomic_folder(target, overwrite=overwrite, protected=(source,), **_TARGET_RULES) as tmp:
         for config_file in COPIED_CONFIG_FILES:
             if os.path.exists(os.path.join(source, config_file)):
                 shutil.copyfile(os.path.join(source, config_file), os.path.join(tmp, config_file))
@@ -468,13 +503,135 @@ _EXPECTED = {  # suffix -> (dtype tag, shape(n_pad, k, entry) or None = any)
                            else (1, n)),
             WEIGHT_SCALE: ("F32", lambda n, k, e: tuple(e["source_tensors"]["weight_scale"]["shape"]))},
 }
+_LAYOUT_OF_FORMAT = {"nvfp4": "QPN2", "fp8": "QPN8"}
+_SOURCE_ROLES = {"nvfp4": {"weight_packed": "U8", "weight_scale": "F8_E4M3"},
+                 "fp8": {"weight": "F8_E4M3", "weight_scale": "F32"}}
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_layer_entry(name: str, entry) -> None:
+    """The manifest's own rules for one layer (types, N_pad, K, granularity, source shapes); raises ValueError."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"the manifest entry must be an object, got {type(entry).__name__}")
+    fmt = entry.get("format")
+    if fmt not in _EXPECTED:
+        raise ValueError(f"has format {fmt!r}; expected 'nvfp4' or 'fp8'")
+    if entry.get("layout") != _LAYOUT_OF_FORMAT[fmt]:
+        raise ValueError(f"has layout {entry.get('layout')!r}; an {fmt} layer is {_LAYOUT_OF_FORMAT[fmt]}")
+    n, k, n_pad = entry.get("n"), entry.get("k"), entry.get("n_padded")
+    if not all(_positive_int(v) for v in (n, k, n_pad)):
+        raise ValueError(f"n, k and n_padded must be positive integers, got {n!r}, {k!r}, {n_pad!r}")
+    if not isinstance(entry.get("file"), str):
+        raise ValueError(f"file must be a file name, got {entry.get('file')!r}")
+    if fmt == "fp8":
+        if entry.get("granularity") not in ref.checkpoint.FP8_GRANULARITIES:
+            raise ValueError(f"granularity must be one of {ref.checkpoint.FP8_GRANULARITIES}, got "
+                             f"{entry.get('granularity')!r}")
+        if entry.get("scale_name") not in ("weight_scale", "weight_scale_inv"):
+            raise ValueError(f"scale_name must be 'weight_scale' or 'weight_scale_inv', got {entry.get('scale_name')!r}")
+    block = fmt == "fp8" and entry["granularity"] == "block"
+    multiple = QPN2_K_MULTIPLE if fmt == "nvfp4" else (QPN8_BLOCK if block else GROUP_K)
+    if k % multiple != 0:
+        raise ValueError(f"k = {k} is not a multiple of {multiple}, which qpn pack never writes")
+    if n_pad != _round_up(n, QPN8_BLOCK if block else TILE_N):
+        raise ValueError(f"n_padded = {n_pad} but n = {n} pads to {_round_up(n, QPN8_BLOCK if block else TILE_N)}")
+    for key in ("global_scale", "weight_scale", "input_scale"):
+        _manifest_scalar(entry, key)
+    if fmt == "nvfp4" and "global_scale" not in entry:
+        raise ValueError("an nvfp4 entry must record its global_scale")
+    if fmt == "fp8" and entry["granularity"] == "tensor" and "weight_scale" not in entry:
+        raise ValueError("a per-tensor fp8 entry must record its weight_scale")
+    sources = entry.get("source_tensors")
+    if not isinstance(sources, dict) or set(sources) != set(_SOURCE_ROLES[fmt]):
+        raise ValueError(f"source_tensors must describe exactly {sorted(_SOURCE_ROLES[fmt])}, got "
+                         f"{sorted(sources) if isinstance(sources, dict) else sources!r}")
+    shapes = {"weight_packed": [(n, k // 2)], "weight_scale": [(n, k // GROUP_K)], "weight": [(n, k)]}
+    if fmt == "fp8":
+        shapes["weight_scale"] = {"tensor": [(), (1,)], "channel": [(n,), (n, 1)],
+                                  "block": [ref.checkpoint.fp8_block_scale_shape(n, k)]}[entry["granularity"]]
+    for role, dtype in _SOURCE_ROLES[fmt].items():
+        info = sources[role]
+        shape = tuple(info.get("shape", ())) if isinstance(info, dict) else None
+        if not isinstance(info, dict) or info.get("dtype") != dtype or shape not in shapes[role]:
+            raise ValueError(f"source_tensors[{role!r}] must be {dtype} with shape {list(shapes[role][0])} for "
+                             f"n = {n}, k = {k}, got {info!r}")
+
+
+def _manifest_scalar(entry, key: str) -> None:
+    value = entry.get(key)
+    if key in entry and not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], (int, float))
+                             and not isinstance(value[0], bool)):
+        raise ValueError(f"{key} must be a one-number list, got {value!r}")
+
+
+def _same_f32(a, b) -> bool:
+    return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
+
+
+def _trailing_tile_rows(n: int, n_pad: int) -> int:
+    """Rows of the whole 32-row tiles that hold the pad rows (QPN2 / QPN8 keep each tile's bytes in its rows)."""
+    return _round_up(n_pad - n, TILE_N)
+
+
+def _check_layer_values(layer: "PackedLayer") -> None:
+    """The cheap value checks of `qpn pack` on a packed layer (scales and pad rows, never the hashes); ValueError."""
+    name, n, k, n_pad, entry = layer.name, layer.n, layer.k, layer.n_padded, layer.entry
+    rows = _trailing_tile_rows(n, n_pad)
+    if layer.format == "nvfp4":
+        ref.checks.require_nvfp4_block_scales(f"{name}.{SCALES}", layer.scales)
+        g = layer.global_scale
+        if not _same_f32(g, np.full(g.shape, g[0], np.float32)) or not _same_f32(g[0], entry["global_scale"][0]):
+            raise ValueError(f"{name}.{GLOBAL_SCALE} must repeat the manifest's global scale "
+                             f"{entry['global_scale'][0]!r} on every tile (qpn pack writes one value per layer), "
+                             f"got {np.unique(g)[:4]}")
+        g_rows = ref.global_scale_per_row(g, n_pad, f"{name}.{GLOBAL_SCALE}")
+        ref.require_nvfp4_fits_fp16(layer.scales, g_rows, f"{name}.{SCALES}")  # one g per layer: order is moot
+        if rows:
+            wp, ws = ref.qpn2_unpack(layer.codes[-rows:], layer.scales[-rows:], rows, k)
+            pad = slice(rows - (n_pad - n), rows)
+            if np.any(wp[pad] != NVFP4_PAD_CODE) or np.any(ws[pad] != NVFP4_PAD_SCALE_BYTE):
+                raise ValueError(f"pad rows {n}..{n_pad - 1} are not zero; qpn pack writes zeros there")
+    else:
+        s = layer.weight_scale
+        ref.checks.require_positive_scale(f"{name}.{WEIGHT_SCALE}", s)
+        ref.require_qpn8_fits_fp16(s, f"{name}.{WEIGHT_SCALE}")
+        if entry["granularity"] == "tensor" and not _same_f32(s.reshape(()), entry["weight_scale"][0]):
+            raise ValueError(f"{name}.{WEIGHT_SCALE} = {s} but the manifest says {entry['weight_scale'][0]!r}")
+        expected = prepack_group_scales(s, entry["granularity"], n, n_pad, k)
+        if not np.array_equal(layer.scales.view(np.uint16), expected.view(np.uint16)):
+            raise ValueError(f"{name}.{GROUP_SCALES} is not RN16(256 * {WEIGHT_SCALE}) (what qpn pack writes); "
+                             "one of the two was altered")
+        ref.checks.require_no_nan_e4m3(f"{name}.{CODES}", layer.codes)
+        if rows:
+            weight, _ = ref.qpn8_unpack(layer.codes[-rows:], np.ones((1, rows), np.float16), rows, k)
+            if np.any(weight[rows - (n_pad - n):] != FP8_PAD_CODE):
+                raise ValueError(f"pad rows {n}..{n_pad - 1} are not zero; qpn pack writes zeros there")
+    if layer.input_scale is not None:
+        if not _same_f32(layer.input_scale, entry["input_scale"][0]) or not float(layer.input_scale) > 0:
+            raise ValueError(f"{name}.{INPUT_SCALE} = {layer.input_scale} but the manifest says "
+                             f"{entry['input_scale'][0]!r} (and it must be finite and > 0)")
+
+
+def prepack_group_scales(weight_scale: np.ndarray, granularity: str, n: int, n_pad: int, k: int) -> np.ndarray:
+    """The QPN8 group_scales `prepack_layer` writes for an fp32 scale (pad channels get scale 1.0)."""
+    s = np.asarray(weight_scale, np.float32)
+    if granularity == "channel":
+        s = _pad_rows(s.reshape(n), n_pad, FP8_PAD_SCALE)
+    return ref.qpn8.qpn8_group_scales(s, n_pad, k, granularity)
 
 
 def load_packed(path, *, mmap: bool = True, check_values: bool = True) -> PackedCheckpoint:
-    """Read and check a packed folder: manifest, files, names, dtypes, shapes, and (check_values)
-    NaN scale bytes and global scales that are not finite and > 0. Values are not compared with
-    the manifest's hashes here: that is `qpn verify`'s job (which reads with check_values=False and
-    reports a bad value as a failure of its layer). Raises PackError."""
+    """Read and check a packed folder. Always: the manifest's own rules and its agreement with the
+    files (each layer's entry, N_pad, K, source shapes; every tensor in the file the manifest
+    names, with the dtype and shape it records). With check_values, also the cheap value checks
+    that `qpn pack` applies (NaN and negative NVFP4 scale bytes, global scales finite, > 0, one
+    per layer and equal to the manifest's, fp16 overflow, FP8 scales and their S16, NaN FP8
+    codes, zero pad rows, input scales). Values are not compared with the manifest's hashes here:
+    that is `qpn verify`'s job (which reads with check_values=False and reports a bad value as a
+    failure of its layer). Raises PackError."""
     folder = os.fspath(path)
     if not os.path.isdir(folder):
         raise PackError(folder, None, "is not a folder; pass the packed checkpoint directory")
@@ -491,52 +648,81 @@ def load_packed(path, *, mmap: bool = True, check_values: bool = True) -> Packed
     for key in ("source", "layers", "tensors"):
         if not isinstance(manifest.get(key), dict):
             raise PackError(manifest_path, None, f"has no {key!r} object; the manifest is damaged")
+    source = manifest["source"]
+    if source.get("format") not in ref.checkpoint.CHECKPOINT_FORMATS or not isinstance(source.get("quant_algo"), str):
+        raise PackError(manifest_path, None, f"source must name a format in {ref.checkpoint.CHECKPOINT_FORMATS} and "
+                                             f"a quant_algo, got {source!r}; the manifest is damaged")
+    for name, entry in manifest["layers"].items():
+        try:
+            _check_layer_entry(name, entry)
+        except ValueError as exc:
+            raise PackError(manifest_path, name, f"{exc}; the manifest is damaged: re-pack the source") from None
+    for name, entry in manifest["tensors"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+            raise PackError(manifest_path, None, f"tensor {name!r}: the entry must be an object with a file name")
 
     files = sorted({e["file"] for e in manifest["layers"].values()} | {e["file"] for e in manifest["tensors"].values()})
     stored: dict[str, ref.StoredTensor] = {}
+    file_of: dict[str, str] = {}
     for file in files:
         file_path = os.path.join(folder, file)
         if os.path.basename(file) != file or not os.path.isfile(file_path):
             raise PackError(manifest_path, None, f"names the file {file!r}, which is not in {folder}")
-        stored.update(ref.read_safetensors(file_path, mmap=mmap).tensors)
+        for tensor_name, tensor in ref.read_safetensors(file_path, mmap=mmap).tensors.items():
+            if tensor_name in stored:
+                raise PackError(file_path, None, f"tensor {tensor_name!r} is also in {file_of[tensor_name]}; "
+                                                 "qpn pack writes each tensor once")
+            stored[tensor_name], file_of[tensor_name] = tensor, file
+
+    def in_file(tensor_name: str, file: str, layer: str | None) -> ref.StoredTensor:
+        if tensor_name not in stored:
+            raise PackError(os.path.join(folder, file), layer, f"tensor {tensor_name!r} is missing")
+        if file_of[tensor_name] != file:
+            raise PackError(manifest_path, layer, f"says tensor {tensor_name!r} is in {file!r}, but it is in "
+                                                  f"{file_of[tensor_name]!r}")
+        return stored[tensor_name]
 
     layers: dict[str, PackedLayer] = {}
     for name, entry in manifest["layers"].items():
-        fmt = entry.get("format")
-        if fmt not in _EXPECTED:
-            raise PackError(manifest_path, name, f"has format {fmt!r}; expected 'nvfp4' or 'fp8'")
-        n, k, n_pad = int(entry["n"]), int(entry["k"]), int(entry["n_padded"])
+        fmt, n, k, n_pad, file = entry["format"], entry["n"], entry["k"], entry["n_padded"], entry["file"]
         arrays = {}
         for suffix, (tag, shape_of) in _EXPECTED[fmt].items():
             tensor_name = f"{name}.{suffix}"
-            tensor = stored.get(tensor_name)
-            if tensor is None:
-                raise PackError(os.path.join(folder, entry["file"]), name, f"tensor {tensor_name!r} is missing")
+            tensor = in_file(tensor_name, file, name)
             shape = shape_of(n_pad, k, entry)
             if tensor.dtype != tag or tensor.shape != shape:
-                raise PackError(os.path.join(folder, entry["file"]), name,
+                raise PackError(os.path.join(folder, file), name,
                                 f"tensor {tensor_name!r} must be {tag} {list(shape)}, got {tensor.dtype} "
                                 f"{list(tensor.shape)}")
             arrays[suffix] = tensor.array
-        input_scale = stored.get(f"{name}.{INPUT_SCALE}")
-        if fmt == "nvfp4" and check_values:
-            try:
-                require_no_nan_e4m3(f"{name}.{SCALES}", arrays[SCALES])
-                ref.global_scale_per_row(arrays[GLOBAL_SCALE], n_pad, f"{name}.{GLOBAL_SCALE}")
-            except ValueError as exc:
-                raise PackError(os.path.join(folder, entry["file"]), name, str(exc)) from None
+        input_scale = None
+        if f"{name}.{INPUT_SCALE}" in stored or "input_scale" in entry:
+            tensor = in_file(f"{name}.{INPUT_SCALE}", file, name)
+            if tensor.dtype != "F32" or tensor.shape != () or "input_scale" not in entry:
+                raise PackError(os.path.join(folder, file), name,
+                                f"tensor {name + '.' + INPUT_SCALE!r} must be F32 [] and recorded in the manifest, "
+                                f"got {tensor.dtype} {list(tensor.shape)}, manifest {entry.get('input_scale')!r}")
+            input_scale = tensor.array
         if fmt == "nvfp4":
             scales, global_scale, weight_scale = arrays[SCALES], arrays[GLOBAL_SCALE], None
         else:
             scales, global_scale, weight_scale = arrays[GROUP_SCALES], None, arrays[WEIGHT_SCALE]
-        layers[name] = PackedLayer(name, fmt, n, k, arrays[CODES], scales, global_scale, weight_scale,
-                                   input_scale.array if input_scale is not None else None, entry)
+        layer = PackedLayer(name, fmt, n, k, arrays[CODES], scales, global_scale, weight_scale, input_scale, entry)
+        if check_values:
+            try:
+                _check_layer_values(layer)
+            except ValueError as exc:
+                raise PackError(os.path.join(folder, file), name, str(exc)) from None
+        layers[name] = layer
 
     tensors = {}
-    for name in manifest["tensors"]:
-        if name not in stored:
-            raise PackError(folder, None, f"tensor {name!r} is listed in the manifest but missing from the files")
-        tensors[name] = stored[name]
+    for name, entry in manifest["tensors"].items():
+        tensor = in_file(name, entry["file"], None)
+        if tensor.dtype != entry.get("dtype") or list(tensor.shape) != entry.get("shape"):
+            raise PackError(os.path.join(folder, entry["file"]), None,
+                            f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)} but the manifest records "
+                            f"{entry.get('dtype')} {entry.get('shape')}; the folder was edited after packing")
+        tensors[name] = tensor
     known = set(tensors) | {f"{layer}.{suffix}" for layer in layers for suffix in PACKED_SUFFIXES}
     stray = sorted(set(stored) - known)
     if stray:

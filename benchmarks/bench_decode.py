@@ -348,13 +348,19 @@ SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants":
             "targets": section_targets}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments (`qpn bench` checks them before it looks for a GPU: a typo exits 2, not 3)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sections", default="ceiling,decode,variants,ablate,targets")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--shapes", default="", help="N x K list, e.g. 4096x4096,5120x17408 (default: all)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--name", default="decode_h200")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     wanted = [s for s in args.sections.split(",") if s]
     if "ceiling" not in wanted:

@@ -617,12 +617,18 @@ def write_results(env: dict, sections: list[Section], out_dir: Path, name: str) 
     return json_path, md_path
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments (`qpn bench` checks them before it looks for a GPU: a typo exits 2, not 3)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ",".join(SECTIONS))
     parser.add_argument("--quick", action="store_true", help="two shapes only")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--name", default="h200")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     wanted = [s.strip() for s in args.sections.split(",") if s.strip()]

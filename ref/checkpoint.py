@@ -15,7 +15,8 @@ Data model (frozen dataclasses; arrays are numpy, e4m3 travels as uint8 bit patt
 - `FP8Linear(name, weight, weight_scale, granularity, input_scale=None, scale_name="weight_scale")`:
   weight uint8 e4m3 bits [N, K]; weight_scale float32, a multiplier: 0-d ("tensor"), [N]
   ("channel"; [N, 1] on disk is accepted and flattened) or [ceil(N/128), ceil(K/128)]
-  ("block"). `scale_name` is the on-disk name, "weight_scale" or "weight_scale_inv" (block
+  ("block"; ModelOpt 0.47's FP8_PB_WO export writes [ceil(N/128), 1, ceil(K/128), 1], and a 0-d
+  scale for a weight of one block: both accepted and reshaped, same values, same order). `scale_name` is the on-disk name, "weight_scale" or "weight_scale_inv" (block
   checkpoints in the DeepSeek style; a multiplier despite the name), kept so saving writes it back.
 - `Checkpoint(format, quant_algo, linears, tensors, config, hf_quant_config=None)`:
   format "modelopt" | "compressed-tensors"; quant_algo as the config says it, upper-cased
@@ -30,7 +31,8 @@ On-disk layouts (per layer X):
 - ModelOpt NVFP4 / W4A16_NVFP4: X.weight U8 [N, K/2], X.weight_scale F8_E4M3 [N, K/16],
   X.weight_scale_2 F32 [], X.input_scale F32 [] (optional).
 - ModelOpt FP8 (tensor / channel / block): X.weight F8_E4M3 [N, K], X.weight_scale or
-  X.weight_scale_inv F32 ([], [N] or [N, 1], or the block grid), X.input_scale F32 [] (optional).
+  X.weight_scale_inv F32 ([], [N] or [N, 1], or the block grid [N/128, K/128] or
+  [N/128, 1, K/128, 1]), X.input_scale F32 [] (optional).
 - compressed-tensors nvfp4-pack-quantized: X.weight_packed U8 [N, K/2], X.weight_scale F8_E4M3
   [N, K/16], X.weight_global_scale F32 [1], X.input_global_scale F32 [1] (optional).
 
@@ -69,7 +71,8 @@ naming the file and the tensor or config entry at fault):
 - Per layer: every companion tensor present (a scale without its weight or a weight without
   its scale is an error), exact dtypes, weight_scale shape [N, K/16] for weight [N, K/2], FP8
   scale shape by granularity, no NaN e4m3 codes (0x7F/0xFF) in block scales or FP8 weights,
-  global scales and FP8 weight scales finite and > 0 (as fp8_dequantize requires).
+  global scales and FP8 weight scales finite and > 0 (as fp8_dequantize requires), NVFP4 block
+  scales non-negative (`checks.require_nvfp4_block_scales`: no sign bit).
 - Sharded: every file in the weight_map exists, holds exactly the tensors mapped to it, and no
   tensor appears in two files.
 
@@ -77,7 +80,9 @@ Saving (`save_checkpoint`) serializes, then runs the complete load-side validati
 in-memory result before writing a byte; it writes the whole folder into a temporary sibling
 folder and renames it into place (an existing non-empty folder is refused unless
 overwrite=True, which moves the old folder aside, renames the new one into place and only then
-deletes the old one). On any failure the temporary folder is removed and the target is
+deletes the old one; recoverably, see qpn.ref.atomic). overwrite=True replaces only a folder
+save_checkpoint wrote: nothing but its file names, every safetensors file carrying the metadata
+"writer": "qpn" (SAVED_METADATA); a user's own checkpoint folder is refused. On any failure the temporary folder is removed and the target is
 untouched. Output bytes are deterministic (sorted JSON, sorted tensors, fixed shard names).
 """
 
@@ -93,10 +98,11 @@ from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from .checks import FileError, require_no_nan_e4m3
+from .checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
+from .fp8 import fp8_block_grid, fp8_block_grid_4d
 from .geometry import GROUP_K, TILE_N
 from .atomic import atomic_folder, require_writable_target, write_json
-from .safetensors_io import StoredTensor, as_stored_tensor, read_safetensors, write_safetensors
+from .safetensors_io import StoredTensor, as_stored_tensor, read_safetensors, read_safetensors_header, write_safetensors
 
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
@@ -112,6 +118,9 @@ HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_METADATA = {"format": "pt"}  # what transformers expects in every shard
+# save_checkpoint's mark in every file it writes: overwrite=True replaces only a folder that carries it
+SAVED_METADATA = {**SAFETENSORS_METADATA, "writer": "qpn"}
+_SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 # role -> on-disk suffix, per layout
 _MODELOPT_NVFP4 = {"weight_packed": "weight", "weight_scale": "weight_scale", "global_scale": "weight_scale_2",
@@ -175,9 +184,9 @@ def _uint8_matrix(value, owner: str, role: str, what: str) -> np.ndarray:
     return value
 
 
-def _no_nan_e4m3(bits: np.ndarray, owner: str, role: str) -> None:
+def _checked_e4m3(rule, bits: np.ndarray, owner: str, role: str) -> None:
     try:
-        require_no_nan_e4m3(f"{owner}: {role}", bits)
+        rule(f"{owner}: {role}", bits)
     except ValueError as exc:
         raise _FieldError(role, str(exc)) from None
 
@@ -210,7 +219,7 @@ class NVFP4Linear:
                 f"shape ({n}, {half_k}) (K = {half_k * 2}), got {ws.shape}; NVFP4 has one e4m3 scale per "
                 f"{GROUP_K} weights (group_size 16) and K must be a multiple of 16",
             )
-        _no_nan_e4m3(ws, owner, "weight_scale")
+        _checked_e4m3(require_nvfp4_block_scales, ws, owner, "weight_scale")
         object.__setattr__(self, "global_scale", _scalar_f32(self.global_scale, owner, "global_scale", positive=True))
         object.__setattr__(self, "input_scale",
                            _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))
@@ -224,9 +233,7 @@ class NVFP4Linear:
         return int(self.weight_packed.shape[1] * 2)
 
 
-def fp8_block_scale_shape(n: int, k: int) -> tuple[int, int]:
-    """Shape of a 128x128 block-scale grid for an [n, k] weight: (ceil(n/128), ceil(k/128))."""
-    return (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+fp8_block_scale_shape = fp8_block_grid  # (ceil(n/128), ceil(k/128)); the name this module exported first
 
 
 @dataclass(frozen=True, eq=False)
@@ -264,9 +271,12 @@ class FP8Linear:
                 expected, accepted = (n,), ((n,), (n, 1))
                 rule = "one scale per output channel, shape (N,) or (N, 1)"
             else:
-                expected = accepted = fp8_block_scale_shape(n, k)
-                accepted = (accepted,)
-                rule = f"one scale per {FP8_BLOCK}x{FP8_BLOCK} block, shape (ceil(N/128), ceil(K/128))"
+                expected = fp8_block_scale_shape(n, k)
+                accepted = (expected, fp8_block_grid_4d(n, k))
+                if expected == (1, 1):  # ModelOpt 0.47 writes a one-block grid as a 0-d scale
+                    accepted += ((),)
+                rule = (f"one scale per {FP8_BLOCK}x{FP8_BLOCK} block, shape (ceil(N/128), ceil(K/128)) or "
+                        "ModelOpt's (ceil(N/128), 1, ceil(K/128), 1)")
             if s.shape not in accepted:
                 raise _FieldError(
                     "weight_scale",
@@ -280,7 +290,7 @@ class FP8Linear:
         if self.scale_name == "weight_scale_inv" and self.granularity != "block":
             raise _FieldError("scale_name", f"{owner}: weight_scale_inv is the block-checkpoint name; a "
                                             f"{self.granularity} scale is stored as weight_scale")
-        _no_nan_e4m3(w, owner, "weight")
+        _checked_e4m3(require_no_nan_e4m3, w, owner, "weight")
         object.__setattr__(self, "weight_scale", s)
         object.__setattr__(self, "input_scale",
                            _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))
@@ -471,7 +481,7 @@ class _Plan:
 
 
 def _config_error(source: str, entry: str | None, message: str) -> CheckpointError:
-    return CheckpointError(source, entry, message)
+    return CheckpointError(source, entry, message, kind="config entry")
 
 
 def _str_list(value, source: str, key: str) -> list[str]:
@@ -897,7 +907,30 @@ def _shards(stored: Mapping[str, StoredTensor], max_shard_bytes: int | None) -> 
         groups[-1].append(name)
         size += nbytes
     count = len(groups)
+    if count == 1:  # as transformers writes one shard: model.safetensors, no index (which load needs)
+        return [(SINGLE_FILE, groups[0])]
     return [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups)]
+
+
+def _not_saved_by_qpn(folder: str) -> str | None:
+    """None if `folder` holds only files save_checkpoint writes, each safetensors file marked with
+    SAVED_METADATA; else why not (overwrite=True never replaces a user's own checkpoint)."""
+    written = (CONFIG_FILE, HF_QUANT_CONFIG_FILE, SINGLE_FILE, INDEX_FILE)
+    entries = sorted(os.listdir(folder))
+    foreign = [e for e in entries if not (e in written or _SHARD_FILE.match(e))
+               or os.path.islink(os.path.join(folder, e)) or not os.path.isfile(os.path.join(folder, e))]
+    if foreign:
+        more = " ..." if len(foreign) > 5 else ""
+        return f"it holds {', '.join(foreign[:5])}{more}, which save_checkpoint does not write"
+    weights = [e for e in entries if e.endswith(".safetensors")]
+    for entry in weights:
+        try:
+            metadata = read_safetensors_header(os.path.join(folder, entry)).metadata or {}
+        except (OSError, ValueError):
+            metadata = {}
+        if metadata.get("writer") != SAVED_METADATA["writer"]:
+            return f"{entry} lacks save_checkpoint's mark (safetensors metadata writer={SAVED_METADATA['writer']!r})"
+    return None if weights else "it holds no safetensors file"
 
 
 def save_checkpoint(path, checkpoint: Checkpoint, *, overwrite: bool = False,
@@ -907,15 +940,17 @@ def save_checkpoint(path, checkpoint: Checkpoint, *, overwrite: bool = False,
     Writes config.json (checkpoint.config; when it has no quantization_config and there is no
     hf_quant_config, one is generated that names every linear explicitly), hf_quant_config.json
     if checkpoint.hf_quant_config is set, and model.safetensors, or shards of at most
-    max_shard_bytes (a single larger tensor gets its own shard) plus model.safetensors.index.json.
+    max_shard_bytes (a single larger tensor gets its own shard) plus model.safetensors.index.json
+    (when everything fits in one shard: model.safetensors alone, as transformers writes it).
     Compressed-tensors global/input scales are written as RN32(1/x) (see the module docstring).
     Everything is validated as load_checkpoint would before anything is written; the folder
-    appears atomically; an existing non-empty folder needs overwrite=True.
+    appears atomically; an existing non-empty folder needs overwrite=True and must be one
+    save_checkpoint wrote (`_not_saved_by_qpn`).
     """
     if not isinstance(checkpoint, Checkpoint):
         raise ValueError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
     target = os.path.abspath(os.fspath(path))
-    require_writable_target(target, overwrite)
+    require_writable_target(target, overwrite, ours=_not_saved_by_qpn, what="checkpoint")
 
     config = copy.deepcopy(dict(checkpoint.config))
     hf_quant_config = None
@@ -934,12 +969,12 @@ def save_checkpoint(path, checkpoint: Checkpoint, *, overwrite: bool = False,
     file_of = {name: os.path.join(target, file) for file, names in shards for name in names}
     _assemble(stored, file_of, plan, config, hf_quant_config)  # the whole load-side validation, in memory
 
-    with atomic_folder(target, overwrite=overwrite) as tmp:
+    with atomic_folder(target, overwrite=overwrite, ours=_not_saved_by_qpn, what="checkpoint") as tmp:
         write_json(os.path.join(tmp, CONFIG_FILE), config)
         if hf_quant_config is not None:
             write_json(os.path.join(tmp, HF_QUANT_CONFIG_FILE), hf_quant_config)
         for file, names in shards:
-            write_safetensors(os.path.join(tmp, file), {name: stored[name] for name in names}, SAFETENSORS_METADATA)
+            write_safetensors(os.path.join(tmp, file), {name: stored[name] for name in names}, SAVED_METADATA)
         if len(shards) > 1:
             total = sum(t.nbytes for t in stored.values())
             write_json(os.path.join(tmp, INDEX_FILE), {

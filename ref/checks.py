@@ -12,13 +12,14 @@ import numpy as np
 
 
 class FileError(ValueError):
-    """A file breaks a rule. `path` is the file at fault, `tensor` the tensor or config entry (or None);
-    the message starts with both, so the user sees where to look."""
+    """A file breaks a rule. `path` is the file at fault, `tensor` the tensor or config entry (or None),
+    `kind` what that is ("tensor", "config entry"); the message starts with both, so the user sees
+    where to look."""
 
-    def __init__(self, path, tensor: str | None, message: str):
+    def __init__(self, path, tensor: str | None, message: str, *, kind: str = "tensor"):
         self.path = os.fspath(path)
         self.tensor = tensor
-        where = f"{self.path}: tensor {tensor!r}: " if tensor is not None else f"{self.path}: "
+        where = f"{self.path}: {kind} {tensor!r}: " if tensor is not None else f"{self.path}: "
         super().__init__(where + message)
 
 
@@ -62,6 +63,26 @@ def require_no_nan_e4m3(name: str, bits: np.ndarray) -> None:
         raise ValueError(
             f"{name} holds NaN e4m3 codes (0x7F/0xFF) at {int(bad.sum())} places, first at index {idx} "
             f"(byte 0x{int(bits[idx]):02X}); the checkpoint is corrupt or not e4m3 - re-export it"
+        )
+
+
+def require_nvfp4_block_scales(name: str, bits: np.ndarray) -> None:
+    """The one rule for an NVFP4 checkpoint's e4m3 block scales: no NaN byte and no sign bit.
+
+    Every exporter writes e4m3(amax / 6 / g) with amax >= 0 (ModelOpt's NVFP4QTensor, and
+    compressed-tensors' amax / 6 * global_scale), so a byte 0x80..0xFE is corruption; it would
+    flip the sign of the whole block. 0x00 (+0) stays valid: it is the scale of an all-zero
+    block, and qpn's own pad rows. The layout and kernel functions (qpn2_prepack, the ops)
+    accept any non-NaN byte; this rule guards the boundary where checkpoints come in.
+    """
+    require_no_nan_e4m3(name, bits)
+    negative = (bits & 0x80) != 0  # 0x80 = 1000_0000: the e4m3 sign bit
+    if negative.any():
+        idx = tuple(int(i) for i in np.argwhere(negative)[0])
+        raise ValueError(
+            f"{name} holds negative e4m3 block scales (sign bit set) at {int(negative.sum())} places, first at "
+            f"index {idx} (byte 0x{int(bits[idx]):02X}); NVFP4 block scales are amax/6/g >= 0, so the checkpoint "
+            "is corrupt - re-export it"
         )
 
 

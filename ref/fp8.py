@@ -7,6 +7,8 @@ Tensors (spec/FORMATS.md, "FP8 weights"), N = output features, K = input feature
                           [N]   (or [N, 1] on input)      granularity "channel"
                           [ceil(N/128), ceil(K/128)]      granularity "block": scale (i, j) covers
                           rows 128i..128i+127 and columns 128j..128j+127, cropped at ragged edges
+                          (ModelOpt 0.47's FP8_PB_WO export stores the same grid as
+                          [ceil(N/128), 1, ceil(K/128), 1]; accepted as input, returned 2-D)
     value = e4m3(weight[n, k]) * scale(n, k)   (DeepSeek's `weight_scale_inv` is this multiplier)
 
 Numerics policy
@@ -19,8 +21,9 @@ Numerics policy
   group the scale 1.0, so its codes are 0x00 and it dequantizes to exact zeros.
 - Signed zero: -0.0 quantizes to 0x80 (the sign follows np.signbit, as torch's cast does) and
   dequantizes to -0.0.
-- Dequantization (`fp8_dequantize`): the checkpoint semantics W16 = RN16(RN32(e4m3 * s)). (QPN8's
-  kernel contract RN16(e4m3 * 2^-8 * RN16(256 * s)) lives in ref/qpn8.py.)
+- Dequantization (`fp8_dequantize`): the checkpoint semantics W16 = RN16(RN32(e4m3 * s)), evaluated
+  once per scale on all 256 codes and looked up per weight (ref/lookup.py). (QPN8's kernel
+  contract RN16(e4m3 * 2^-8 * RN16(256 * s)) lives in ref/qpn8.py.)
 - NaN: NaN/inf weights are rejected by the quantizer; e4m3 NaN bytes (0x7F/0xFF) in `weight` and
   non-finite or non-positive scales are rejected by the dequantizer.
 - Overflow: a group whose largest possible weight RN16(RN32(448 * s)) is inf, i.e.
@@ -36,12 +39,14 @@ import numpy as np
 
 from .checks import require_array, require_no_nan_e4m3, require_positive_scale, require_weight_to_quantize
 from .codecs import E4M3_MAX, decode_e4m3, encode_e4m3
+from .lookup import lookup_blocks
 
 FP8_GRANULARITIES = ("tensor", "channel", "block")
 FP8_BLOCK = 128  # DeepSeek / Qwen-FP8 block scales cover 128 x 128 weights
 FP8_SCALE_DIVISOR = np.float32(E4M3_MAX)  # 448
 # RN16(v) is inf exactly when |v| >= 65520 (midpoint of 65504 and 2^16, ties to the even 2^16).
 FP16_OVERFLOW_THRESHOLD = np.float32(65520.0)
+_ALL_CODES = np.arange(256, dtype=np.uint8)
 
 
 
@@ -103,19 +108,31 @@ def fp8_quantize(w, granularity: str) -> FP8Weight:
 # ----------------------------------------------------------------------------- scales
 
 
+def fp8_block_grid(n: int, k: int) -> tuple[int, int]:
+    """Shape of the 128x128 block-scale grid of an [n, k] weight: (ceil(n/128), ceil(k/128))."""
+    return (_ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK))
+
+
+def fp8_block_grid_4d(n: int, k: int) -> tuple[int, int, int, int]:
+    """The same grid as ModelOpt 0.47 stores it (FP8_PB_WO): (ceil(n/128), 1, ceil(k/128), 1), same order."""
+    rows, cols = fp8_block_grid(n, k)
+    return (rows, 1, cols, 1)
+
+
 def fp8_scale_granularity(weight_scale, n: int, k: int) -> str:
     """Granularity of an fp32 FP8 scale for an [n, k] weight, from its shape alone.
 
-    () or (1,) -> "tensor"; (n,) or (n, 1) -> "channel"; (ceil(n/128), ceil(k/128)) -> "block";
-    any other (1, 1) -> "tensor". Where two readings fit (n == 1, or a single 128x128 block) they give the same scale map.
+    () or (1,) -> "tensor"; (n,) or (n, 1) -> "channel"; (ceil(n/128), ceil(k/128)) or ModelOpt's
+    (ceil(n/128), 1, ceil(k/128), 1) -> "block"; any other (1, 1) -> "tensor". Where two readings
+    fit (n == 1, or a single 128x128 block) they give the same scale map.
     """
     shape = tuple(np.shape(weight_scale))  # the shape only: any array type (numpy, CuPy) will do
-    block_shape = (_ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK))
+    block_shape = fp8_block_grid(n, k)
     if shape in ((), (1,)):
         return "tensor"
     if shape in ((n,), (n, 1)):
         return "channel"
-    if shape == block_shape:
+    if shape in (block_shape, fp8_block_grid_4d(n, k)):
         return "block"
     if shape == (1, 1):
         return "tensor"
@@ -141,6 +158,8 @@ def _validated_scale(weight_scale, n: int, k: int) -> tuple[str, np.ndarray]:
     require_positive_scale("weight_scale", scale)
     if granularity == "channel":
         scale = scale.reshape(n)
+    elif granularity == "block":
+        scale = scale.reshape(fp8_block_grid(n, k))  # ModelOpt's 4-D grid holds the values in the same order
     return granularity, scale
 
 
@@ -185,4 +204,16 @@ def fp8_dequantize(weight, weight_scale) -> np.ndarray:
             f"lets a weight reach 448 * {s:g} = {448 * s:.6g}, beyond fp16's 65504; the fp16 contract cannot "
             "represent this layer: keep it in higher precision or re-quantize it with a smaller scale"
         )
-    return (decode_e4m3(weight) * _expand_scale(scale, granularity, n, k)).astype(np.float16)  # RN32, RN16
+    # every (scale, code) pair's RN16(RN32(e4m3 * s)), then one lookup per weight (ref/lookup.py)
+    block_scales, block_rows, block_cols = _scale_blocks(scale, granularity, n, k)
+    tables = (decode_e4m3(_ALL_CODES) * block_scales[..., None]).astype(np.float16)  # RN32, RN16
+    return lookup_blocks(weight, tables, block_rows, block_cols)
+
+
+def _scale_blocks(scale: np.ndarray, granularity: str, n: int, k: int) -> tuple[np.ndarray, int, int]:
+    """(scales as a 2-D grid, rows and columns of the weight block each covers)."""
+    if granularity == "tensor":
+        return scale.reshape(1, 1), n, k
+    if granularity == "channel":
+        return scale.reshape(n, 1), 1, k
+    return scale, FP8_BLOCK, FP8_BLOCK

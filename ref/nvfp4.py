@@ -21,6 +21,9 @@ Numerics policy
 - Dequantization (`nvfp4_dequantize`) is the qpn numerics contract (DESIGN.md):
   W16[n,k] = RN16(RN32(e2m1(code) * RN32(e4m3(scale[n,k/16]) * g(n)))); code 8 gives -0.0
   (fp16 bits 0x8000). `nvfp4_dequantize_fp32` stops before RN16 (ModelOpt's fp32 result).
+  The formula is evaluated once per global scale on all 256 scale bytes x 16 codes
+  (`nvfp4_value_table`), and each weight byte is then looked up with its block's scale byte:
+  the same roundings on the same inputs, 3.5 instead of 26 ns per weight (fp32 decode, multiply, cast).
 - NaN: NaN/inf weights are rejected by the quantizer; NaN scale bytes (0x7F/0xFF) are rejected
   by the dequantizers. e2m1 has no NaN.
 - Overflow: a block whose largest possible weight RN16(RN32(6 * RN32(|e4m3| * g))) is inf is
@@ -53,6 +56,14 @@ E4M3_MIN_SUBNORMAL = np.float32(2.0**-9)  # smallest positive e4m3 value (0x01)
 FP16_OVERFLOW_THRESHOLD = np.float32(65520.0)
 
 _LOW_NIBBLE = 0x0F  # 0000_1111
+# A packed byte holds two weights, so the decode looks up (scale byte << 8 | weight byte) -> both
+# values at once, as one unit of two fp16 (uint32) or two fp32 (uint64): 64 K entries, 256/512 KiB.
+_PAIR_UNIT = {np.dtype(np.float16): np.dtype(np.uint32), np.dtype(np.float32): np.dtype(np.uint64)}
+# Rows per lookup call: the uint16 index of 64 rows of K = 4096 is 256 KiB, so it stays in L2
+# between being built and being read (whole-layer indexes measured 1.5x slower).
+_ROWS_PER_LOOKUP = 64
+_ALL_BYTES = np.arange(256, dtype=np.uint8)
+_ALL_CODES = np.arange(16, dtype=np.uint8)
 
 
 class NVFP4Weight(NamedTuple):
@@ -213,7 +224,7 @@ def nvfp4_dequantize(weight_packed, weight_scale, global_scale) -> np.ndarray:
     """
     g_rows = _validate_dequantize_inputs(weight_packed, weight_scale, global_scale)
     require_nvfp4_fits_fp16(weight_scale, g_rows)
-    return _dequantize_rn32(weight_packed, weight_scale, g_rows).astype(np.float16)  # RN16
+    return _dequantize_by_table(weight_packed, weight_scale, g_rows, np.float16)
 
 
 def nvfp4_dequantize_fp32(weight_packed, weight_scale, global_scale) -> np.ndarray:
@@ -224,7 +235,47 @@ def nvfp4_dequantize_fp32(weight_packed, weight_scale, global_scale) -> np.ndarr
     (a product beyond fp32's range is inf, as in ModelOpt). Code 8 gives -0.0.
     """
     g_rows = _validate_dequantize_inputs(weight_packed, weight_scale, global_scale)
-    return _dequantize_rn32(weight_packed, weight_scale, g_rows)
+    return _dequantize_by_table(weight_packed, weight_scale, g_rows, np.float32)
+
+
+def nvfp4_value_table(g, dtype=np.float16) -> np.ndarray:
+    """[256 scale bytes, 16 codes] of `dtype`: RN(RN32(e2m1(code) * RN32(e4m3(scale) * g))).
+
+    The dequantization formula evaluated on every input for one fp32 global scale g (RN = RN16
+    for float16, nothing more for float32). Rows of NaN scale bytes are NaN, and rows that
+    overflow are inf: the dequantizers reject such scales before looking anything up.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):  # inf / NaN rows belong to rejected scale bytes
+        block_multiplier = decode_e4m3(_ALL_BYTES) * np.float32(g)  # RN32, [256]
+        return (block_multiplier[:, None] * decode_e2m1(_ALL_CODES)[None, :]).astype(dtype)  # RN32, then RN
+
+
+def _pair_table(values: np.ndarray) -> np.ndarray:
+    """[256, 16] values -> [65536] pair units: (scale << 8 | byte) -> (value of the low nibble, of the high)."""
+    pairs = np.stack([values[:, _ALL_BYTES & _LOW_NIBBLE], values[:, _ALL_BYTES >> 4]], axis=-1)  # [256, 256, 2]
+    return np.ascontiguousarray(pairs).view(_PAIR_UNIT[values.dtype]).reshape(-1)
+
+
+def _dequantize_by_table(weight_packed: np.ndarray, weight_scale: np.ndarray, g_rows: np.ndarray,
+                         dtype) -> np.ndarray:
+    """W[n, 2j], W[n, 2j+1] = pair table of g(n) [scale[n, j/8] << 8 | weight_packed[n, j]] (validated inputs)."""
+    dtype = np.dtype(dtype)
+    n, half_k = weight_packed.shape
+    out = np.empty((n, half_k), _PAIR_UNIT[dtype])
+    byte_blocks = weight_packed.reshape(n, -1, NVFP4_BLOCK // 2)  # [N, K/16, 8]: block b's 8 bytes
+    scale_index = weight_scale.astype(np.uint16)[..., None] << 8  # [N, K/16, 1]
+    g_bits = g_rows.view(np.uint32)
+    # slices of at most _ROWS_PER_LOOKUP rows that never straddle a change of g (g is per 32-row tile)
+    g_changes = (np.flatnonzero(g_bits[1:] != g_bits[:-1]) + 1).tolist()
+    edges = sorted(set(range(0, n, _ROWS_PER_LOOKUP)) | set(g_changes) | {n})
+    tables: dict[int, np.ndarray] = {}  # g's bits -> its pair table
+    for start, stop in zip(edges[:-1], edges[1:]):
+        key = int(g_bits[start])
+        if key not in tables:
+            tables[key] = _pair_table(nvfp4_value_table(g_rows[start], dtype))
+        index = (scale_index[start:stop] | byte_blocks[start:stop]).reshape(stop - start, half_k)
+        np.take(tables[key], index, out=out[start:stop], mode="clip")  # every index < 65536 by construction
+    return out.view(dtype).reshape(n, 2 * half_k)
 
 
 def _validate_dequantize_inputs(weight_packed, weight_scale, global_scale) -> np.ndarray:
@@ -244,12 +295,3 @@ def _validate_dequantize_inputs(weight_packed, weight_scale, global_scale) -> np
     require_shape("weight_scale", weight_scale, (n, k // NVFP4_BLOCK))
     require_no_nan_e4m3("weight_scale", weight_scale)
     return global_scale_per_row(global_scale, n)
-
-
-def _dequantize_rn32(weight_packed: np.ndarray, weight_scale: np.ndarray, g_rows: np.ndarray) -> np.ndarray:
-    n = weight_packed.shape[0]
-    values = decode_e2m1(unpack_nibbles(weight_packed))  # float32 [N, K], exact
-    with np.errstate(over="ignore"):  # only reachable from the fp32 variant (fp16 path checked first)
-        block_multiplier = decode_e4m3(weight_scale) * g_rows[:, None]  # RN32(e4m3 * g), [N, K/16]
-        blocks = values.reshape(n, -1, NVFP4_BLOCK) * block_multiplier[..., None]  # RN32
-    return blocks.reshape(n, -1)

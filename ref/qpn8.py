@@ -29,7 +29,8 @@ Numerics policy
   kept: s < 2^-22 loses precision, s < 2^-33 gives 0, which only an all-zero channel survives).
 - Contract weight (`qpn8_dequantize`): W16 = RN16(e4m3 * 2^-8 * S16), one rounding. The product
   is exact in float32 (at most 4 + 11 = 15 significant bits; |product| between 2^-41 and 2^17,
-  inside fp32's normal range), then one RNE cast to fp16. The kernels' bit trick gives
+  inside fp32's normal range), then one RNE cast to fp16; evaluated once per S16 on all 256
+  codes and looked up per weight (ref/lookup.py). The kernels' bit trick gives
   e4m3 * 2^-8 exactly as an fp16 (byte b -> bits ((b & 0x80) << 8) | ((b & 0x7F) << 7)), so one
   fp16 multiply by S16 reproduces this value.
 - The checkpoint semantics RN16(RN32(e4m3 * s)) (`fp8_dequantize`) differ from the contract by
@@ -47,8 +48,9 @@ import numpy as np
 
 from .checks import require_array, require_multiple, require_no_nan_e4m3, require_positive_scale
 from .codecs import E4M3_MAX, decode_e4m3
-from .fp8 import fp8_scale_granularity
+from .fp8 import fp8_block_grid, fp8_scale_granularity
 from .geometry import GROUP_K, TILE_N
+from .lookup import lookup_blocks
 from .qpn2 import PAD_N_FIX, _korder_shuffle, _korder_unshuffle, _lanes_to_rows, _rows_to_lanes
 
 QPN8_GRANULARITIES = ("tensor", "channel", "block")
@@ -59,6 +61,7 @@ PAD_K16_FIX = "pad K with zero columns to a multiple of 16"
 
 _UNIT = np.dtype("V16")  # one lane's 16 bytes of one group, moved as raw bytes
 _U64 = np.dtype("<u8")
+_ALL_CODES = np.arange(256, dtype=np.uint8)
 
 
 def qpn8_scale_granularity(weight_scale, n: int, k: int, granularity: str | None = None) -> str:
@@ -75,7 +78,7 @@ def qpn8_scale_granularity(weight_scale, n: int, k: int, granularity: str | None
     inferred = fp8_scale_granularity(weight_scale, n, k)
     if inferred == "block" and shape == (1, 1):
         inferred = "tensor"  # one value either way; per tensor needs only QPN8's 32 x 16 alignment
-    block_shape = (-(-n // QPN8_BLOCK), -(-k // QPN8_BLOCK))
+    block_shape = fp8_block_grid(n, k)
     if granularity is not None and granularity != inferred and not (granularity == "block" and shape == block_shape):
         raise ValueError(
             f"weight_scale has shape {shape}, which does not fit granularity {granularity!r} for a [{n}, {k}] "
@@ -132,6 +135,27 @@ def require_qpn8_fits_fp16(weight_scale, name: str = "weight_scale") -> None:
 # ----------------------------------------------------------------------------- layout
 
 
+def _group_scales_of_s16(s16: np.ndarray, granularity: str, n: int) -> np.ndarray:
+    if granularity == "block":
+        return np.ascontiguousarray(np.repeat(s16.T, QPN8_BLOCK // TILE_N, axis=1))  # [K/128, N/32] = s16[t//4, kb]
+    return np.broadcast_to(s16.reshape(-1), (n,)).reshape(1, n).copy()  # [1, N]
+
+
+def qpn8_group_scales(weight_scale, n: int, k: int, granularity: str | None = None) -> np.ndarray:
+    """The group_scales `qpn8_prepack` returns for this scale, without touching a weight (cheap:
+    for checking a packed layer's scales against its fp32 scale). Same rules and errors."""
+    if isinstance(weight_scale, np.float32):
+        weight_scale = np.asarray(weight_scale)
+    scale = require_array("weight_scale", weight_scale, np.float32)
+    granularity = qpn8_scale_granularity(scale, n, k, granularity)
+    if granularity == "block":
+        scale = scale.reshape(fp8_block_grid(n, k))
+    require_positive_scale("weight_scale", scale)
+    s16 = _s16_of_scale(scale)
+    _require_s16_fits_fp16("weight_scale", s16, scale)
+    return _group_scales_of_s16(s16, granularity, n)
+
+
 def qpn8_prepack(weight, weight_scale, granularity: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """FP8 checkpoint tensors -> QPN8 (codes, group_scales).
 
@@ -148,16 +172,15 @@ def qpn8_prepack(weight, weight_scale, granularity: str | None = None) -> tuple[
     scale = require_array("weight_scale", weight_scale, np.float32)
     n, k = weight.shape
     granularity = qpn8_scale_granularity(scale, n, k, granularity)
+    if granularity == "block":
+        scale = scale.reshape(fp8_block_grid(n, k))  # ModelOpt's [N/128, 1, K/128, 1]: same values, same order
 
     require_positive_scale("weight_scale", scale)
     s16 = _s16_of_scale(scale)
     _require_s16_fits_fp16("weight_scale", s16, scale)
     require_no_nan_e4m3("weight", weight)
 
-    if granularity == "block":
-        group_scales = np.repeat(s16.T, QPN8_BLOCK // TILE_N, axis=1)  # [K/128, N/32], [kb, t] = s16[t//4, kb]
-    else:
-        group_scales = np.broadcast_to(s16.reshape(-1), (n,)).reshape(1, n).copy()  # [1, N]
+    group_scales = _group_scales_of_s16(s16, granularity, n)
 
     units = np.ascontiguousarray(weight).view(_UNIT)  # [N, G]: one lane-group of 16 bytes per unit
     codes = _rows_to_lanes(units).view(np.uint8).reshape(-1)  # a fresh array
@@ -236,7 +259,7 @@ def qpn8_dequantize(codes, group_scales, n, k) -> np.ndarray:
     """
     n, k = _require_dims(n, k)
     codes = _require_codes(codes, n, k)
-    _group_scales_granularity(group_scales, n, k)
+    granularity = _group_scales_granularity(group_scales, n, k)
     s16 = group_scales
     bad = ~(np.isfinite(s16) & ~np.signbit(s16))
     if bad.any():
@@ -248,7 +271,12 @@ def qpn8_dequantize(codes, group_scales, n, k) -> np.ndarray:
     _require_s16_fits_fp16("group_scales", s16)
     require_no_nan_e4m3("codes", codes)
 
-    weight, s16_map = qpn8_unpack(codes, group_scales, n, k)
-    values = decode_e4m3(weight).reshape(n, k // GROUP_K, GROUP_K)  # float32, exact
-    scale = s16_map.astype(np.float32) * np.float32(2.0**-8)  # exact: power-of-two scaling, fp32 normal
-    return (values * scale[..., None]).astype(np.float16).reshape(n, k)  # exact fp32 product, one RN16
+    weight, _ = qpn8_unpack(codes, group_scales, n, k)
+    # one table row per S16 (per channel, or per 32-row tile x 128 columns), then a lookup per weight
+    if granularity == "channel":
+        block_s16, block_rows, block_cols = s16.reshape(n, 1), 1, k
+    else:
+        block_s16, block_rows, block_cols = s16.T, TILE_N, QPN8_BLOCK  # [N/32, K/128]
+    scale = block_s16.astype(np.float32) * np.float32(2.0**-8)  # exact: power-of-two scaling, fp32 normal
+    tables = (decode_e4m3(_ALL_CODES) * scale[..., None]).astype(np.float16)  # exact fp32 product, one RN16
+    return lookup_blocks(weight, tables, block_rows, block_cols)

@@ -406,7 +406,7 @@ def build_model(layout: str) -> Checkpoint:
 
 LAYOUTS = ["modelopt-nvfp4", "modelopt-w4a16", "modelopt-fp8-tensor", "modelopt-fp8-channel",
            "modelopt-fp8-block", "modelopt-fp8-block-inv", "modelopt-mixed", "ct-nvfp4"]
-SHARDINGS = {"single": None, "sharded": 24_000}
+SHARDINGS = {"single": None, "one-shard": 1 << 40, "sharded": 24_000}  # one-shard: a limit nothing reaches
 
 
 def reciprocal_round_trip(x):
@@ -449,7 +449,7 @@ def test_round_trip_every_layout(tmp_path, layout, sharding):
     files = os.listdir(tmp_path / "a")
     if sharding == "sharded":
         assert checkpoint_module.INDEX_FILE in files and sum(f.endswith(".safetensors") for f in files) > 2
-    else:
+    else:  # one shard is model.safetensors without an index, as transformers' save_pretrained writes it
         assert sorted(files) == ["config.json", "model.safetensors"]
     loaded = load_checkpoint(tmp_path / "a")
     assert (loaded.format, loaded.quant_algo) == (model.format, model.quant_algo)
@@ -683,6 +683,11 @@ TENSOR_CORRUPTIONS = {
                                   f"{Q}.weight_scale", r"\(32, 8\)"),
     "NaN scale byte": ("modelopt-nvfp4", replace(f"{Q}.weight_scale", set_first(0x7F)), f"{Q}.weight_scale",
                        "NaN e4m3"),
+    # the sign bit: exporters write amax/6/g >= 0 (ModelOpt clamps to [2^-9, 448]), so 0xB8 = -1.0 is corruption
+    "negative scale byte": ("modelopt-nvfp4", replace(f"{Q}.weight_scale", set_first(0xB8)), f"{Q}.weight_scale",
+                            "negative e4m3 block scales"),
+    "ct negative scale byte": ("ct-nvfp4", replace(f"{Q}.weight_scale", set_first(0x80)), f"{Q}.weight_scale",
+                               r"negative e4m3 block scales.*0x80"),
     "NaN fp8 weight byte": ("modelopt-fp8-tensor", replace(f"{Q}.weight", set_first(0xFF)), f"{Q}.weight",
                             "NaN e4m3"),
     "zero global scale": ("modelopt-nvfp4", replace(f"{Q}.weight_scale_2", np.zeros_like), f"{Q}.weight_scale_2",
@@ -991,3 +996,25 @@ def test_saved_folder_and_files_get_plain_modes_not_temporary_ones(tmp_path):
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755
     assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ckpt").iterdir()} == {
         "config.json": 0o644, "model.safetensors": 0o644}
+
+
+def test_a_zero_block_scale_is_an_all_zero_block_and_stays_valid():
+    """0x00 (+0) is what an all-zero block (and qpn's pad rows) carry; only the sign bit is refused."""
+    linear = nvfp4_linear(Q, 64, 64, 1.0)
+    scale = linear.weight_scale.copy()
+    scale[0, :] = 0x00
+    zeroed = NVFP4Linear(Q, linear.weight_packed, scale, linear.global_scale)
+    w16 = nvfp4_dequantize(zeroed.weight_packed, zeroed.weight_scale, zeroed.global_scale)
+    assert not np.any(w16[0])
+
+
+def test_modelopt_4d_block_scales_read_as_the_2d_grid():
+    """ModelOpt 0.47 FP8_PB_WO writes [N/128, 1, K/128, 1] (and 0-d for one block): same values, same order."""
+    weight = np.zeros((200, 256), np.uint8)
+    grid = np.arange(1, 5, dtype=np.float32).reshape(2, 2) / 64
+    four_d = FP8Linear(Q, weight, grid.reshape(2, 1, 2, 1), "block")
+    assert four_d.weight_scale.shape == (2, 2) and np.array_equal(four_d.weight_scale, grid)
+    one_block = FP8Linear(Q, weight[:64, :128], np.float32(0.25).reshape(()), "block")
+    assert one_block.weight_scale.shape == (1, 1)
+    with pytest.raises(ValueError, match="ModelOpt's"):
+        FP8Linear(Q, weight, grid.reshape(1, 2, 2, 1), "block")

@@ -283,6 +283,29 @@ def test_verify_finds_one_corrupt_byte_and_names_the_layer(tmp_path, capsys, kin
     assert "Traceback" not in text + err
 
 
+def test_verify_ref_rederives_the_nvfp4_values_it_looks_up(tmp_path, capsys, monkeypatch):
+    """The NVFP4 ref column recomputes in float64 every (scale byte, code) value the decode looked up,
+    so a reference whose arithmetic is off by one fp16 ulp fails there. (It used to compare
+    qpn2_dequantize with nvfp4_dequantize: the same function on the same bytes, which cannot fail.)"""
+    original = write(tmp_path, "nvfp4")
+    exact = ref.nvfp4.nvfp4_value_table
+
+    def one_ulp_off(g, dtype=np.float16):
+        table = exact(g, dtype).copy()
+        table.view(np.uint16)[:, 1] += 1  # code 1 (+0.5 * scale) one fp16 ulp up, for every scale byte
+        return table
+
+    monkeypatch.setattr(ref.nvfp4, "nvfp4_value_table", one_ulp_off)
+    monkeypatch.setattr(ref, "nvfp4_value_table", one_ulp_off)
+    for folder in (original, tmp_path / "packed"):
+        if folder != original:
+            assert run(["pack", original, folder, "-q"], capsys)[0] == 0
+        code, text, err = run(["verify", folder, "-q"], capsys)
+        assert code == 1, text + err
+        ref_failures = [line for line in text.splitlines() if line.startswith("FAIL") and ": ref: " in line]
+        assert len(ref_failures) == len(KINDS["nvfp4"][2]) and "evaluated in float64" in ref_failures[0], text
+
+
 def test_inspect_tables_for_original_and_packed(packed_pair, kind, capsys):
     original, out = packed_pair
     for folder, status in ((original, "ok (QPN"), (out, "packed QPN")):

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qpn.ref import linear, linear_bounds, linear_error_bound, linear_gated, silu_and_mul
+from qpn.ref import linear, linear_bounds, linear_bounds_fp32, linear_error_bound, linear_gated, silu_and_mul
 
 FP16_MAX = 65504
 ACCUMULATION_ORDERS = ("forward", "backward", "blocked16", "pairwise", "permuted")
@@ -318,3 +318,31 @@ def test_bound_at_fp16_overflow():
     assert np.isposinf(bound[0, 0]) and bound[0, 1] == 0.0  # 1 + 2 = 3 exactly: no error possible
     y = fp32_sum(x, w16, "forward")
     assert np.all((lo <= y) & (y <= hi))
+
+
+@pytest.mark.parametrize("unit_roundoff", (2.0**-24, 2.0**-23))
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(("m", "n", "k"), BOUND_SHAPES)
+def test_fp32_computed_bound_contains_the_float64_one(m, n, k, seed, unit_roundoff):
+    """linear_bounds_fp32 (what `qpn verify` uses) holds every fp32 order, and on these inputs also
+    contains linear_bounds' interval (its d is larger by about gamma_K(2^-24) * sum|x*w|, which
+    exceeds the fp32 - float64 distance of the sums it is centred on but for 2 gamma64_K)."""
+    x, w16 = wide_range_inputs(m, n, k, seed)
+    lo, hi = linear_bounds_fp32(x, w16, unit_roundoff)
+    lo64, hi64 = linear_bounds(x, w16, unit_roundoff)
+    assert np.all(lo <= lo64) and np.all(hi64 <= hi)
+    for order in ACCUMULATION_ORDERS:
+        y = fp32_sum(x, w16, order, seed)
+        assert np.all((lo <= y) & (y <= hi)), order
+
+
+def test_fp32_computed_bound_at_the_attained_case():
+    # test_bound_is_attained's input: the fp32 matmul itself lands 8 below the exact sum; the
+    # bound must still reach y = 2048 and ref = 2056 (u = 2^-24: d32 = 2 gamma_K * 2056 / (1 - gamma_K) = 16.2)
+    k = 2**16
+    x = np.ones((1, k), np.float16)
+    w16 = np.full((1, k), 2.0**-13, np.float16)
+    w16[0, 0] = 2048.0
+    lo, hi = linear_bounds_fp32(x, w16, 2.0**-24)
+    assert lo[0, 0] <= 2048.0 and hi[0, 0] >= 2056.0
+    assert lo[0, 0] >= 2040.0 - 32 and hi[0, 0] <= 2064.0 + 32  # not vacuous: about 2x the float64 interval

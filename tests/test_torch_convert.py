@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from qpn import ref
+from qpn import packed, ref
 from qpn.torch_bridge import QPNLinear, convert, load_quantized
 
 HIDDEN, WIDE, VOCAB = 64, 100, 50
@@ -146,3 +149,176 @@ def test_load_quantized_errors_name_the_layer(tmp_path):
     with pytest.raises(ValueError, match="ghost.weight"):
         load_quantized(Tiny(), extra, strict=True)
     assert load_quantized(Tiny(), extra).unexpected == ["ghost.weight"]
+
+
+# ----------------------------------------------------------------------------- all or nothing
+
+
+def model_snapshot(model: nn.Module) -> tuple[dict, dict]:
+    """(state_dict copies, module types by name): what a failed load must leave as it was."""
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    return state, {name: type(m) for name, m in model.named_modules()}
+
+
+def assert_unchanged(model: nn.Module, snapshot) -> None:
+    state, types = model_snapshot(model)
+    assert types == snapshot[1]
+    assert state.keys() == snapshot[0].keys()
+    assert all(torch.equal(state[name], snapshot[0][name]) for name in state)
+
+
+class WrongUp(Tiny):
+    """`up` is the LAST quantized layer (sorted): a load fails there after `q` was fine."""
+
+    def __init__(self):
+        super().__init__(seed=5)
+        self.up = nn.Linear(HIDDEN, 96)
+
+
+class WrongNorm(Tiny):
+    def __init__(self):
+        super().__init__(seed=5)
+        self.norm = nn.LayerNorm(HIDDEN + 1)
+
+
+FAILING_LOADS = {  # model, strict, message
+    "last layer's shape": (WrongUp, False, r"'up' is \[N, K\] = \[100, 64\] but the model's layer is \[96, 64\]"),
+    "a copied tensor's shape": (WrongNorm, False, r"'norm\.(weight|bias)' has shape \(64,\)"),
+    "strict, a ghost tensor": (Tiny, True, r"ghost.weight"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILING_LOADS))
+def test_a_failing_load_leaves_the_model_unchanged(case):
+    make, strict, message = FAILING_LOADS[case]
+    ckpt = build_checkpoint("modelopt-mixed", Tiny(seed=1))
+    if strict:
+        ckpt = ref.Checkpoint("modelopt", "MIXED_PRECISION", ckpt.linears,
+                              {**ckpt.tensors, "ghost.weight": np.zeros(3, np.float32)}, {})
+    model = make()
+    before = model_snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        load_quantized(model, ckpt, strict=strict)
+    assert_unchanged(model, before)
+
+
+class WithRotary(Tiny):
+    """A non-persistent buffer, as transformers' rotary inv_freq: never in state_dict() or a checkpoint."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+
+def test_strict_ignores_non_persistent_buffers_and_counts_tied_names_once():
+    source = WithRotary(seed=1)
+    ckpt = build_checkpoint("modelopt-mixed", source)
+    model = WithRotary(seed=2)
+    model.head.weight = model.embed.weight  # tied: the checkpoint fills both names through one of them
+    tensors = {name: t for name, t in ckpt.tensors.items() if name != "head.weight"}
+    report = load_quantized(model, ref.Checkpoint("modelopt", "MIXED_PRECISION", ckpt.linears, tensors, {}),
+                            strict=True)
+    assert report.missing == [] and "inv_freq" not in report.missing
+    assert model.head.weight is model.embed.weight and torch.equal(model.head.weight, source.embed.weight)
+
+
+# ----------------------------------------------------------------------------- packed folders: checked at load
+
+
+def packed_tiny(tmp_path) -> str:
+    """Tiny's q as FP8 per tensor (N = K = 64) and up as NVFP4 with an input scale (N = 100: pad rows 100..127)."""
+    ref.save_checkpoint(tmp_path / "ckpt", build_checkpoint("modelopt-mixed", Tiny(seed=1)))
+    packed.pack_checkpoint(tmp_path / "ckpt", tmp_path / "packed")
+    return str(tmp_path / "packed")
+
+
+def edit_tensor(name: str, edit):
+    def apply(folder: str) -> None:
+        path = os.path.join(folder, "model.safetensors")
+        tensors = dict(ref.read_safetensors(path, mmap=False).tensors)
+        array = np.array(tensors[name].array)
+        tag = tensors[name].dtype
+        result = edit(array)
+        array, tag = result if isinstance(result, tuple) else (array if result is None else result, tag)
+        tensors[name] = ref.StoredTensor(array, tag)
+        ref.write_safetensors(path, tensors, {"format": "pt"})
+    return apply
+
+
+def edit_manifest(edit):
+    def apply(folder: str) -> None:
+        path = os.path.join(folder, packed.MANIFEST_FILE)
+        with open(path) as f:
+            manifest = json.load(f)
+        edit(manifest)
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    return apply
+
+
+def at(index, value):
+    def edit(a):
+        a.reshape(-1)[index] = value
+    return edit
+
+
+def scaled(factor, where=slice(None)):
+    def edit(a):
+        a.reshape(-1)[where] *= factor
+    return edit
+
+
+def layer(name: str, key: str, value):
+    def edit(m):
+        m["layers"][name][key] = value
+    return edit
+
+
+# (alteration, message): every one loaded silently or half-checked before load_packed checked values
+PACKED_ALTERATIONS = {
+    "NaN NVFP4 scale byte": (edit_tensor("up.qpn_scales", at(5, 0x7F)), "NaN e4m3"),
+    "negative NVFP4 scale byte": (edit_tensor("up.qpn_scales", at(5, 0xB8)), "negative e4m3 block scales"),
+    "NaN global scale tile": (edit_tensor("up.qpn_global_scale", at(1, np.nan)), "global"),
+    "one global scale tile doubled": (edit_tensor("up.qpn_global_scale", scaled(2, slice(0, 1))),
+                                      "repeat the manifest's global scale"),
+    "every global scale tile doubled": (edit_tensor("up.qpn_global_scale", scaled(2)),
+                                        "repeat the manifest's global scale"),
+    "global scale overflowing fp16 (tensor and manifest)": (
+        lambda f: (edit_tensor("up.qpn_global_scale", at(slice(None), 1e30))(f),
+                   edit_manifest(layer("up", "global_scale", [float(np.float32(1e30))]))(f)), "beyond fp16"),
+    "NVFP4 pad row code": (edit_tensor("up.qpn_codes", at(-1, 0x11)), "pad rows 100..127 are not zero"),
+    "NVFP4 pad row scale": (edit_tensor("up.qpn_scales", at(-1, 0x38)), "pad rows 100..127 are not zero"),
+    "input scale altered": (edit_tensor("up.qpn_input_scale", scaled(2)), "up.qpn_input_scale"),
+    "NaN FP8 code": (edit_tensor("q.qpn_codes", at(7, 0xFF)), "NaN e4m3"),
+    "NaN FP8 group scale": (edit_tensor("q.qpn_group_scales", at(3, np.nan)), "is not RN16"),
+    "FP8 group scale doubled": (edit_tensor("q.qpn_group_scales", scaled(2, slice(0, 1))), "is not RN16"),
+    "negative FP8 weight scale": (edit_tensor("q.qpn_weight_scale", scaled(-1)), "finite and > 0"),
+    "FP8 weight scale differs from the manifest": (edit_tensor("q.qpn_weight_scale", scaled(0.5)), "manifest says"),
+    "global scale retagged F16": (edit_tensor("up.qpn_global_scale", lambda a: (a.astype(np.float16), "F16")),
+                                  "must be F32"),
+    "codes cut to fewer rows": (edit_tensor("up.qpn_codes", lambda a: a[:96].copy()), "must be U8 \\[128, 32\\]"),
+    "manifest n": (edit_manifest(layer("up", "n", 99)), "source_tensors"),
+    "manifest n_padded": (edit_manifest(layer("up", "n_padded", 100)), "n_padded = 100"),
+    "manifest k": (edit_manifest(layer("q", "k", 48)), "source_tensors"),
+    "manifest format": (edit_manifest(layer("q", "format", "nvfp4")), "layout"),
+    "manifest granularity": (edit_manifest(layer("q", "granularity", "channel")), "source_tensors"),
+    "manifest global scale": (edit_manifest(layer("up", "global_scale", [0.5])), "repeat the manifest's global scale"),
+    "manifest input scale dropped": (edit_manifest(lambda m: m["layers"]["up"].pop("input_scale")),
+                                     "recorded in the manifest"),
+    "manifest copied tensor shape": (edit_manifest(lambda m: m["tensors"]["norm.weight"].update(shape=[32])),
+                                     "manifest records"),
+    "manifest names another file": (edit_manifest(layer("q", "file", "other.safetensors")), "other.safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(PACKED_ALTERATIONS))
+def test_load_quantized_refuses_an_altered_packed_folder(tmp_path, case):
+    alter, message = PACKED_ALTERATIONS[case]
+    folder = packed_tiny(tmp_path)
+    load_quantized(Tiny(), folder, strict=True)  # the unaltered folder loads
+    alter(folder)
+    model = Tiny(seed=7)
+    before = model_snapshot(model)
+    with pytest.raises(packed.PackError, match=message):
+        load_quantized(model, folder)
+    assert_unchanged(model, before)

@@ -254,3 +254,28 @@ def test_pack_helpers_return_padded_buffers():
     f = ref.fp8_quantize(np.ones((40, 32), np.float32), "tensor")
     packed8 = pack_fp8(f.weight, f.weight_scale)
     assert packed8.scales.shape == (1, 64) and packed8.global_scale is None
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+def test_non_floating_input_is_refused_as_nn_linear_refuses_it(dtype):
+    """int64 x used to come back as truncated integers. nn.Linear raises RuntimeError; so does this
+    (an InputDtypeError is a RuntimeError and, as every qpn input error, a ValueError)."""
+    layer = QPNLinear.from_linear(nn.Linear(64, 32), "fp8")
+    x = torch.ones(2, 64, dtype=dtype)
+    with pytest.raises(RuntimeError):
+        nn.Linear(64, 32)(x)
+    with pytest.raises(RuntimeError, match=f"floating-point.*{str(dtype)}"):
+        layer(x)
+    with pytest.raises(ValueError):
+        layer(x)
+
+
+def test_negative_block_scale_bytes_are_refused():
+    q = ref.nvfp4_quantize(np.linspace(-1, 1, 32 * 64, dtype=np.float32).reshape(32, 64))
+    bad = q.weight_scale.copy()
+    bad[3, 2] |= 0x80  # 1000_0000: the sign bit
+    with pytest.raises(ValueError, match=r"negative e4m3 block scales.*\(3, 2\)"):
+        QPNLinear.from_modelopt_nvfp4(q.weight_packed, bad, q.weight_scale_2)
+    zero = q.weight_scale.copy()
+    zero[3, 2] = 0x00  # +0: an all-zero block, still valid
+    QPNLinear.from_modelopt_nvfp4(q.weight_packed, zero, q.weight_scale_2)

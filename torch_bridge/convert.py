@@ -15,13 +15,14 @@
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import os
 from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from qpn import packed, ref
 
@@ -86,7 +87,15 @@ class LoadReport(NamedTuple):
     quantized: list[str]  # linears replaced by QPNLinear
     copied: list[str]  # unquantized checkpoint tensors copied into parameters / buffers
     unexpected: list[str]  # checkpoint tensors with no parameter / buffer of that name
-    missing: list[str]  # parameters / buffers of the model that the checkpoint did not fill
+    missing: list[str]  # state_dict() entries of the model that the checkpoint did not fill
+
+
+class _Slot(NamedTuple):
+    """One place a tensor lives: module._parameters[attr] or module._buffers[attr]."""
+
+    module: nn.Module
+    attr: str
+    kind: str  # "_parameters" | "_buffers"
 
 
 def _stored_to_torch(stored) -> torch.Tensor:
@@ -105,25 +114,19 @@ def _qpn_linear_of(linear, bias) -> QPNLinear:
     return QPNLinear.from_packed(weight, bias, fp8_granularity="block" if linear.granularity == "block" else "channel")
 
 
-def load_quantized(model: nn.Module, checkpoint, *, strict: bool = False) -> LoadReport:
-    """Fill `model` from a quantized checkpoint, in place.
-
-    checkpoint: a folder path (read with qpn.ref.load_checkpoint, or qpn.packed.load_packed for a
-    `qpn pack` folder), a qpn.ref.Checkpoint or a qpn.packed.PackedCheckpoint.
-    Every quantized linear `name` must be an nn.Linear (or QPNLinear) at module path `name`
-    with the same [N, K]; it becomes a QPNLinear on that module's device (meta modules go to the
-    CPU), taking the bias from checkpoint tensor `name.bias`, else from the old module. Every
-    other checkpoint tensor is copied (cast to the target's dtype) into the parameter or buffer
-    of the same name. strict=True raises ValueError if anything is unexpected or missing.
-    """
+def _read_checkpoint(checkpoint):
     if isinstance(checkpoint, (str, os.PathLike)):
-        checkpoint = packed.load_packed(checkpoint) if packed.is_packed(checkpoint) else ref.load_checkpoint(checkpoint)
+        return packed.load_packed(checkpoint) if packed.is_packed(checkpoint) else ref.load_checkpoint(checkpoint)
     if not isinstance(checkpoint, (ref.Checkpoint, packed.PackedCheckpoint)):
         raise ValueError(f"checkpoint must be a folder path, a qpn.ref.Checkpoint or a qpn.packed.PackedCheckpoint, "
                          f"got {type(checkpoint).__name__}")
-    layers = checkpoint.layers if isinstance(checkpoint, packed.PackedCheckpoint) else checkpoint.linears
+    return checkpoint
 
-    quantized, consumed = [], set()
+
+def _new_linears(model: nn.Module, checkpoint, device) -> tuple[dict[str, QPNLinear], set[str]]:
+    """{layer name: new QPNLinear} and the checkpoint tensors they took (biases). The model is not touched."""
+    layers = checkpoint.layers if isinstance(checkpoint, packed.PackedCheckpoint) else checkpoint.linears
+    new, consumed = {}, set()
     for name, linear in layers.items():
         try:
             old = model.get_submodule(name)
@@ -136,43 +139,153 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = False) -> Loa
         if (old.out_features, old.in_features) != (linear.n, linear.k):
             raise ValueError(f"checkpoint layer {name!r} is [N, K] = [{linear.n}, {linear.k}] but the model's "
                              f"layer is [{old.out_features}, {old.in_features}]")
-        device = old.codes.device if isinstance(old, QPNLinear) else old.weight.device
-        if device.type == "meta":
-            device = torch.device("cpu")
+        old_device = old.codes.device if isinstance(old, QPNLinear) else old.weight.device
+        target = device if device is not None else (old_device if old_device.type != "meta" else torch.device("cpu"))
         bias_name = f"{name}.bias"
         if bias_name in checkpoint.tensors:
             bias = _stored_to_torch(checkpoint.tensors[bias_name]).float()
             consumed.add(bias_name)
+        elif old.bias is None:
+            bias = None
+        elif old.bias.device.type == "meta":
+            raise ValueError(f"layer {name!r} has a bias on the meta device and the checkpoint holds no "
+                             f"{bias_name!r}; its values exist nowhere - build the model off meta or add the bias")
         else:
-            bias = old.bias.detach().float() if old.bias is not None and old.bias.device.type != "meta" else None
-        new = _qpn_linear_of(linear, bias).to(device)
-        parent, attr = _parent_and_attr(model, name)
-        setattr(parent, attr, new)
-        quantized.append(name)
+            bias = old.bias.detach().float()
+        new[name] = _qpn_linear_of(linear, bias).to(target)
+    return new, consumed
 
-    targets = dict(model.named_parameters(remove_duplicate=False))  # tied weights answer to every name
-    targets.update(dict(model.named_buffers(remove_duplicate=False)))
-    copied, unexpected = [], []
+
+def _slots(model: nn.Module, replaced: Sequence[str]) -> dict[str, _Slot]:
+    """Every parameter and buffer (non-persistent too, tied ones under each name) outside the replaced modules."""
+    skip = tuple(f"{name}." for name in replaced)
+    slots = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for attr, tensor in getattr(module, kind).items():
+                name = f"{prefix}.{attr}" if prefix else attr
+                if tensor is not None and not name.startswith(skip):
+                    slots[name] = _Slot(module, attr, kind)
+    return slots
+
+
+def _tensor(slot: _Slot) -> torch.Tensor:
+    return getattr(slot.module, slot.kind)[slot.attr]
+
+
+def _recomputed_buffers(model: nn.Module, names: list[str], slots: dict[str, _Slot], device) -> dict[str, Tensor]:
+    """Values for non-persistent meta buffers (rotary inv_freq): computed, never stored in a checkpoint.
+
+    transformers' PreTrainedModel._init_weights(module) computes them (it is what from_pretrained
+    runs for them). It runs on a shallow copy of each owner module whose buffers are fresh
+    NaN-filled tensors, so the model itself is untouched; a value it leaves NaN was not computed.
+    """
+    init = getattr(model, "_init_weights", None)
+    by_owner: dict[int, list[str]] = {}
+    for name in names:
+        by_owner.setdefault(id(slots[name].module), []).append(name)
+    values = {}
+    for owner_names in by_owner.values():
+        module = slots[owner_names[0]].module
+        clone = copy.copy(module)
+        clone._buffers = dict(module._buffers)
+        for name in owner_names:
+            meta = _tensor(slots[name])
+            fresh = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            clone._buffers[slots[name].attr] = fresh.fill_(float("nan")) if fresh.is_floating_point() else fresh
+        if callable(init):
+            with torch.no_grad():
+                init(clone)
+        for name in owner_names:
+            value = clone._buffers[slots[name].attr]
+            if not callable(init) or not value.is_floating_point() or torch.isnan(value).any():
+                raise ValueError(
+                    f"buffer {name!r} is on the meta device, is not stored in checkpoints (non-persistent) and "
+                    f"{'the model has no _init_weights' if not callable(init) else '_init_weights did not compute it'}"
+                    "; create the model's buffers off meta (e.g. accelerate.init_empty_weights(), which keeps "
+                    "buffers on the CPU) or set them before load_quantized")
+            values[name] = value
+    return values
+
+
+def load_quantized(model: nn.Module, checkpoint, *, strict: bool = False, device=None) -> LoadReport:
+    """Fill `model` from a quantized checkpoint, in place; all or nothing.
+
+    checkpoint: a folder path (read with qpn.ref.load_checkpoint, or qpn.packed.load_packed for a
+    `qpn pack` folder), a qpn.ref.Checkpoint or a qpn.packed.PackedCheckpoint.
+    Every quantized linear `name` must be an nn.Linear (or QPNLinear) at module path `name`
+    with the same [N, K]; it becomes a QPNLinear taking the bias from checkpoint tensor
+    `name.bias`, else from the old module. Every other checkpoint tensor is copied (cast to the
+    target's dtype) into the parameter or buffer of the same name (tied names share one tensor).
+
+    device: where the new QPNLinear layers and the tensors of a meta-device model go. None: each
+    layer on its old module's device, and the CPU for anything on meta. A model built under
+    `torch.device("meta")` is materialized from the checkpoint; its non-persistent buffers
+    (rotary inv_freq), which no checkpoint holds, are computed by the model's own
+    `_init_weights` (transformers models have it); anything still on meta afterwards is a
+    ValueError naming it.
+
+    Everything is read, validated and built before the model changes: on any error the model is
+    as it was. strict=True raises ValueError if a checkpoint tensor has no place in the model or
+    a `model.state_dict()` entry (non-persistent buffers are not in it) was not filled.
+    """
+    checkpoint = _read_checkpoint(checkpoint)
+    device = torch.device(device) if device is not None else None
+    new_linears, consumed = _new_linears(model, checkpoint, device)
+    slots = _slots(model, list(new_linears))
+    aliases: dict[int, list[str]] = {}  # one tensor under several names (tied weights)
+    for name, slot in slots.items():
+        aliases.setdefault(id(_tensor(slot)), []).append(name)
+
+    values, unexpected = {}, []
     for tensor_name, stored in checkpoint.tensors.items():
         if tensor_name in consumed:
             continue
-        target = targets.get(tensor_name)
-        if target is None:
+        if tensor_name not in slots:
             unexpected.append(tensor_name)
             continue
+        target = _tensor(slots[tensor_name])
         value = _stored_to_torch(stored)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {tuple(value.shape)} but the model's "
                              f"has {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(value.to(target.dtype))
-        copied.append(tensor_name)
+        values[tensor_name] = value.to(target.dtype)
 
-    quantized_prefixes = tuple(f"{name}." for name in quantized)
-    filled = set(copied) | consumed
-    missing = sorted(name for name in targets if name not in filled and not name.startswith(quantized_prefixes))
-    report = LoadReport(sorted(quantized), sorted(copied), sorted(unexpected), missing)
+    filled = {alias for name in values for alias in aliases[id(_tensor(slots[name]))]}
+    state_names = set(model.state_dict(keep_vars=True))
+    on_meta = sorted(name for name, slot in slots.items() if name not in filled and _tensor(slot).is_meta)
+    stored_meta = [name for name in on_meta if name in state_names]
+    if stored_meta:
+        raise ValueError(f"model tensors on the meta device that the checkpoint does not hold: {stored_meta[:8]}"
+                         f"{f' and {len(stored_meta) - 8} more' if len(stored_meta) > 8 else ''}; their values exist "
+                         "nowhere - build those parts off meta or load a checkpoint that has them")
+    meta_device = device if device is not None else torch.device("cpu")
+    computed = _recomputed_buffers(model, on_meta, slots, meta_device)
+
+    missing = sorted(name for name in state_names & set(slots) if name not in filled)
+    report = LoadReport(sorted(new_linears), sorted(values), sorted(unexpected), missing)
     if strict and (report.unexpected or report.missing):
         raise ValueError(f"load_quantized(strict=True): unexpected checkpoint tensors {report.unexpected}, "
                          f"model tensors not in the checkpoint {report.missing}")
+
+    # ---- every check passed: change the model
+    for name, module in new_linears.items():
+        parent, attr = _parent_and_attr(model, name)
+        setattr(parent, attr, module)
+    materialized: dict[int, Tensor] = {}  # old meta tensor -> its one new tensor (tied names stay tied)
+    for name, value in list(values.items()) + list(computed.items()):
+        target = _tensor(slots[name])
+        if not target.is_meta:
+            with torch.no_grad():
+                target.copy_(value)
+            continue
+        new = value.to(meta_device)
+        if isinstance(target, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=target.requires_grad)
+        materialized[id(target)] = new
+    for name, slot in slots.items():
+        new = materialized.get(id(_tensor(slot)))
+        if new is not None:
+            getattr(slot.module, slot.kind)[slot.attr] = new
+
     return report

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from qpn import ref
-from qpn.ref.checks import require_no_nan_e4m3
+from qpn.ref.checks import require_nvfp4_block_scales
+from qpn.ref.fp8 import fp8_block_grid
 
 from . import ops  # registers the torch.ops.qpn.* ops
 from .ops import FP8_BLOCK, GROUP_K, TILE_N
@@ -123,11 +124,11 @@ def pack_nvfp4(weight_packed, weight_scale, global_scale) -> PackedWeight:
     if tuple(ws.shape) != (n, k // GROUP_K):
         raise ValueError(f"weight_scale must have shape (N, K/16) = ({n}, {k // GROUP_K}), got {tuple(ws.shape)}")
     # Values, with ref's rules (host copies of the small tensors): global scale finite and > 0,
-    # no NaN scale bytes, no block whose largest weight overflows fp16.
+    # no NaN or negative scale bytes, no block whose largest weight overflows fp16.
     g_host = g.cpu().numpy()
     g_rows = ref.global_scale_per_row(g_host, n)
     ws_host = ws.cpu().numpy()
-    require_no_nan_e4m3("weight_scale", ws_host)
+    require_nvfp4_block_scales("weight_scale", ws_host)
     ref.require_nvfp4_fits_fp16(ws_host, g_rows)
 
     n_pad = _round_up(n, TILE_N)
@@ -151,12 +152,14 @@ def pack_fp8(weight, weight_scale, granularity: str | None = None) -> PackedWeig
             ref.fp8_scale_granularity(s, n, k)
     if granularity not in FP8_GRANULARITIES:
         raise ValueError(f"granularity must be one of {FP8_GRANULARITIES} or None, got {granularity!r}")
+    if granularity == "block" and s.numel() == 1:  # one block (ModelOpt writes it 0-d): the same weights per tensor
+        granularity = "tensor"
     if granularity == "block":
         if k % FP8_BLOCK != 0:
             raise ValueError(f"K must be a multiple of {FP8_BLOCK} for QPN8 with 128x128 block scales, got K={k}; "
                              "pad the input features (and the scale grid) to whole blocks")
         n_pad = _round_up(n, FP8_BLOCK)  # the scale grid already has ceil(N/128) rows
-        s_pad = s
+        s_pad = s.reshape(fp8_block_grid(n, k))  # ModelOpt's [N/128, 1, K/128, 1] holds the same values
     else:
         if k % GROUP_K != 0:
             raise ValueError(f"K must be a multiple of {GROUP_K} for QPN8, got K={k}; pad the input features with "
@@ -174,6 +177,11 @@ def pack_fp8(weight, weight_scale, granularity: str | None = None) -> PackedWeig
     return PackedWeight("fp8", codes, group_scales, None, k, n)
 
 
+class InputDtypeError(ValueError, RuntimeError):
+    """x is not floating point. A ValueError as every qpn input error, and a RuntimeError as the
+    one nn.Linear raises for an int64 / bool / complex input, so a drop-in caller catches it too."""
+
+
 def qpn_linear(x: Tensor, fmt: str, codes: Tensor, scales: Tensor, global_scale: Tensor | None,
                out_features: int, bias: Tensor | None = None) -> Tensor:
     """x [..., K] (fp16, or fp32 / bf16: cast to fp16, module docstring) -> [..., out_features] in x's dtype.
@@ -181,7 +189,12 @@ def qpn_linear(x: Tensor, fmt: str, codes: Tensor, scales: Tensor, global_scale:
     Calls torch.ops.qpn.nvfp4_linear / fp8_linear on the flattened [M, K] fp16 input, crops the
     padded columns, adds the float32 bias in fp32 and casts to x's dtype. Traceable by
     torch.compile(fullgraph=True); the decode / dense choice happens inside the op.
+    Integer, bool and complex x raise InputDtypeError: the fp16 cast would silently truncate
+    the output to x's integer dtype (or drop the imaginary part).
     """
+    if not x.is_floating_point():
+        raise InputDtypeError(f"x must be a floating-point tensor (fp16, bf16 or fp32), got {x.dtype}; "
+                              "nn.Linear refuses it too - convert token ids with an embedding, or cast x")
     k = codes.shape[1] * 2 if fmt == "nvfp4" else codes.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"x must have {k} input features in its last dimension, got shape {tuple(x.shape)}")

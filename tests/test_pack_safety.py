@@ -1,0 +1,405 @@
+"""Data safety of `qpn pack` / `save_checkpoint` and the command line's behaviour under signals and pipes
+(issue 12, items 1, 6, 7, 11, 13): what --overwrite may replace, clean-up on SIGINT / SIGTERM /
+SIGHUP, recovery after SIGKILL and after a kill inside the swap, `qpn verify | head`, and the
+messages of a read-only or full output disk.
+
+Signals and pipes are tested on real subprocesses; a test-only driver (DRIVER below) makes the
+pack stop at a known point by wrapping qpn.ref.write_safetensors, so no shipping code has a test hook.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from qpn import cli, packed, ref
+from qpn.ref import Checkpoint, NVFP4Linear, atomic, safetensors_io
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_cli import build, float_weight, run, write  # noqa: E402  (the small checkpoints of every kind)
+
+POSIX = pytest.mark.skipif(os.name != "posix", reason="POSIX signals and pipes")
+
+
+def tree(root) -> dict[str, str]:
+    """{relative path: sha256 or '->link' or 'dir'} of everything under root (the whole state a test must keep)."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, root)
+            if os.path.islink(path):
+                out[rel] = "->" + os.readlink(path)
+            elif os.path.isdir(path):
+                out[rel] = "dir"
+            else:
+                out[rel] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+def leftovers(folder) -> list[str]:
+    return sorted(e for e in os.listdir(folder) if ".qpn-" in e)
+
+
+def packed_folder(tmp_path, kind="nvfp4", name="out") -> str:
+    os.makedirs(tmp_path, exist_ok=True)
+    original = write(tmp_path, kind, name=f"src-{name}")
+    out = str(tmp_path / name)
+    assert cli.main(["pack", original, out, "-q"]) == 0
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# item 1: --overwrite replaces only a folder qpn wrote, never the source or what holds it
+
+
+def _user_folder(root):
+    os.makedirs(root / "mine")
+    (root / "mine" / "thesis.tex").write_text("years of work")
+    return root / "mine"
+
+
+def _packed_plus_user_file(root):
+    out = packed_folder(root, name="packed-plus")
+    with open(os.path.join(out, "notes.txt"), "w") as f:
+        f.write("mine")
+    return out
+
+
+def _link_to_packed(root):
+    os.symlink(packed_folder(root, name="elsewhere"), root / "link")
+    return root / "link"
+
+
+def _link_to_parent(root):
+    os.symlink(root, root / "up")
+    return root / "up"
+
+
+def _a_file(root):
+    (root / "file.bin").write_bytes(b"\x00" * 8)
+    return root / "file.bin"
+
+
+# case -> (out path from (tmp root, source folder), words the one-line message must hold)
+REFUSED = {
+    "the parent of the source": (lambda root, src: root, "contains the source folder"),
+    "the source itself": (lambda root, src: src, "is the folder"),
+    "inside the source": (lambda root, src: os.path.join(src, "packed"), "is inside the source folder"),
+    "a link to the parent": (lambda root, src: _link_to_parent(root), "contains the source folder"),
+    "a user's folder": (lambda root, src: _user_folder(root), "has no qpn_manifest.json"),
+    "a packed folder with a user's file": (lambda root, src: _packed_plus_user_file(root), "notes.txt"),
+    "a symbolic link to a packed folder": (lambda root, src: _link_to_packed(root), "symbolic link"),
+    "a file": (lambda root, src: _a_file(root), "not a folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_overwrite_refuses_anything_qpn_did_not_write_and_touches_nothing(tmp_path, capsys, case):
+    src = write(tmp_path, "nvfp4")
+    out_of, words = REFUSED[case]
+    out = out_of(tmp_path, src)
+    before = tree(tmp_path)
+    code, out_text, err = run(["pack", src, out, "--overwrite"], capsys)
+    assert code == 2 and words in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert tree(tmp_path) == before  # the source, the folder and every other file are untouched
+
+
+def test_pack_into_the_parent_folder_with_a_relative_path(tmp_path, capsys, monkeypatch):
+    """The reported case: `qpn pack ./model . --overwrite` deleted the model and every file next to it."""
+    src = write(tmp_path, "fp8-tensor")
+    (tmp_path / "other.txt").write_text("keep")
+    before = tree(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(["pack", os.path.join(".", os.path.basename(src)), ".", "--overwrite"], capsys)
+    assert code == 2 and "contains the source folder" in err and tree(tmp_path) == before
+
+
+def test_overwrite_replaces_a_packed_folder_and_fills_an_empty_one(tmp_path, capsys):
+    out = packed_folder(tmp_path, "nvfp4")
+    fp8 = write(tmp_path, "fp8-tensor")
+    code, text, err = run(["pack", fp8, out, "--overwrite"], capsys)
+    assert code == 0 and err == "" and "FP8 -> QPN8" in text and leftovers(tmp_path) == []
+    os.makedirs(tmp_path / "empty")
+    assert run(["pack", fp8, tmp_path / "empty"], capsys)[0] == 0
+
+
+def test_save_checkpoint_overwrites_only_its_own_folders(tmp_path):
+    ours = tmp_path / "ours"
+    ref.save_checkpoint(ours, build("nvfp4"))
+    ref.save_checkpoint(ours, build("fp8-tensor"), overwrite=True)  # marked by qpn: replaced
+    assert ref.load_checkpoint(ours).quant_algo == "FP8"
+
+    theirs = tmp_path / "theirs"  # the same files, but written by someone else (no "writer": "qpn" mark)
+    os.makedirs(theirs)
+    for file in os.listdir(ours):
+        data = open(ours / file, "rb").read()
+        if file.endswith(".safetensors"):
+            contents = ref.read_safetensors(ours / file)
+            safetensors_io.write_safetensors(theirs / file, contents.tensors, {"format": "pt"})
+        else:
+            (theirs / file).write_bytes(data)
+    extra = tmp_path / "extra"  # qpn's folder plus a user's file
+    ref.save_checkpoint(extra, build("nvfp4"))
+    (extra / "README.md").write_text("mine")
+    for folder, words in ((theirs, "lacks save_checkpoint's mark"), (extra, "README.md")):
+        before = tree(tmp_path)
+        with pytest.raises(ValueError, match=words):
+            ref.save_checkpoint(folder, build("nvfp4"), overwrite=True)
+        assert tree(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# items 6 and 13: signals during `qpn pack` (a real subprocess stopped inside its first file write)
+
+DRIVER = textwrap.dedent("""
+    import os, sys, time
+    from qpn import cli, ref
+    ready, argv = sys.argv[1], sys.argv[2:]
+    real = ref.write_safetensors
+    def write_then_wait(path, *args, **kwargs):  # the temporary folder exists and holds a file: stop here
+        real(path, *args, **kwargs)
+        open(ready, "w").close()
+        time.sleep(120)
+    ref.write_safetensors = write_then_wait
+    sys.exit(cli.main(argv))
+""")
+
+
+def start_stalled_pack(tmp_path, src, out):
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(ready), "pack", str(src), str(out), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the pack never reached its first file write"
+        time.sleep(0.05)
+    os.unlink(ready)
+    return proc
+
+
+@POSIX
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_stop_signal_removes_the_temporary_folder_and_exits_128_plus_the_signal(tmp_path, signame, code):
+    src = write(tmp_path, "nvfp4", sharded=True)
+    work = tmp_path / "work"
+    os.makedirs(work)
+    proc = start_stalled_pack(tmp_path, src, work / "out")
+    assert leftovers(work)  # the write is in progress
+    proc.send_signal(getattr(signal, signame))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert ("interrupted" if signame == "SIGINT" else f"stopped by {signame}") in err and "Traceback" not in err
+    assert os.listdir(work) == []  # no temporary, no output
+
+
+@POSIX
+def test_after_sigkill_the_next_run_removes_the_stale_temporary_and_says_so(tmp_path, capsys):
+    src = write(tmp_path, "nvfp4", sharded=True)
+    work = tmp_path / "work"
+    os.makedirs(work)
+    proc = start_stalled_pack(tmp_path, src, work / "out")
+    proc.kill()
+    proc.communicate(timeout=60)
+    stale = leftovers(work)
+    assert len(stale) == 1 and f".qpn-{proc.pid}-" in stale[0] and stale[0].endswith(".tmp")
+    code, _, err = run(["pack", src, work / "out"], capsys)
+    assert code == 0 and "removed the unfinished temporary folder" in err and f"process {proc.pid}" in err
+    assert os.listdir(work) == ["out"]
+
+
+# ----------------------------------------------------------------------------------------------
+# item 7: a kill inside the --overwrite swap is finished or rolled back by the next run
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the pid names no process
+    return proc.pid
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+
+
+# crash point -> (stages present {stage: "old" | "new" | "partial"}, target holds "old" | "new" | None,
+#                 what the target must hold after recovery)
+CRASH_POINTS = {
+    "while filling the temporary (1)": ({"tmp": "partial"}, "old", "old"),
+    "after marking it complete (2)": ({"new": "new"}, "old", "old"),
+    "between moving the old aside and the new in (3-4)": ({"new": "new", "old": "old"}, None, "new"),
+    "while removing the old folder (5)": ({"old": "old"}, "new", "new"),
+    "old aside, new lost": ({"old": "old"}, None, "old"),
+    "first write, complete, not yet renamed": ({"new": "new"}, None, "new"),
+}
+
+
+@pytest.mark.parametrize("point", list(CRASH_POINTS))
+def test_the_next_write_finishes_or_rolls_back_an_interrupted_swap(tmp_path, capsys, point):
+    stages, target_holds, expected = CRASH_POINTS[point]
+    versions = {"old": packed_folder(tmp_path / "v", "nvfp4", name="old"),
+                "new": packed_folder(tmp_path / "v", "fp8-tensor", name="new")}
+    trees = {key: tree(path) for key, path in versions.items()}
+    work = tmp_path / "work"
+    os.makedirs(work)
+    pid = dead_pid()
+    for stage, content in stages.items():
+        path = work / f".out.qpn-{pid}-abc123_x.{stage}"
+        if content == "partial":
+            os.makedirs(path)
+            (path / "model.safetensors").write_bytes(b"half")
+        else:
+            _copy(versions[content], path)
+    if target_holds:
+        _copy(versions[target_holds], work / "out")
+    src = write(tmp_path, "nvfp4", name="unrelated")
+    code, _, err = run(["pack", src, work / "another"], capsys)  # any write into the folder recovers it
+    assert code == 0 and f"process {pid}" in err
+    assert sorted(os.listdir(work)) == ["another", "out"] and tree(work / "out") == trees[expected]
+
+
+def test_recovery_leaves_the_work_of_a_running_process_alone(tmp_path):
+    work = tmp_path / "work"
+    os.makedirs(work / f".out.qpn-{os.getppid()}-abc123_x.old")  # the test runner's parent is running
+    os.makedirs(work / f".out.qpn-{os.getpid()}-abc123_y.tmp")  # this very process
+    assert atomic.recover_interrupted(str(work), report=lambda _: None) == []
+    assert len(leftovers(work)) == 2
+
+
+def test_a_signal_during_the_swap_is_held_until_the_swap_is_done(tmp_path, monkeypatch):
+    """Steps 3 and 4 run with SIGINT blocked: a Ctrl-C raised between them lands after both."""
+    out = packed_folder(tmp_path, "nvfp4")
+    real_rename = os.rename
+    seen = []
+
+    def rename_and_interrupt(a, b):
+        real_rename(a, b)
+        if str(b).endswith(".old"):  # the old folder is aside: the worst moment for a Ctrl-C
+            os.kill(os.getpid(), signal.SIGINT)
+            seen.append(os.path.isdir(out))
+
+    monkeypatch.setattr(atomic.os, "rename", rename_and_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        packed.pack_checkpoint(write(tmp_path, "fp8-tensor"), out, overwrite=True)
+    assert seen == [False]  # the Ctrl-C came while the output path was empty
+    assert packed.load_packed(out).quant_algo == "FP8" and leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# item 11: `qpn verify | head -3`
+
+
+@POSIX
+def test_verify_into_a_closed_pipe_stops_early_and_quietly(tmp_path):
+    layers = {}
+    for i in range(16):
+        q = ref.nvfp4_quantize(float_weight(f"l{i}", 32, 64))
+        name = f"model.layers.{i}.proj"
+        layers[name] = NVFP4Linear(name, q.weight_packed, q.weight_scale, q.weight_scale_2)
+    src = tmp_path / "ckpt"
+    ref.save_checkpoint(src, Checkpoint("modelopt", "NVFP4", layers, {}, {}))
+    log = tmp_path / "verified"
+    driver = textwrap.dedent("""
+        import sys
+        from qpn import cli
+        log, argv = sys.argv[1], sys.argv[2:]
+        real = cli.verify_layer
+        def counted(name, *args):
+            with open(log, "a") as f:
+                f.write(name + "\\n")
+            return real(name, *args)
+        cli.verify_layer = counted
+        sys.exit(cli.main(argv))
+    """)
+    qpn = subprocess.Popen([sys.executable, "-c", driver, str(log), "verify", str(src)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    head = subprocess.run(["head", "-3"], stdin=qpn.stdout, capture_output=True, timeout=120)
+    qpn.stdout.close()  # only head holds the read end now
+    err = qpn.stderr.read().decode()
+    qpn.wait(timeout=120)
+    assert len(head.stdout.decode().splitlines()) == 3
+    assert qpn.returncode == 141 and err == "", err  # 128 + SIGPIPE, as a CLI killed by SIGPIPE; no message
+    verified = log.read_text().splitlines() if log.exists() else []  # none if the table's head hit the closed pipe
+    assert len(verified) < len(layers)  # stopped at the first row after head left
+
+
+# ----------------------------------------------------------------------------------------------
+# item 13: messages
+
+
+def test_a_read_only_output_folder_is_named_not_the_hidden_temporary(tmp_path, capsys, monkeypatch):
+    src = write(tmp_path, "nvfp4")
+
+    def denied(prefix="", suffix="", dir=None):  # what mkdtemp raises in a folder without write permission
+        raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir, f"{prefix}abcdefgh{suffix}"))
+
+    monkeypatch.setattr(atomic.tempfile, "mkdtemp", denied)  # (root ignores chmod 0555, so simulate it)
+    code, _, err = run(["pack", src, tmp_path / "out"], capsys)
+    assert code == 2 and f"cannot write {tmp_path / 'out'}: Permission denied" in err
+    assert ".qpn-" not in err and ".tmp" not in err and "choose a folder you can write to" in err
+
+
+def test_a_full_disk_names_the_output_and_keeps_the_old_folder(tmp_path, capsys, monkeypatch):
+    out = packed_folder(tmp_path, "nvfp4")
+    fp8 = write(tmp_path, "fp8-tensor")
+    before = tree(out)
+
+    def full(f, tensor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors_io, "_write_tensor_bytes", full)
+    code, _, err = run(["pack", fp8, out, "--overwrite"], capsys)
+    assert code == 2 and f"cannot write {out}: No space left on device" in err and "free space" in err
+    assert tree(out) == before and leftovers(tmp_path) == []
+
+
+def test_one_layer_is_singular(tmp_path, capsys):
+    q = ref.nvfp4_quantize(float_weight("one", 32, 64))
+    src = tmp_path / "one"
+    ref.save_checkpoint(src, Checkpoint("modelopt", "NVFP4", {"proj": NVFP4Linear("proj", q.weight_packed,
+                                                                                  q.weight_scale,
+                                                                                  q.weight_scale_2)}, {}, {}))
+    code, text, _ = run(["pack", src, tmp_path / "out"], capsys)
+    assert code == 0 and "packed 1 layer (" in text and "copied 0 tensors" in text
+    code, text, _ = run(["inspect", tmp_path / "out"], capsys)
+    assert "1 quantized layer (" in text and "1 quantized layer," in text
+    code, text, _ = run(["verify", tmp_path / "out"], capsys)
+    assert code == 0 and "1 of 1 layer ok" in text and "1 layers" not in text
+
+
+def test_a_compressed_tensors_config_entry_is_called_an_entry(tmp_path, capsys):
+    src = write(tmp_path, "ct-nvfp4")
+    config_path = os.path.join(src, "config.json")
+    config = json.load(open(config_path))
+    group = next(iter(config["quantization_config"]["config_groups"]))
+    config["quantization_config"]["config_groups"][group]["weights"]["num_bits"] = 8
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    code, _, err = run(["inspect", src], capsys)
+    assert code == 2 and f"config entry 'config_groups.{group}.weights.num_bits'" in err and "tensor '" not in err
+
+
+def test_a_mistyped_bench_argument_is_bad_input(capsys):
+    code, _, err = run(["bench", "--quikc"], capsys)
+    assert code == 2 and "unrecognized arguments: --quikc" in err
+    code, _, err = run(["bench", "decode", "--shapez", "1x1"], capsys)
+    assert code == 2 and "qpn bench decode" in err
+
+
+def test_exit_codes_are_documented_in_help(capsys):
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "130 Ctrl-C" in text and "143 SIGTERM" in text
