@@ -251,16 +251,7 @@ def qpn8_unpack(codes, group_scales, n, k) -> tuple[np.ndarray, np.ndarray]:
     return rows.reshape(n, k), _s16_map(group_scales, granularity, n, k)
 
 
-def qpn8_dequantize(codes, group_scales, n, k) -> np.ndarray:
-    """QPN8 buffers -> float16 [n, k] under the contract W16 = RN16(e4m3 * 2^-8 * S16).
-
-    Rejects NaN code bytes (0x7F / 0xFF), negative or non-finite S16 and S16 whose largest
-    weight RN16(1.75 * S16) is inf. The product is exact in float32 (module docstring).
-    """
-    n, k = _require_dims(n, k)
-    codes = _require_codes(codes, n, k)
-    granularity = _group_scales_granularity(group_scales, n, k)
-    s16 = group_scales
+def _require_group_scale_values(s16: np.ndarray) -> None:
     bad = ~(np.isfinite(s16) & ~np.signbit(s16))
     if bad.any():
         first = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -269,11 +260,46 @@ def qpn8_dequantize(codes, group_scales, n, k) -> np.ndarray:
             "pass what qpn8_prepack returned"
         )
     _require_s16_fits_fp16("group_scales", s16)
-    require_no_nan_e4m3("codes", codes)
 
+
+def qpn8_dequantize(codes, group_scales, n, k) -> np.ndarray:
+    """QPN8 buffers -> float16 [n, k] under the contract W16 = RN16(e4m3 * 2^-8 * S16).
+
+    Rejects NaN code bytes (0x7F / 0xFF), negative or non-finite S16 and S16 whose largest
+    weight RN16(1.75 * S16) is inf. The product is exact in float32 (module docstring).
+    """
+    n, k = _require_dims(n, k)
+    codes = _require_codes(codes, n, k)
+    _group_scales_granularity(group_scales, n, k)
+    _require_group_scale_values(group_scales)
+    require_no_nan_e4m3("codes", codes)
     weight, _ = qpn8_unpack(codes, group_scales, n, k)
-    # one table row per S16 (per channel, or per 32-row tile x 128 columns), then a lookup per weight
-    if granularity == "channel":
+    return _contract_lookup(weight, group_scales, n, k)
+
+
+def qpn8_dequantize_unpacked(weight, group_scales, n, k) -> np.ndarray:
+    """`qpn8_dequantize` of the bytes `qpn8_unpack` gave back, without permuting them again.
+
+    weight: uint8 e4m3 bits [rows, k], rows <= n, row r = the unpacked weight's row r (`qpn verify`
+    passes the unpacked layer with its pad rows cropped); group_scales: float16, as for
+    `qpn8_dequantize` of an [n, k] weight. Returns float16 [rows, k], byte for byte the first
+    rows of `qpn8_dequantize(codes, group_scales, n, k)`; same rejections.
+    """
+    n, k = _require_dims(n, k)
+    weight = require_array("weight", weight, np.uint8, ndim=2)
+    if weight.shape[0] > n or weight.shape[1] != k:
+        raise ValueError(f"weight must be uint8 [rows <= {n}, {k}] (qpn8_unpack's weight, pad rows cropped or "
+                         f"not), got shape {weight.shape}")
+    _group_scales_granularity(group_scales, n, k)
+    _require_group_scale_values(group_scales)
+    require_no_nan_e4m3("weight", weight)
+    return _contract_lookup(weight, group_scales, n, k)
+
+
+def _contract_lookup(weight: np.ndarray, s16: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Row-major e4m3 bytes [rows <= n, k] -> RN16(e4m3 * 2^-8 * S16): one table row per S16 (per
+    channel, or per 32-row tile x 128 columns), then a lookup per weight."""
+    if _group_scales_granularity(s16, n, k) == "channel":
         block_s16, block_rows, block_cols = s16.reshape(n, 1), 1, k
     else:
         block_s16, block_rows, block_cols = s16.T, TILE_N, QPN8_BLOCK  # [N/32, K/128]

@@ -306,6 +306,55 @@ def test_verify_ref_rederives_the_nvfp4_values_it_looks_up(tmp_path, capsys, mon
         assert len(ref_failures) == len(KINDS["nvfp4"][2]) and "evaluated in float64" in ref_failures[0], text
 
 
+@pytest.mark.parametrize("kind_", ["fp8-channel", "fp8-block"])
+def test_verify_permutes_qpn8_bytes_once_each_way(tmp_path, capsys, monkeypatch, kind_):
+    """A packed FP8 layer's bytes are permuted once to unpack them and once to re-prepack them; the
+    "ref" decode reuses the unpacked bytes (it used to run qpn8_unpack a second time, 12 % of verify)."""
+    original = write(tmp_path, kind_)
+    folder = tmp_path / "packed"
+    assert run(["pack", original, folder, "-q"], capsys)[0] == 0
+    calls = []
+    for name in ("_korder_shuffle", "_korder_unshuffle"):
+        real = getattr(ref.qpn8, name)
+        monkeypatch.setattr(ref.qpn8, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+    code, text, err = run(["verify", folder, "-q"], capsys)
+    assert code == 0, text + err
+    layers = len(KINDS[kind_][2])
+    assert sorted(calls) == ["_korder_shuffle"] * layers + ["_korder_unshuffle"] * layers
+
+
+def test_worst_ulp_distance_compares_bits_first_and_is_exact(monkeypatch):
+    """cli._worst_ulp_distance against the distance on the ordered line, computed in int64, on the
+    cases where bit differences and ulps part ways (signs, zeros, subnormals, the largest values);
+    the common case (every pair within 1 ulp and of one sign) never builds the ordered line."""
+    def slow(a, b):
+        def ordered(v):
+            bits = v.view(np.uint16).astype(np.int64)
+            return np.where(bits >= 0x8000, -(bits - 0x8000), bits)
+        return int(np.abs(ordered(a) - ordered(b)).max())
+
+    bits = [0x0000, 0x8000, 0x0001, 0x8001, 0x0002, 0x03FF, 0x0400, 0x3C00, 0x3C01, 0x3BFF, 0x7BFF, 0x7BFE,
+            0xFBFF, 0xFBFE, 0xBC00, 0xBC01, 0x8002]
+    values = np.array(bits, np.uint16).view(np.float16)
+    for a in values:
+        for b in values:
+            pair = (np.array([a, np.float16(1)]), np.array([b, np.float16(1)]))
+            assert cli._worst_ulp_distance(*pair) == slow(*pair), (a, b)
+    rng = np.random.default_rng(SEED)
+    a = rng.standard_normal(1000).astype(np.float16)
+    b = a.copy()
+    b.view(np.uint16)[::7] += 1  # one ulp away from zero, same sign
+    b.view(np.uint16)[3::7] -= 1
+    assert cli._worst_ulp_distance(a, a) == 0 and cli._worst_ulp_distance(a, b) == 1 == slow(a, b)
+    assert cli._worst_ulp_distance(a[:0], b[:0]) == 0
+
+    def no_ordered_line(_):
+        raise AssertionError("the ordered line was built for pairs within 1 ulp")
+
+    monkeypatch.setattr(cli, "_ordered16", no_ordered_line)
+    assert cli._worst_ulp_distance(a, b) == 1
+
+
 def test_inspect_tables_for_original_and_packed(packed_pair, kind, capsys):
     original, out = packed_pair
     for folder, status in ((original, "ok (QPN"), (out, "packed QPN")):
