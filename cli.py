@@ -3,7 +3,7 @@
     qpn pack CHECKPOINT_DIR OUT_DIR [--overwrite]   prepack a ModelOpt / compressed-tensors checkpoint
     qpn verify PATH [--upstream] [--m 1,40]         check every layer on every backend present
     qpn inspect PATH                                per-layer table: format, shape, scales, bytes, packability
-    qpn bench [kernels|decode] [ARGS...]            the kernel benchmarks (GPU only)
+    qpn bench [kernels|decode|model] [ARGS...]      the kernel / model benchmarks (GPU only)
     qpn demo [--device auto|cpu|cuda] [--keep DIR]  all-MiniLM-L6-v2 end to end
 
 PATH is an original checkpoint folder or a packed one (`qpn pack` output, see qpn/packed.py).
@@ -47,7 +47,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if 
 DEFAULT_MS = (1, 40)  # activation rows for the linear check: a decode M and one past the decode/prefill split (32)
 DEFAULT_SEED = 0
 BENCH_DIR = Path(__file__).resolve().parent / "benchmarks"
-BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "decode": "bench_decode.py"}  # `qpn bench [WHICH] [ARGS...]`
+BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "decode": "bench_decode.py",  # `qpn bench [WHICH] [ARGS...]`
+                 "model": "bench_model.py"}
 
 # what `main` turns into "qpn CMD: error: ..." and exit 2 (bad input, never a traceback)
 INPUT_ERRORS = (ref.CheckpointError, ref.SafetensorsError, PackError, TargetError, OSError)
@@ -654,7 +655,7 @@ def cmd_bench(args) -> int:
     parser = module.build_parser()
     parser.prog = f"qpn bench{'' if which == 'kernels' else ' ' + which}"
     parser.parse_args(bench_args)  # a mistyped argument is bad input (argparse exits 2) wherever it runs
-    ok, detail = cuda_status(need_torch=False)
+    ok, detail = cuda_status(need_torch=which == "model")  # the model benchmark runs in torch too
     if not ok:
         print(f"qpn bench: needs a CUDA GPU, and this machine has none usable: {detail}.\n"
               "The benchmark times the CUDA kernels; run it on a GPU machine (a Colab / Kaggle T4 works). "
@@ -725,9 +726,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("bench", parents=[common], help="kernel benchmark (needs a CUDA GPU)",
-                       usage="qpn bench [-h] [kernels | decode] [SCRIPT ARGS...]",
+                       usage="qpn bench [-h] [kernels | decode | model] [SCRIPT ARGS...]",
                        description="Run benchmarks/bench_kernels.py (prepack, dequantize, dense path; the default) "
-                                   "or benchmarks/bench_decode.py (the M <= 32 decode kernels). Every other "
+                                   "or benchmarks/bench_decode.py (the M <= 32 decode kernels) or "
+                                   "benchmarks/bench_model.py (Llama-3.1-8B-shaped decode, tokens/s vs fp16). Every other "
                                    "argument goes to the script, e.g. `qpn bench --quick`, "
                                    "`qpn bench decode --quick --out results`.")
     p.set_defaults(func=cmd_bench, bench_args=[])  # the script's own arguments are taken as they come
