@@ -60,20 +60,28 @@
 // whose weights are all < 7.3e-4: fp16-subnormal territory, never seen in LLM-like weights) takes
 // the exact fp32 path for the whole warp:  W16 = cvt.rn.f16(RN32(e2m1 * S)), the contract itself.
 // Measured cost of that path: 0.1 % such blocks (3 % of warp-batches of 4 groups) -> +0-1 % time.
+// The test is one bit (QPN2_SLOW_FLAG, Y's exponent MSB) of the OR of the batch's table entries:
+// the table stores the all-ones marker for those blocks and also for blocks whose own {X, Y} has
+// that bit (|Y| >= 2: only blocks with |S| >= 2^10, i.e. weights up to 6 * 1024, never seen in
+// practice; they take the exact path, so still exact; tests/test_decode_math.py checks both).
+// 2 LOP3 per 4 entries instead of 4 compares, and the vote reads the predicate.
 //
 // Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200.md), M = 1,
-// 28672x8192: 71 us = 41.5 % of the 4.6 TB/s read ceiling (QPN8: 85 %); M = 32: 0.97x cuBLAS fp16.
-// The kernel is issue-bound: ~100 SASS instructions per group-tile (512 weights) at 64 registers
-// in the fast path -- 32 for the decode (4 fp16/logic ops per pair), 22 for the nibble fields,
-// 8 exchange, 6 {X, Y} gather, 4 mma, 3 loads, the rest address and selector rematerialisation --
-// against the ~63 per group-tile at which 132 SMs x 4 schedulers at ~1.9 GHz would issue as fast
-// as the 288 bytes per group-tile stream in; ncu (28672x8192): 60-68 % of issue slots busy. Stage
+// 28672x8192: 61.2 us = 46.4 % of the 4.65 TB/s read ceiling (QPN8: 82 %); M = 32: 0.86x cuBLAS fp16.
+// The kernel is issue-bound. sm_75 SASS of the fast path, M <= 8, 64 registers (turing_model.py):
+// 80 instructions per group-tile (512 weights) -- 32 decode (4 fp16/logic ops per pair), 22
+// nibble fields, 8 exchange, 4 {X, Y} gather, 4 mma, 4 loads (code, scale, x, table), 6 loop and
+// slow-path control -- down from 98.25 (benchmarks/NOTES.md: x pointers and exchange selectors
+// rebuilt every batch, `& 0x3FC` on the table index, per-entry slow compares); ~63 per group-tile
+// is where 132 SMs x 4 schedulers at ~1.9 GHz would issue as fast as the 288 bytes per group-tile
+// stream in; ncu (28672x8192, the 98-instruction build): 60-68 % of issue slots busy. Stage
 // ablations (bench_decode.py "ablate", % of the ceiling): loads only 75.5, no decode 65.7, no mma
 // 46.7, no exchange 43.9, full 40.1. Tried and kept off: L2 prefetch 8-32 groups ahead (+1..-19 %),
 // 2 tiles per block (x reuse: -54..+14 % by shape), the load pipelines of qpn_mma.cuh.
 #include "qpn_mma.cuh"
 
 #define QPN2_SLOW_XY 0xFFFFFFFFu  // scale-table marker: this (byte, g) block takes the exact path
+#define QPN2_SLOW_FLAG 0x40000000u  // 0100 0000 ... : Y's exponent MSB (|Y| >= 2), set in the marker
 #ifndef QPN2_EXACT_PATH
 #define QPN2_EXACT_PATH 1  // 0 only to count the fast path's instructions (benchmarks): never ship it
 #endif
@@ -86,8 +94,17 @@ struct Qpn2Batch {  // one load batch (qpn_run_batches): QPN_UNROLL groups of ev
     qpn_u32 scale[QPN_UNROLL][QPN_NT];
 };
 
-// Group g0 + u of the warp's slice into slot u; pc / ps point at the slice's first group (the
-// address is a per-batch base g0 plus the immediate u * 256: no per-load 64-bit arithmetic).
+// One byte, zero-extended by the load itself (ld.u8 into a 32-bit register): indexes the {X, Y}
+// table as is. `__ldcs` on a u8 pointer returns an 8-bit value whose widening ptxas re-masks
+// (an IMAD.SHL + LOP3 `& 0x3FC` per table index instead of one IMAD.SHL).
+__device__ __forceinline__ qpn_u32 qpn_ldcs_u8(const qpn_u8* p) {
+    qpn_u32 v;
+    asm volatile("ld.global.cs.u8 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// Group g0 + u of the warp's slice into slot u; pc / ps point at group g0 (the K loop passes
+// g0 = 0 and advances them, so every address is a pointer plus the immediate u * 256 / u * 32).
 __device__ __forceinline__ void qpn2_load_slot(
     Qpn2Batch& sl, int u, int g0, bool valid, const qpn_u8* const (&pc)[QPN_NT], const qpn_u8* const (&ps)[QPN_NT])
 {
@@ -95,12 +112,24 @@ __device__ __forceinline__ void qpn2_load_slot(
     for (int tt = 0; tt < QPN_NT; ++tt) {
         if (valid) {
             sl.code[u][tt] = qpn_ldcs_u2(pc[tt] + 256 * (long long)g0 + 256 * u);  // 32 lanes x 8 bytes per group
-            sl.scale[u][tt] = __ldcs(ps[tt] + 32 * (long long)g0 + 32 * u);  // zero-extended: indexes the {X, Y} table as is
+            sl.scale[u][tt] = qpn_ldcs_u8(ps[tt] + 32 * (long long)g0 + 32 * u);
         } else {  // pad group: code 0 and scale byte 0 decode to zeros on the fast path
             sl.code[u][tt] = make_uint2(0u, 0u);
             sl.scale[u][tt] = 0u;
         }
     }
+}
+
+// Whether any lane of the warp has flag != 0: the vote's predicate straight from the value
+// (`__any_sync(flag != 0)` costs an extra compare, and a bool cast a shift, mask and compare).
+__device__ __forceinline__ bool qpn2_warp_any_flag(qpn_u32 flag) {
+    qpn_u32 any;
+    asm("{.reg .pred p;\n\t"
+        "setp.ne.u32 p, %1, 0;\n\t"
+        "vote.sync.any.pred p, p, 0xFFFFFFFF;\n\t"
+        "selp.u32 %0, 1, 0, p;}"
+        : "=r"(any) : "r"(flag));
+    return any != 0;
 }
 
 // Owner's block constants: xy = {X, Y} (fp16 pair), s = S = RN32(e4m3 * g).
@@ -180,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         const float g = gscale[(long long)(slot + (tt % QPN_HT) * (n_tiles / 2)) * gs_stride];
         float s;
         const qpn_u32 xy = qpn2_block_xy(i & 255, g, s);
-        xy_table[tt][i & 255] = (fabsf(s) < 0x1p-13f && s != 0.0f) ? QPN2_SLOW_XY : xy;
+        xy_table[tt][i & 255] = ((fabsf(s) < 0x1p-13f && s != 0.0f) || (xy & QPN2_SLOW_FLAG)) ? QPN2_SLOW_XY : xy;
     }
     __syncthreads();
 
@@ -198,13 +227,16 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 
     // lane-dependent byte-permute selectors of the quad transpose (see header comment)
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;
-    const qpn_u32 sel_keep1 = q0 ? 0x7531u : 0x6420u;
-    const qpn_u32 sel_send1 = q0 ? 0x6420u : 0x7531u;
-    const qpn_u32 sel_keep2 = q0 ? (q1 ? 0x3276u : 0x1054u) : (q1 ? 0x7632u : 0x5410u);
-    const qpn_u32 sel_send2 = q0 ? (q1 ? 0x1054u : 0x3276u) : (q1 ? 0x5410u : 0x7632u);
-    const qpn_u32 sel_fin0 = q1 ? 0x7564u : 0x3120u;
-    const qpn_u32 sel_fin1 = q1 ? 0x3120u : 0x7564u;
-    const int quad = lane & ~3;
+    qpn_u32 sel_keep1 = q0 ? 0x7531u : 0x6420u;
+    qpn_u32 sel_send1 = q0 ? 0x6420u : 0x7531u;
+    qpn_u32 sel_keep2 = q0 ? (q1 ? 0x3276u : 0x1054u) : (q1 ? 0x7632u : 0x5410u);
+    qpn_u32 sel_send2 = q0 ? (q1 ? 0x1054u : 0x3276u) : (q1 ? 0x5410u : 0x7632u);
+    qpn_u32 sel_fin0 = q1 ? 0x7564u : 0x3120u;
+    qpn_u32 sel_fin1 = q1 ? 0x3120u : 0x7564u;
+    // opaque to the compiler: without this it rebuilds all six from SR_TID in every iteration of the
+    // K loop (15-19 SASS instructions per 4 group-tiles; not register pressure: it did so at 87
+    // registers too); held, they take 6 of the 64 registers and no instruction in the loop
+    asm volatile("" : "+r"(sel_keep1), "+r"(sel_send1), "+r"(sel_keep2), "+r"(sel_send2), "+r"(sel_fin0), "+r"(sel_fin1));
 
     float acc[QPN_TILES][QPN_HT][QPN_NB][2][4] = {};
 
@@ -238,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         const qpn_u32 own = exact ? __float_as_uint(__fmul_rn(qpn_e4m3_to_float(b.scale[u][tt]), gval[tt])) : xy;
         qpn_u32 col[4];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) col[c] = __shfl_sync(0xFFFFFFFFu, own, quad | c);
+        for (int c = 0; c < 4; ++c) col[c] = __shfl_sync(0xFFFFFFFFu, own, c, 4);  // width 4: source lane quad | c, an immediate
 #pragma unroll
         for (int rb = 0; rb < 2; ++rb) {
             qpn_u32 e[4];
@@ -263,13 +295,13 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         QpnBatchX xb;
         qpn_x_batch_start(xb, px, i, full, n_local);
         qpn_u32 xy[QPN_UNROLL][QPN_NT];
-        bool slow = false;
+        qpn_u32 any_xy = 0;
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u)
 #pragma unroll
             for (int tt = 0; tt < QPN_NT; ++tt) {
                 xy[u][tt] = xy_table[tt][b.scale[u][tt]];
-                slow |= xy[u][tt] == QPN2_SLOW_XY;
+                any_xy |= xy[u][tt];
             }
         auto run = [&](bool exact_path) {
 #pragma unroll
@@ -279,13 +311,27 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
                 for (int tt = 0; tt < QPN_NT; ++tt) group_tile(b, xf, u, tt, xy[u][tt], exact_path);
             }
         };
-        if (QPN2_EXACT_PATH && __any_sync(0xFFFFFFFFu, slow))
+        if (QPN2_EXACT_PATH && qpn2_warp_any_flag(any_xy & QPN2_SLOW_FLAG))
             run(true);
         else
             run(false);
     };
-    qpn_run_batches<Qpn2Batch>(
-        n_local, [&](Qpn2Batch& b, int u, int i, bool valid) { qpn2_load_slot(b, u, i, valid, pc, ps); }, compute);
+    // The K loop (qpn_run_batches without its partial batch): a QPN2 slice is whole batches (K % 64 == 0
+    // and groups_per_warp a multiple of 4: linear.SLICE_MULTIPLE), and the pointers advance by one
+    // batch per iteration, so every load is a pointer plus an immediate (no per-batch address math).
+    for (int i = 0; i + QPN_UNROLL <= n_local; i += QPN_UNROLL) {  // never reads past the slice
+        Qpn2Batch b;
+#pragma unroll
+        for (int u = 0; u < QPN_UNROLL; ++u) qpn2_load_slot(b, u, 0, true, pc, ps);
+        compute(b, 0, true);
+#pragma unroll
+        for (int tt = 0; tt < QPN_NT; ++tt) {
+            pc[tt] += 256 * QPN_UNROLL;
+            ps[tt] += 32 * QPN_UNROLL;
+        }
+#pragma unroll
+        for (int j = 0; j < QPN_NB; ++j) px[j] += QPN_GROUP_K * QPN_UNROLL;
+    }
 
 #if QPN_ABLATE
     if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive

@@ -6,8 +6,10 @@ RN16(RN32(e2m1 * S)) element by element. Per block (one column, 16 k) the owner 
     X  = fma16(B1, 2, RN16(-2 * B0))        Y = fma16(B0, 3, RN16(-2 * B1))
 and every weight pair is then, with e14 = the nibble bit trick (e2m1 * 2^-14, exact),
     e  = RN16(e14 * 2^14)        p = bits(e) & 0xFDFF        W = fma16(e, X, RN16(p * Y))
-on blocks with |S| >= 2^-13 or S == 0 (the "fast path"); other blocks use the contract formula
-itself. This module models each step with numpy (fp16 products: exact in float32 and rounded
+on blocks with |S| >= 2^-13 or S == 0 whose Y has its exponent MSB clear (bit 14 of Y =
+QPN2_SLOW_FLAG 0x40000000 of the {X, Y} table word: the kernel tests the OR of a batch's entries
+for that bit, and stores an all-ones marker for every other block) (the "fast path"); other
+blocks use the contract formula itself. This module models each step with numpy (fp16 products: exact in float32 and rounded
 once by the cast; fma16: exact in float64, rounded once) and compares the result with
 `qpn.ref.nvfp4_dequantize` for all 254 non-NaN scale bytes x all 16 codes x a few thousand
 global scales, including ones that push blocks into fp16 subnormals and to the overflow limit.
@@ -23,12 +25,18 @@ formula; `test_qpn8_decode_model_is_the_contract` checks the model against qpn.r
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+import qpn
 from qpn.ref import decode_e4m3, nvfp4_block_overflows, nvfp4_dequantize, pack_nibbles, qpn8_dequantize, qpn8_prepack
 
 FAST_PATH_MIN_SCALE = np.float32(2.0**-13)  # the kernel's threshold on |S|
+SLOW_FLAG_Y = 0x4000  # 0100_0000_0000_0000: Y's exponent MSB = bit 30 of the {X (low), Y (high)} word
+KERNEL_SOURCE = Path(qpn.__file__).parent / "cupy_kernels" / "qpn2_linear.cu"
 SEED = 20261129
 N_RANDOM_SCALES = 3000
 ALL_BYTES = np.array([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=np.uint8)  # 254 non-NaN
@@ -83,7 +91,8 @@ def global_scales() -> np.ndarray:
 
 
 def kernel_block_constants(scale_bytes, g_rows):
-    """The owner lane's per-block values: S (fp32), X, Y (fp16), fast-path flag."""
+    """The owner lane's per-block values: S (fp32), X, Y (fp16), fast-path flag (the table
+    entry is {X, Y} itself, not the marker)."""
     s = decode_e4m3(scale_bytes) * g_rows  # RN32(e4m3 * g), float32
     with np.errstate(over="ignore"):
         b0 = s.astype(np.float16)  # cvt.rn.f16.f32
@@ -91,7 +100,7 @@ def kernel_block_constants(scale_bytes, g_rows):
     minus2 = np.float16(-2.0)
     x = _fma16(b1, np.float16(2.0), _mul16(b0, minus2))  # 2 B1 - 2 B0
     y = _fma16(b0, np.float16(3.0), _mul16(b1, minus2))  # 3 B0 - 2 B1
-    fast = (np.abs(s) >= FAST_PATH_MIN_SCALE) | (s == 0)
+    fast = ((np.abs(s) >= FAST_PATH_MIN_SCALE) | (s == 0)) & ((_bits(y) & SLOW_FLAG_Y) == 0)
     return s, x, y, fast
 
 
@@ -179,6 +188,30 @@ def test_qpn2_fast_path_threshold_is_needed():
     assert slow.any()
     differs = (got.astype(np.float32) != want.astype(np.float32)) & slow[:, None]
     assert differs.any()
+
+
+def test_model_constants_are_the_kernels():
+    """The proof models the kernel's own table rule: the |S| threshold and the flag bit."""
+    src = KERNEL_SOURCE.read_text()
+    flag = re.search(r"#define QPN2_SLOW_FLAG (0x[0-9A-Fa-f]+)u", src)
+    marker = re.search(r"#define QPN2_SLOW_XY (0x[0-9A-Fa-f]+)u", src)
+    assert flag and marker, f"QPN2_SLOW_FLAG / QPN2_SLOW_XY not defined in {KERNEL_SOURCE}"
+    assert int(flag.group(1), 16) == SLOW_FLAG_Y << 16  # Y is the high half of the table word
+    assert int(marker.group(1), 16) & int(flag.group(1), 16)  # the marker takes the exact path
+    rule = "((fabsf(s) < 0x1p-13f && s != 0.0f) || (xy & QPN2_SLOW_FLAG)) ? QPN2_SLOW_XY : xy"
+    assert rule in src and float.fromhex("0x1p-13") == FAST_PATH_MIN_SCALE
+    assert "any_xy & QPN2_SLOW_FLAG" in src  # the batch's test: the flag of the OR of its entries
+
+
+def test_qpn2_slow_flag_only_excludes_huge_blocks():
+    """The flag bit (|Y| >= 2) sends a block with |S| >= 2^-13 to the exact path only when
+    |S| >= 2^10 (its weights reach 6 * 1024): never in practice, and exact either way."""
+    scales = global_scales()
+    scale_bytes, g_rows, legal, _ = _reference_table(scales)
+    s, _, y, _ = kernel_block_constants(scale_bytes, g_rows)
+    flagged = legal & ((_bits(y) & SLOW_FLAG_Y) != 0)
+    assert flagged.any()  # the rule is not vacuous: such legal blocks exist
+    assert float(np.abs(s[flagged]).min()) >= 2.0**10
 
 
 def test_qpn2_fast_path_covers_realistic_weights():
