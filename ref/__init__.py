@@ -14,4 +14,4 @@ from .nvfp4 import NVFP4Weight, nvfp4_block_overflows, nvfp4_dequantize, nvfp4_d
 from .fp8 import FP8Weight, fp8_dequantize, fp8_quantize, fp8_scale_granularity, fp8_scale_map
 from .qpn2 import qpn2_dequantize, qpn2_dequantize_variant_e, qpn2_dequantize_variant_p, qpn2_prepack, qpn2_unpack
 from .qpn8 import qpn8_dequantize, qpn8_prepack, qpn8_scale_granularity, qpn8_unpack, require_qpn8_fits_fp16
-from .linear import linear, linear_bounds, linear_bounds_fp32, linear_error_bound, linear_gated, silu_and_mul
+from .linear import linear, linear_bounds, linear_bounds_fp32, linear_bounds_of_fp32_sums, linear_error_bound, linear_gated, silu_and_mul

@@ -139,7 +139,19 @@ def linear_bounds_fp32(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUND
     # finite in fp32) are NaN or inf exactly where row n holds a NaN or inf, whatever x is
     if not np.isfinite(a32[m]).all():
         require_finite("w16", w16)  # raises, counting every NaN / inf
-    a32 = a32[:m]
+    return linear_bounds_of_fp32_sums(s32, a32[:m], k, unit_roundoff)
+
+
+def linear_bounds_of_fp32_sums(s32, a32, k: int, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF
+                               ) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi), float16 [M, N], from S32 = sum x*w and A32 = sum |x*w| [M, N] accumulated in fp32 by
+    any BLAS (any order, FMA or not; values in float32 or float64) over K exact fp16 products: the
+    `linear_bounds_fp32` statement (module docstring), for callers whose fp32 matmul is faster than
+    numpy's (qpn verify uses torch's). The caller checks the weights are finite."""
+    s32 = np.asarray(s32, dtype=np.float64)
+    a32 = np.asarray(a32, dtype=np.float64)
+    if s32.shape != a32.shape:
+        raise ValueError(f"s32 and a32 must have one shape [M, N], got {s32.shape} and {a32.shape}")
     gamma32 = _gamma(k, FP32_UNIT_ROUNDOFF)
     d = (_gamma(k, unit_roundoff) + gamma32) / (1.0 - gamma32) * (1.0 + 2.0**-50) * a32
     with np.errstate(over="ignore"):

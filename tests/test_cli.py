@@ -478,3 +478,31 @@ def test_bench_without_a_gpu_says_so_and_exits_3(capsys):
 def test_demo_on_cuda_without_a_gpu_says_so_and_exits_3(capsys):
     code, out, err = run(["demo", "--device", "cuda"], capsys)
     assert code == 3 and "--device cuda" in err
+
+
+def test_verify_bound_from_torch_sums_is_refs_bound():
+    """verify's bound: ref's formula (linear_bounds_of_fp32_sums) over fp32 sums from torch's matmul.
+    It must admit the exact result and every fp32 accumulation (here: torch's, numpy's, a sequential
+    fp32 loop in reverse order), fall back to ref.linear_bounds_fp32 when torch's fp32 matmul may use
+    bf16 ("high"), and refuse non-finite weights as ref does."""
+    rng = np.random.default_rng(11)
+    w16 = (rng.standard_normal((96, 256)) * 0.05).astype(np.float16)
+    x16 = rng.standard_normal((41, 256)).astype(np.float16)
+    lo, hi = cli._linear_bounds(x16, w16)
+    reverse = np.zeros((41, 96), np.float32)
+    for k in reversed(range(256)):
+        reverse += x16[:, k:k + 1].astype(np.float32) * w16[:, k].astype(np.float32)
+    for y in (ref.linear(x16, w16), reverse.astype(np.float16),
+              (torch.from_numpy(x16).float() @ torch.from_numpy(w16).float().T).half().numpy(),
+              (x16.astype(np.float32) @ w16.astype(np.float32).T).astype(np.float16)):
+        assert np.all((lo <= y) & (y <= hi))
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        for a, b in zip(cli._linear_bounds(x16, w16), ref.linear_bounds_fp32(x16, w16)):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    w16[7, 3] = np.inf
+    with pytest.raises(ValueError, match="w16"):
+        cli._linear_bounds(x16, w16)
