@@ -1,6 +1,6 @@
 """qpn: NVFP4 and FP8 weight-only linear layers for GPUs without FP4/FP8 hardware.
 
-Parts (see DESIGN.md): `qpn.ref` (pure-numpy bit-exact reference), `qpn.cupy_kernels`
+Parts (see docs/ARCHITECTURE.md): `qpn.ref` (pure-numpy bit-exact reference), `qpn.cupy_kernels`
 (sm_75 CUDA kernels through CuPy), `qpn.torch_bridge` (torch custom ops, modules, vLLM).
 """
 

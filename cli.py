@@ -487,7 +487,7 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
             w16 = ref.qpn8.qpn8_dequantize_unpacked(original.weight, layer.scales, layer.n_padded, layer.k)
             checkpoint_w16 = ref.fp8_dequantize(original.weight, original.weight_scale)
             worst = _worst_ulp_distance(w16, checkpoint_w16)
-            if worst > 1:  # the QPN8 contract differs from RN16(RN32(e4m3 * s)) by at most 1 ulp (spec/QPN8.md)
+            if worst > 1:  # the QPN8 contract differs from RN16(RN32(e4m3 * s)) by at most 1 ulp (docs/QPN8.md)
                 result.fail("ref", f"qpn8_dequantize is {worst} ulp from the checkpoint semantics (the contract "
                                    "allows 1)")
     except ValueError as exc:

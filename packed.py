@@ -16,12 +16,12 @@ gives identical bytes; nothing records the time or the source path):
 Tensors of a quantized linear X (N output features, K input features; N_pad = N rounded up to 32,
 or to 128 for FP8 128x128 block scales; pad rows are exact zeros and are cropped by the readers):
 
-    NVFP4 -> QPN2   X.qpn_codes          U8   [N_pad, K/2]     codes in QPN2 byte order (spec/QPN2.md)
+    NVFP4 -> QPN2   X.qpn_codes          U8   [N_pad, K/2]     codes in QPN2 byte order (docs/QPN2.md)
                     X.qpn_scales         U8   [N_pad, K/16]    e4m3 scale bytes in QPN2 order
                     X.qpn_global_scale   F32  [N_pad/32]       multiplier per 32-row tile (ModelOpt's
                                                                weight_scale_2; compressed-tensors'
                                                                reciprocal already inverted)
-    FP8   -> QPN8   X.qpn_codes          U8   [N_pad, K]       e4m3 bytes in QPN8 order (spec/QPN8.md)
+    FP8   -> QPN8   X.qpn_codes          U8   [N_pad, K]       e4m3 bytes in QPN8 order (docs/QPN8.md)
                     X.qpn_group_scales   F16  [1, N_pad] or [K/128, N_pad/32]   S16 = RN16(256 * s)
                     X.qpn_weight_scale   F32  as in the source: () / [N] / [ceil(N/128), ceil(K/128)]
                                                                (the fp32 scale, kept because S16 is

@@ -264,7 +264,7 @@ def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=
     return ctx.time_calls(launch, slots), f"{parts}x{split}x{gpw}"
 
 
-ABLATIONS = (  # (format, label, extra macros): where the time goes (METHOD.md: leave one stage out)
+ABLATIONS = (  # (format, label, extra macros): where the time goes (method: leave one stage out)
     ("qpn2", "full", ()),
     ("qpn2", "loads only", (("QPN_ABLATE", "1"),)),
     ("qpn2", "no exchange", (("QPN_ABLATE", "2"),)), ("qpn2", "no decode", (("QPN_ABLATE", "3"),)),

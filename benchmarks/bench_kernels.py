@@ -4,7 +4,7 @@
                                        [--out benchmarks/results] [--name h200]
 
 Writes <out>/<name>.json (every number, plus the environment) and <out>/<name>.md (tables), and
-prints the tables. Method (STYLE.md 14, TURING.md "The test GPU as a proxy"):
+prints the tables. Method (docs/STYLE.md, item 14; docs/TURING.md, "The test GPU as a proxy"):
 
 - One shared ceiling, measured first in the same run: streaming read with 16-byte `__ldcs`
   loads over >= 1 GiB (also write-only and copy, for context); every bandwidth figure is a

@@ -1,6 +1,6 @@
 """Host-side validation for the CuPy wrappers: ValueErrors that name argument, rule, value and fix.
 
-Wording follows qpn.ref (DESIGN.md, "Bad input"); the GPU-only rules (a CuPy array on the
+Wording follows qpn.ref (docs/DESIGN.md, "Bad input"); the GPU-only rules (a CuPy array on the
 current device, C-contiguous, aligned for 16-byte vector loads) are added here. Value rules
 that need the data (NaN scale bytes, fp16 overflow) run on the GPU; when one fires, the
 wrapper re-runs the reference function on host copies so that the error is the reference's own

@@ -7,9 +7,9 @@ For every variant of `variants.all_variants()` (kernels of one file with the sam
 form one module, compiled once), with exactly the loader's options (`loader.nvrtc_options`):
 
 1. compute_75 PTX (front end only, inline asm passed through unchecked) is scanned for
-   instructions outside the Turing rules (DESIGN.md, spec/TURING.md): `cp.async`, any
-   `m16n8k16` or `m8n8k4` shape, anything `.bf16` or `.tf32`, fp8/fp6/fp4 conversions
-   (`cvt.*e4m3/e5m2/e2m1/...`), `wgmma`/`tcgen05`;
+   instructions outside the Turing rules (docs/DESIGN.md, "Turing rules for every kernel";
+   docs/TURING.md): `cp.async`, any `m16n8k16` or `m8n8k4` shape, anything `.bf16` or
+   `.tf32`, fp8/fp6/fp4 conversions (`cvt.*e4m3/e5m2/e2m1/...`), `wgmma`/`tcgen05`;
 2. an sm_75 cubin is built with `--ptxas-options=-v`; the ptxas report in the program log gives
    registers, static shared memory, stack frame and spill bytes per function. Rules: the build
    succeeds, the registered kernel is in it, 0 spill bytes (stores and loads) in every

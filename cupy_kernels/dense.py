@@ -3,7 +3,7 @@
     y[M, N] = x[M, K] @ W16[N, K]^T     W16 from qpn2_dequantize / qpn8_dequantize
 
 The GEMM is `cupy.matmul(x, w.T)`: for 2-D fp16 operands CuPy calls cublasGemmEx with
-CUBLAS_COMPUTE_32F (fp32 accumulation, DESIGN.md: never fp16 accumulation), and `w.T` is an
+CUBLAS_COMPUTE_32F (fp32 accumulation, docs/DESIGN.md, "Linear": never fp16 accumulation), and `w.T` is an
 F-contiguous view, so cuBLAS reads W16 transposed in place (no copy). Because W16 is
 byte-identical to qpn.ref's and the GEMM call is the same one a caller would make on the
 reference W16, the result is bit-identical to cuBLAS on the reference weights.

@@ -6,13 +6,14 @@
 x: fp16 [M, K] CuPy (C-contiguous); codes / scales / group_scales as qpn2_prepack / qpn8_prepack
 return them; global_scale: float32 scalar or one value per 32-column tile ([N/32]), host or
 CuPy. Returns fp16 [M, N] (or `out`); with `gated=True` the weight stacks gate rows [0, N/2) and
-up rows [N/2, N) and the result is fp16 [M, N/2] = silu_and_mul(gate, up) (DESIGN.md).
+up rows [N/2, N) and the result is fp16 [M, N/2] = silu_and_mul(gate, up)
+(docs/DESIGN.md, "Gated epilogue").
 
-Numerics (DESIGN.md): the weights are exactly the contract's W16 (the same values the
-dequantize kernels write), products are exact, accumulation is fp32 (tensor cores), one RN16 at
-the end. Batch invariance: row i of an M-row call equals row i computed alone, bit for bit, for
-every M in [1, 32] -- the K split (`split_k`) depends on N, K and the SM count only, and every
-output element goes through the same fp32 operations whatever M is.
+Numerics (docs/DESIGN.md, "Numerics contract"): the weights are exactly the contract's W16 (the
+same values the dequantize kernels write), products are exact, accumulation is fp32 (tensor
+cores), one RN16 at the end. Batch invariance: row i of an M-row call equals row i computed
+alone, bit for bit, for every M in [1, 32] -- the K split (`split_k`) depends on N, K and the SM
+count only, and every output element goes through the same fp32 operations whatever M is.
 
 No validation of the data here (it is the per-token hot path, and a value check would cost a
 host sync): validate weights once at load time (prepack, or dequantize with check=True).

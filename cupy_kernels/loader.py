@@ -1,7 +1,7 @@
 """The one loader of qpn's CUDA kernels: compile options, arch choice, caches, NVRTC backends.
 
 Everything about how a `.cu` file of this folder becomes a launchable `cupy.RawKernel` lives
-here, and only here (STYLE.md 5):
+here, and only here (docs/STYLE.md, item 5):
 
 - **Sources** resolve from this package's folder (never the working directory). Every `*.cuh`
   of the folder is handed to NVRTC as an in-memory header, so `#include "qpn_common.cuh"`

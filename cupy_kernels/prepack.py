@@ -1,11 +1,11 @@
 """GPU prepack: checkpoint tensors (CuPy arrays) -> QPN2 / QPN8 buffers, bytes identical to qpn.ref.
 
 - `qpn2_prepack(weight_packed, weight_scale) -> (codes, scales)`: uint8 [N, K/2] and uint8
-  [N, K/16] in QPN2 byte order (spec/QPN2.md). N % 32 == 0, K % 64 == 0. NaN scale bytes
+  [N, K/16] in QPN2 byte order (docs/QPN2.md). N % 32 == 0, K % 64 == 0. NaN scale bytes
   (0x7F/0xFF) rejected.
 - `qpn8_prepack(weight, weight_scale, granularity=None) -> (codes, group_scales)`: uint8 [N, K]
   in QPN8 order and float16 [1, N] (tensor / channel) or [K/128, N/32] (128x128 block)
-  S16 = RN16(256 * s) (spec/QPN8.md). Rejects NaN weight bytes, scales that are not finite
+  S16 = RN16(256 * s) (docs/QPN8.md). Rejects NaN weight bytes, scales that are not finite
   and > 0, and S16 whose largest weight RN16(1.75 * S16) is inf.
 
 Rejection: the kernels OR a flag word in device memory when they meet a bad byte or scale

@@ -6,14 +6,15 @@
 //          QPN_STAGE_GROUPS       groups staged per phase through shared memory (2 or 4, default 2)
 //          QPN_WARPS_PER_BLOCK    warps per block (default 8; the host launches 32x this many threads)
 //
-// Weight semantics (DESIGN.md; bit-identical to qpn.ref.qpn2_dequantize):
+// Weight semantics (docs/DESIGN.md, "NVFP4 weight"; bit-identical to qpn.ref.qpn2_dequantize):
 //     W16[n,k] = RN16(RN32(e2m1(code) * RN32(e4m3(scale) * g(n))))      code 8 -> -0.0 (0x8000)
 // computed as  E = __fmul_rn(e4m3, g)                        (RN32, once per lane and group)
 //              w = __fmul_rn(e2m1 * 2^-14, E * 2^14)         (same real product, one RN32)
 //              W16 = cvt.rn.f16.f32(w)                       (one RN16)
-// where e2m1 * 2^-14 is the exact fp16 value of the nibble bit trick (spec/QPN2.md, "Why this
-// order") and E * 2^14 is exact (power-of-two scale; it could only overflow for scales that
-// the overflow rule rejects: 6 * E >= 65520 long before E * 2^14 reaches fp32's 3.4e38).
+// where e2m1 * 2^-14 is the exact fp16 value of the nibble bit trick
+// (docs/QPN2.md, "Why this order") and E * 2^14 is exact (power-of-two scale; it could only
+// overflow for scales that the overflow rule rejects: 6 * E >= 65520 long before E * 2^14
+// reaches fp32's 3.4e38).
 //
 // qpn2_dequantize
 //   Reads   codes         [tile N/32][group G=K/16][lane 32][8 bytes]  (QPN2 order)

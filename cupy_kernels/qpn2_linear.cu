@@ -8,7 +8,7 @@
 //          QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   the load batches (qpn_mma.cuh)
 //          QPN2_EXACT_PATH, QPN_ABLATE   benchmark-only switches (bench_decode.py "ablate"); never registered
 //
-// Reads   codes   [tile N/32][group G=K/16][lane 32][8 bytes]  QPN2 order (spec/QPN2.md)
+// Reads   codes   [tile N/32][group G=K/16][lane 32][8 bytes]  QPN2 order (docs/QPN2.md)
 //         scales  [tile][group][lane]  e4m3 bytes
 //         gscale  fp32, g(tile) = gscale[tile * gs_stride]  (stride 0: scalar, 1: per 32-column tile)
 //         x       fp16 [M][K] row-major

@@ -1,4 +1,4 @@
-// qpn2_prepack.cu: ModelOpt NVFP4 tensors -> QPN2 codes and scales (spec/QPN2.md), on the GPU.
+// qpn2_prepack.cu: ModelOpt NVFP4 tensors -> QPN2 codes and scales (docs/QPN2.md), on the GPU.
 //
 // Kernels: qpn2_prepack.   Macros: none.
 //

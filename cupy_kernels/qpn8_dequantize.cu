@@ -6,7 +6,7 @@
 //          QPN_STAGE_GROUPS       groups staged per phase through shared memory (2 or 4, default 2)
 //          QPN_WARPS_PER_BLOCK    warps per block (default 8; the host launches 32x this many threads)
 //
-// Weight semantics (spec/QPN8.md; bit-identical to qpn.ref.qpn8_dequantize):
+// Weight semantics (docs/QPN8.md; bit-identical to qpn.ref.qpn8_dequantize):
 //     W16 = RN16(e4m3(code) * 2^-8 * S16)     exact product, one rounding
 // computed as one `mul.rn.f16x2` of the bit-trick half2 (e4m3 * 2^-8, exact, subnormals
 // included) and {S16, S16}: the fp16 multiply rounds the exact product once (4 x 11

@@ -4,7 +4,7 @@
 // Macros:  QPN_NB, QPN_TILES, QPN_GATED, QPN_WARPS, QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   qpn_mma.cuh
 //          QPN8_BLOCK_SCALES  0: channel / tensor scales S16[0, n];  1: 128x128 block S16[kb, t]
 //
-// Reads   codes   [tile N/32][group G=K/16][lane 32][16 bytes]  QPN8 order (spec/QPN8.md):
+// Reads   codes   [tile N/32][group G=K/16][lane 32][16 bytes]  QPN8 order (docs/QPN8.md):
 //                 lane byte p holds W[32t + col(lane)][16g + KORDER[p]]
 //         gs16    fp16 group scales: channel [1, N] (S16[n]) or block [K/128, N/32] (S16[g/8][t])
 //         x       fp16 [M][K] row-major

@@ -1,5 +1,5 @@
 // qpn8_prepack.cu: FP8 (e4m3) weights and fp32 scales -> QPN8 codes and fp16 group scales
-// (spec/QPN8.md), on the GPU.
+// (docs/QPN8.md), on the GPU.
 //
 // Kernels: qpn8_prepack, qpn8_group_scales.
 // Macros:  QPN_GROUPS_PER_THREAD  groups (16-byte packets) one thread moves (default 4).

@@ -5,13 +5,13 @@
 // cuda_fp16.h, so fp16 values travel as uint16/uint32 bit patterns and every fp16 instruction
 // is written out as inline PTX; that also pins the exact instruction, which the numerics need).
 //
-// Numerics rules for everything here (DESIGN.md, "Numerics contract"):
+// Numerics rules for everything here (docs/DESIGN.md, "Numerics contract"):
 // - fp32 multiplies use __fmul_rn (never contracted into an FMA, round to nearest even);
 // - fp32 -> fp16 is `cvt.rn.f16.f32` (one RNE rounding, subnormals kept: the loader never passes
 //   -ftz=true or --use_fast_math);
 // - fp16 x fp16 is `mul.rn.f16x2` (exact product, one RNE rounding, subnormals kept).
 //
-// Geometry (spec/QPN2.md, "Geometry shared with QPN8"): a warp lane owns one column of a
+// Geometry (docs/QPN2.md, "Geometry shared with QPN8"): a warp lane owns one column of a
 // 32-column tile, col(lane) = 8*((lane>>2)&3) + (lane&3) + 4*((lane>>4)&1); inside a 16-k group
 // position p holds k = (p&8) + 2*(p&3) + ((p&7)>>2) (KORDER).
 #pragma once

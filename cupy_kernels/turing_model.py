@@ -145,7 +145,7 @@ CARDS = (
 )
 # The check card: 132 SMs at the 1.98 GHz boost (the results do not record the clock), DRAM =
 # the read ceiling measured in the same run (efficiency 1), m16n8k8 at the measured 434 TFLOP/s
-# (DESIGN.md) = 434e12 / 2 / (132 x 1.98e9) FMA per clock per SM, L2 not modelled (no figure).
+# (docs/TURING.md) = 434e12 / 2 / (132 x 1.98e9) FMA per clock per SM, L2 not modelled (no figure).
 H200 = Card("H200", 132, 1.98, 4462.0, None, 434e12 / 2 / (132 * 1.98e9), PIPES_SM90, stream_efficiency=1.0)
 
 MS = (1, 8, 16, 32)

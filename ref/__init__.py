@@ -1,7 +1,8 @@
 """qpn.ref: the pure-numpy, bit-exact reference of NVFP4/FP8 decoding and the QPN2/QPN8 layouts.
 
 This package is the specification that the CUDA kernels and the CPU backend must match byte
-for byte. It imports numpy only (and safetensors for checkpoint I/O), never torch or cupy.
+for byte. It imports numpy only (its own safetensors reader and writer: safetensors_io.py), never torch
+or cupy.
 e4m3 values travel as uint8 bit patterns.
 """
 

@@ -11,7 +11,7 @@ Data model (frozen dataclasses; arrays are numpy, e4m3 travels as uint8 bit patt
   weight_packed uint8 [N, K/2] (element 2j in the LOW nibble), weight_scale uint8 e4m3 bits
   [N, K/16], global_scale float32 0-d, input_scale float32 0-d or None.
   Convention: global_scale and input_scale are MULTIPLIERS, i.e. ModelOpt's `weight_scale_2`
-  and `input_scale`; value = e2m1 * e4m3(scale) * global_scale (spec/FORMATS.md).
+  and `input_scale`; value = e2m1 * e4m3(scale) * global_scale (docs/FORMATS.md).
 - `FP8Linear(name, weight, weight_scale, granularity, input_scale=None, scale_name="weight_scale")`:
   weight uint8 e4m3 bits [N, K]; weight_scale float32, a multiplier: 0-d ("tensor"), [N]
   ("channel"; [N, 1] on disk is accepted and flattened) or [ceil(N/128), ceil(K/128)]

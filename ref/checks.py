@@ -1,7 +1,7 @@
 """Input validation shared by every `qpn.ref` entry point.
 
 Every failure is a `ValueError` that names the argument, the rule, the value and the fix
-(DESIGN.md, "Bad input"). Checks run before any work, so a rejected call changes nothing.
+(docs/DESIGN.md, "Bad input"). Checks run before any work, so a rejected call changes nothing.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FP8 (e4m3fn) weights: the ModelOpt / DeepSeek quantizer and checkpoint-semantics dequantization.
 
-Tensors (spec/FORMATS.md, "FP8 weights"), N = output features, K = input features:
+Tensors (docs/FORMATS.md, "FP8 weights"), N = output features, K = input features:
 
     weight        uint8   [N, K]   e4m3fn bit patterns
     weight_scale  float32 ()                              granularity "tensor"

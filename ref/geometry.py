@@ -1,4 +1,4 @@
-"""Geometry shared by the QPN2 and QPN8 layouts (spec/QPN2.md, "Geometry shared with QPN8").
+"""Geometry shared by the QPN2 and QPN8 layouts (docs/QPN2.md, "Geometry shared with QPN8").
 
 - Output columns are cut into tiles of 32 (`t = n // 32`); K into groups of 16 (`g = k // 16`).
 - A warp lane owns one column of a tile: `col(lane) = 8*((lane>>2)&3) + (lane&3) + 4*((lane>>4)&1)`,

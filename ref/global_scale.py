@@ -2,7 +2,7 @@
 
 Per-tile scales exist for fused shards (q/k/v, gate/up) whose `weight_scale_2` differ:
 collapsing them with max() (vLLM's choice) mis-scales the smaller shards 1.5-3x unless the
-block scales are requantized, so qpn keeps one value per tile instead (DESIGN.md).
+block scales are requantized, so qpn keeps one value per tile instead (docs/DESIGN.md, "NVFP4 weight").
 A shard boundary must therefore fall on a multiple of 32 rows.
 """
 

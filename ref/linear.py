@@ -7,7 +7,7 @@
   (e.g. small K with moderate exponents, as in the tests); in general its error is at most
   gamma64_K * sum|x*w| (gamma64_K = K*2^-53 / (1 - K*2^-53)), which can only move y where the
   exact sum lies that close to an fp16 rounding midpoint. No bias: the contract is
-  `linear(x, w16)` (DESIGN.md); a bias would be one more RN16 add, done by the caller.
+  `linear(x, w16)` (docs/DESIGN.md, "Linear"); a bias would be one more RN16 add, done by the caller.
 - `linear_bounds` / `linear_error_bound`: what an implementation that accumulates in fp32 (or
   wider), in any order, may return. Derivation:
     S   = exact sum of the products,   S64 = this module's float64 sum,   S' = the kernel's sum.
@@ -47,7 +47,7 @@
   negative gates. NaN is not rejected here.
 - `linear_gated(x, w16)`: gate = rows [0, N/2) of w16, up = rows [N/2, N);
   out = silu_and_mul(linear(x, gate rows), linear(x, up rows)), i.e. "linear, then vLLM's
-  silu_and_mul kernel" (DESIGN.md, gated epilogue).
+  silu_and_mul kernel" (docs/DESIGN.md, "Gated epilogue").
 """
 
 from __future__ import annotations

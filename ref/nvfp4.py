@@ -1,6 +1,7 @@
 """NVFP4 weights as ModelOpt writes them: quantizer, checkpoint-semantics dequantization, nibbles.
 
-Tensors of one linear layer (spec/FORMATS.md), N = output features, K = input features:
+Tensors of one linear layer (docs/FORMATS.md, "NVFP4, as ModelOpt writes it"), N = output
+features, K = input features:
 
     weight_packed   uint8   [N, K/2]   byte j of row n: k=2j in the LOW nibble, k=2j+1 in the HIGH
     weight_scale    uint8   [N, K/16]  e4m3 bit patterns, one block scale per 16 consecutive k
@@ -18,7 +19,7 @@ Numerics policy
   code 0 (+0). `encode_e2m1` follows np.signbit (the format's own view, as ml_dtypes does), so
   the quantizer maps -0.0 to +0.0 before encoding. Negative values that round to 0 keep the sign
   (code 8) in both conventions.
-- Dequantization (`nvfp4_dequantize`) is the qpn numerics contract (DESIGN.md):
+- Dequantization (`nvfp4_dequantize`) is the qpn numerics contract (docs/DESIGN.md, "NVFP4 weight"):
   W16[n,k] = RN16(RN32(e2m1(code) * RN32(e4m3(scale[n,k/16]) * g(n)))); code 8 gives -0.0
   (fp16 bits 0x8000). `nvfp4_dequantize_fp32` stops before RN16 (ModelOpt's fp32 result).
   The formula is evaluated once per global scale on all 256 scale bytes x 16 codes
@@ -120,7 +121,7 @@ def nvfp4_quantize(w) -> NVFP4Weight:
     """float32/float16 weight [N, K] (K % 16 == 0) -> NVFP4Weight, ModelOpt's bytes bit for bit.
 
     float16 input is converted to float32 exactly first (ModelOpt's arithmetic then runs in fp32
-    for fp16/bf16 weights too). Steps, each rounded once in fp32 (spec/FORMATS.md):
+    for fp16/bf16 weights too). Steps, each rounded once in fp32 (docs/FORMATS.md, "ModelOpt's quantizer"):
       1. weight_scale_2 = amax(|W|) / 2688
       2. block_scale = block_amax / RN32(6 * weight_scale_2); 0 -> 1.0; clamp [2^-9, 448]; e4m3 RNE
       3. scaled = W / RN32(e4m3(block_scale) * weight_scale_2)

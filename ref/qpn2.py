@@ -1,4 +1,4 @@
-"""QPN2: the NVFP4 decode layout (spec/QPN2.md), its exact inverse and its weight semantics.
+"""QPN2: the NVFP4 decode layout (docs/QPN2.md), its exact inverse and its weight semantics.
 
 Layout (N output features, K input features, T = N/32 tiles, G = K/16 groups):
 
@@ -37,7 +37,7 @@ Weight semantics
   W16 = RN16(RN32(e2m1 * RN32(e4m3 * g(n)))), code 8 -> -0.0, NaN scale bytes and blocks that
   would overflow fp16 rejected (see ref/nvfp4.py).
 - `qpn2_dequantize_variant_p` and `qpn2_dequantize_variant_e` reproduce upstream's two decode
-  roundings for measurement only (spec/QPN2.md, "How upstream's decode kernels round"). They keep
+  roundings for measurement only (docs/QPN2.md, "How upstream's decode kernels round"). They keep
   overflow visible as inf (and 0 * inf as NaN, as an fp16 multiply does) instead of rejecting it.
   NaN scale bytes are still rejected (those are corrupt input, not an overflow).
 - Subnormals: kept everywhere (no flush to zero); numpy's float64 -> float16 cast is one
@@ -55,7 +55,7 @@ from .global_scale import global_scale_per_row
 from .nvfp4 import nvfp4_dequantize, unpack_nibbles
 
 QPN2_N_MULTIPLE = TILE_N  # 32 output columns per tile
-QPN2_K_MULTIPLE = 64  # spec/QPN2.md: K % 64 == 0 (K % 128 in practice for split-K decode)
+QPN2_K_MULTIPLE = 64  # docs/QPN2.md: K % 64 == 0 (split-K slices are whole batches of 4 groups)
 QPN2_BYTES_PER_LANE_GROUP = GROUP_K // 2  # 8 bytes = 16 nibbles = one uint64
 
 PAD_N_FIX = "pad the output features N to a multiple of 32 (QPNLinear pads and crops)"
@@ -251,7 +251,7 @@ def qpn2_dequantize_variant_p(codes, scales, global_scale, n, k) -> np.ndarray:
     """Upstream's Turing-route decode rounding (variant P), for measurement: float16 [n, k].
 
     Gs = RN16(g * 2^14) once per tile (or once for a scalar g), S = RN16(e4m3 * Gs),
-    weight = RN16(e2m1 * 2^-14 * S). Reading of spec/QPN2.md: e4m3 is the exact decoded scale
+    weight = RN16(e2m1 * 2^-14 * S). Reading of docs/QPN2.md: e4m3 is the exact decoded scale
     value and e2m1 * 2^-14 the exact fp16 value that the nibble bit trick produces, so
     S = RN16 of e4m3 * g * 2^14 with g first rounded to fp16's 11 significant bits, and S is inf
     exactly when e4m3 * Gs >= 65520 (the spec's "e4m3 * g * 2^14 > 65504"). (A kernel that

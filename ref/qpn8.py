@@ -1,4 +1,4 @@
-"""QPN8: the FP8 (e4m3) decode layout (spec/QPN8.md), its exact inverse and its weight semantics.
+"""QPN8: the FP8 (e4m3) decode layout (docs/QPN8.md), its exact inverse and its weight semantics.
 
 Layout (N output features, K input features, T = N/32 tiles, G = K/16 groups; geometry = QPN2's):
 

@@ -41,7 +41,7 @@ E4M3_GOLDEN = {
     0b1_1111_110: -448.0,
 }
 
-# e2m1 ties: each midpoint goes to the neighbour with the even code (spec/FORMATS.md).
+# e2m1 ties: each midpoint goes to the neighbour with the even code (docs/FORMATS.md, "Element codecs").
 E2M1_TIES = {0.25: 0b0000, 0.75: 0b0010, 1.25: 0b0010, 1.75: 0b0100, 2.5: 0b0100, 3.5: 0b0110, 5.0: 0b0110}
 
 E2M1_SATURATING = (7.0, 100.0, np.inf)

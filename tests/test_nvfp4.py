@@ -1,7 +1,8 @@
 """NVFP4 (ref/nvfp4.py): nibble order, ModelOpt's quantizer bit for bit, the fp16 contract, rejections.
 
 Oracles: a torch float32 re-implementation of ModelOpt's quantizer (written here from the
-algorithm in spec/FORMATS.md), ml_dtypes for element values, torch's fp32 -> fp16 cast for RN16.
+algorithm in docs/FORMATS.md, "ModelOpt's quantizer"), ml_dtypes for element values, torch's
+fp32 -> fp16 cast for RN16.
 """
 
 from __future__ import annotations

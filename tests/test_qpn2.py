@@ -1,7 +1,7 @@
 """QPN2 layout (ref/qpn2.py): golden bytes, a loop implementation of the spec formula, the exact
 inverse, alignment rules, and the weight semantics (contract and upstream variants P / E).
 
-Oracle: `spec_prepack_loop` below is spec/QPN2.md read literally, one byte at a time with Python
+Oracle: `spec_prepack_loop` below is docs/QPN2.md read literally, one byte at a time with Python
 ints; it shares no code with ref/qpn2.py (which transposes and delta-swaps uint64 words).
 """
 
@@ -24,7 +24,7 @@ from qpn.ref import (
     qpn2_unpack,
 )
 
-# spec/QPN2.md, "Geometry shared with QPN8", typed in again rather than imported
+# docs/QPN2.md, "Geometry shared with QPN8", typed in again rather than imported
 SPEC_KORDER = (0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
 SPEC_LANE_COLUMNS = (0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27,
                      4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)  # fmt: skip
@@ -46,7 +46,7 @@ def spec_col(lane: int) -> int:
 
 
 def spec_code(packed_rows: list, n: int, k: int) -> int:
-    """code(n, k) = (weight[n, k>>1] >> 4*(k&1)) & 0xF, spec/QPN2.md."""
+    """code(n, k) = (weight[n, k>>1] >> 4*(k&1)) & 0xF, docs/QPN2.md, "Codes"."""
     return (packed_rows[n][k >> 1] >> (4 * (k & 1))) & 0xF
 
 

@@ -2,7 +2,7 @@
 formula, the exact inverse, per-tensor / per-channel / 128x128-block scales, the weight
 contract, and the overflow / NaN / alignment rejections.
 
-Oracles: `spec_prepack_loop` is spec/QPN8.md read literally with Python ints; element values come
+Oracles: `spec_prepack_loop` is docs/QPN8.md read literally with Python ints; element values come
 from ml_dtypes.float8_e4m3fn; RN16 of an exact float64 value is numpy's float64 -> float16 cast
 (one correctly rounded step, pinned on tie cases in test_linear.py).
 """
@@ -75,7 +75,7 @@ def random_scale(n: int, k: int, granularity: str, seed: int) -> np.ndarray:
 
 
 def expected_s16_map(scale: np.ndarray, granularity: str, n: int, k: int) -> np.ndarray:
-    """float16 [n, k/16] straight from spec/QPN8.md (S16 = RN16(256 s)), via float64 -> fp16."""
+    """float16 [n, k/16] straight from docs/QPN8.md (S16 = RN16(256 s)), via float64 -> fp16."""
     s16 = (scale.astype(np.float64) * 256.0).astype(np.float16)
     if granularity == "tensor":
         return np.full((n, k // 16), s16.reshape(()), np.float16)

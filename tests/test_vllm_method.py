@@ -9,7 +9,7 @@ and `LLM()` are tested in tests/test_vllm_real.py. With vLLM installed this modu
 UnquantizedLinearMethod and parameters need vLLM's distributed state, which the stand-in does not
 create.
 
-Reference: the DESIGN.md contract W16 from qpn.ref (vllm_standin.contract_w16) and qpn.ref.linear /
+Reference: the docs/DESIGN.md contract W16 from qpn.ref (vllm_standin.contract_w16) and qpn.ref.linear /
 linear_bounds: a correct layer returns, per element, a value inside linear_bounds(x, W16) (fp32-or-
 wider accumulation in any order, one RN16; derivation in ref/linear.py). Weights are compared byte
 for byte. Row-parallel sums use the bound derived in vllm_standin.all_reduce_bounds.

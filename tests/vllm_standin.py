@@ -326,7 +326,7 @@ def load_layers(folder, modules: Mapping[str, nn.Module], reader: str = "qpn.ref
 
 
 def contract_w16(linear) -> np.ndarray:
-    """The DESIGN.md contract weights of a checkpoint layer, float16 [N, K], from qpn.ref.
+    """The docs/DESIGN.md contract weights of a checkpoint layer, float16 [N, K], from qpn.ref.
 
     NVFP4: RN16(RN32(e2m1 * RN32(e4m3 * g))); FP8 (tensor / channel): the QPN8 contract
     RN16(e4m3 * 2^-8 * RN16(256 * s)) with each row's scale.

@@ -3,7 +3,7 @@
 Imported by ops.py only when a CUDA tensor reaches an op; CuPy and qpn.cupy_kernels are
 imported inside the functions, so `import qpn.torch_bridge` works without them.
 
-Discipline (STYLE.md 9), in this order for every call:
+Discipline (docs/STYLE.md, item 9), in this order for every call:
 1. ops.py has validated dtype, shape, device and contiguity of every tensor (metadata only:
    nothing here synchronizes the GPU);
 2. outputs are allocated with torch (the caching allocator: stream-ordered, and taken from the

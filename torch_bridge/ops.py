@@ -7,7 +7,7 @@
     qpn::nvfp4_linear(Tensor x, Tensor codes, Tensor scales, Tensor global_scale, bool gated=False) -> Tensor
     qpn::fp8_linear(Tensor x, Tensor codes, Tensor group_scales, bool gated=False) -> Tensor
 
-Tensors (N output features, K input features; layouts in spec/QPN2.md and spec/QPN8.md):
+Tensors (N output features, K input features; layouts in docs/QPN2.md and docs/QPN8.md):
 - weight_packed uint8 [N, K/2] (ModelOpt, element 2j in the low nibble); weight_scale e4m3
   [N, K/16] as torch.float8_e4m3fn or uint8 (read as bits); N % 32 == 0, K % 64 == 0.
 - weight e4m3 [N, K] (float8_e4m3fn or uint8); weight_scale float32 () / (1,) / (1, 1) per
@@ -20,8 +20,9 @@ Tensors (N output features, K input features; layouts in spec/QPN2.md and spec/Q
 - x float16 [M, K], contiguous; M = 0 gives an empty [0, N] result. Output float16 [M, N],
   or [M, N/2] with gated=True (N % 64 == 0: gate rows [0, N/2), up rows [N/2, N)).
 
-Numerics (DESIGN.md): every path sees the same W16; y = RN16(fp32-accumulated sum of x * W16);
-gated: out = RN16(RN16(silu32(gate)) * up) on the fp16 linear result.
+Numerics (docs/DESIGN.md, "Numerics contract"): every path sees the same W16;
+y = RN16(fp32-accumulated sum of x * W16); gated: out = RN16(RN16(silu32(gate)) * up) on the fp16
+linear result.
 
 Dispatch. Each op has a CPU kernel (numba, `_cpu.py`) and a CUDA kernel (CuPy over DLPack,
 `_cuda.py`; CuPy is imported only when a CUDA tensor arrives, so the package imports on
@@ -49,7 +50,7 @@ from qpn.ref.geometry import GROUP_K, TILE_N
 from . import _cpu
 
 NVFP4_N_MULTIPLE = TILE_N  # 32
-NVFP4_K_MULTIPLE = 64  # spec/QPN2.md
+NVFP4_K_MULTIPLE = 64  # docs/QPN2.md
 FP8_N_MULTIPLE = TILE_N  # 32 (channel / tensor scales)
 FP8_K_MULTIPLE = GROUP_K  # 16 (channel / tensor scales)
 FP8_BLOCK = 128  # 128x128 block scales need N % 128 and K % 128
