@@ -30,9 +30,9 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -143,7 +143,7 @@ class Backends:
     lines: list[str]  # one description per backend, present or not
 
     @classmethod
-    def find(cls) -> "Backends":
+    def find(cls) -> Backends:
         lines = ["numpy reference (qpn.ref): present"]
         devices = {}
         try:

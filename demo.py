@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 from qpn import ref
 
@@ -142,7 +142,7 @@ def run(device: str = "auto", keep: str | None = None, progress: Callable = lamb
     import torch
 
     from qpn import packed as packing
-    from qpn.cli import Backends, EXIT_FAILED, EXIT_OK, format_table, open_source, upstream_summary, verify_source
+    from qpn.cli import EXIT_FAILED, EXIT_OK, Backends, format_table, open_source, upstream_summary, verify_source
     from qpn.torch_bridge import load_quantized
 
     start = time.perf_counter()

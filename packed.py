@@ -60,19 +60,17 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from qpn import __version__
-from qpn import ref
+from qpn import __version__, ref
+from qpn.ref.atomic import atomic_folder, recover_interrupted, require_writable_target, write_json
 from qpn.ref.checkpoint import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SAFETENSORS_METADATA, SINGLE_FILE
-from qpn.ref.checks import require_no_nan_e4m3
 from qpn.ref.geometry import GROUP_K, TILE_N
 from qpn.ref.qpn2 import QPN2_K_MULTIPLE
 from qpn.ref.qpn8 import QPN8_BLOCK
-from qpn.ref.atomic import atomic_folder, recover_interrupted, require_writable_target, write_json
 
 PACKED_FORMAT = "qpn-packed"
 PACKED_VERSION = 1
@@ -576,7 +574,7 @@ def _trailing_tile_rows(n: int, n_pad: int) -> int:
     return _round_up(n_pad - n, TILE_N)
 
 
-def _check_layer_values(layer: "PackedLayer") -> None:
+def _check_layer_values(layer: PackedLayer) -> None:
     """The cheap value checks of `qpn pack` on a packed layer (scales and pad rows, never the hashes); ValueError."""
     name, n, k, n_pad, entry = layer.name, layer.n, layer.k, layer.n_padded, layer.entry
     rows = _trailing_tile_rows(n, n_pad)

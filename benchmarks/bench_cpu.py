@@ -29,11 +29,11 @@ import platform
 import sys
 import time
 
+import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import numba
 import qpn.torch_bridge  # noqa: F401  (registers torch.ops.qpn.*)
 from qpn import ref
 from qpn.torch_bridge import _cpu

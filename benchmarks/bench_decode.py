@@ -131,7 +131,14 @@ def _torch_linear_us(ctx, x, weights, reps: int = 7) -> float:
 
 def section_decode(ctx: bk.Context) -> bk.Section:
     """Decode kernels vs cuBLAS fp16 and vs the dense path, M in DECODE_MS."""
-    from qpn.cupy_kernels import qpn2_dense_linear, qpn2_dequantize, qpn2_linear, qpn8_dense_linear, qpn8_dequantize, qpn8_linear
+    from qpn.cupy_kernels import (
+        qpn2_dense_linear,
+        qpn2_dequantize,
+        qpn2_linear,
+        qpn8_dense_linear,
+        qpn8_dequantize,
+        qpn8_linear,
+    )
 
     cp = ctx.cp
     read = ctx.ceiling["read"]

@@ -5,9 +5,8 @@
 """
 import sys
 
-import numpy as np
-
 import cupy as cp
+import numpy as np
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from bench_decode import G, _launch_variant, _qpn2_copies, _qpn8_copies, shipped_macros  # noqa: E402

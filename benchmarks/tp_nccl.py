@@ -98,7 +98,6 @@ def nccl_worker(rank: int, folders: dict, out_dir: str, hidden: int, intermediat
     """One rank: correctness results to out_dir/{algo}_rank{rank}.pt, timings to out_dir/times_rank{rank}.pt."""
     os.environ.update(MULTICAST_OFF)
     import torch.distributed as dist
-
     import vllm_standin as st
 
     torch.cuda.set_device(rank)
@@ -155,6 +154,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check(algo, unsharded, ranks, linears, intermediate) -> list[str]:
     """Correctness figures for one checkpoint; returns the failed checks (printed as they go)."""
     import vllm_standin as st
+
     from qpn import ref
 
     failures = []

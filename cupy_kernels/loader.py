@@ -42,9 +42,10 @@ import os
 import tempfile
 import threading
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, NamedTuple
+from typing import NamedTuple
 
 KERNEL_DIR = Path(__file__).resolve().parent
 CACHE_ENV = "QPN_CACHE_DIR"

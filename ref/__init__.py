@@ -6,13 +6,40 @@ or cupy.
 e4m3 values travel as uint8 bit patterns.
 """
 
+from .checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    FP8Linear,
+    NVFP4Linear,
+    fuse_fp8_shards,
+    fuse_nvfp4_shards,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .codecs import decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3
+from .fp8 import FP8Weight, fp8_dequantize, fp8_quantize, fp8_scale_granularity, fp8_scale_map
 from .geometry import KORDER, column_of_lane, k_of_position, lane_of_column, position_of_k
 from .global_scale import global_scale_per_row
-from .safetensors_io import SafetensorsError, StoredTensor, read_safetensors, read_safetensors_header, write_safetensors
-from .checkpoint import Checkpoint, CheckpointError, FP8Linear, NVFP4Linear, fuse_fp8_shards, fuse_nvfp4_shards, load_checkpoint, save_checkpoint
-from .nvfp4 import NVFP4Weight, nvfp4_block_overflows, nvfp4_dequantize, nvfp4_dequantize_fp32, nvfp4_quantize, nvfp4_value_table, pack_nibbles, require_nvfp4_fits_fp16, unpack_nibbles
-from .fp8 import FP8Weight, fp8_dequantize, fp8_quantize, fp8_scale_granularity, fp8_scale_map
+from .linear import (
+    linear,
+    linear_bounds,
+    linear_bounds_fp32,
+    linear_bounds_of_fp32_sums,
+    linear_error_bound,
+    linear_gated,
+    silu_and_mul,
+)
+from .nvfp4 import (
+    NVFP4Weight,
+    nvfp4_block_overflows,
+    nvfp4_dequantize,
+    nvfp4_dequantize_fp32,
+    nvfp4_quantize,
+    nvfp4_value_table,
+    pack_nibbles,
+    require_nvfp4_fits_fp16,
+    unpack_nibbles,
+)
 from .qpn2 import qpn2_dequantize, qpn2_dequantize_variant_e, qpn2_dequantize_variant_p, qpn2_prepack, qpn2_unpack
 from .qpn8 import qpn8_dequantize, qpn8_prepack, qpn8_scale_granularity, qpn8_unpack, require_qpn8_fits_fp16
-from .linear import linear, linear_bounds, linear_bounds_fp32, linear_bounds_of_fp32_sums, linear_error_bound, linear_gated, silu_and_mul
+from .safetensors_io import SafetensorsError, StoredTensor, read_safetensors, read_safetensors_header, write_safetensors

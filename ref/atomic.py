@@ -45,7 +45,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 # .NAME.qpn-PID-XXXXXXXX.STAGE; mkdtemp's random part is 8 of [a-z0-9_]
 _WORK_NAME = re.compile(r"^\.(?P<name>.+)\.qpn-(?P<pid>\d+)-(?P<token>[a-z0-9_]+)\.(?P<stage>tmp|new|old)$")

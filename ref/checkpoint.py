@@ -93,15 +93,16 @@ import fnmatch
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
+from .atomic import atomic_folder, require_writable_target, write_json
 from .checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
 from .fp8 import fp8_block_grid, fp8_block_grid_4d
 from .geometry import GROUP_K, TILE_N
-from .atomic import atomic_folder, require_writable_target, write_json
 from .safetensors_io import StoredTensor, as_stored_tensor, read_safetensors, read_safetensors_header, write_safetensors
 
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")

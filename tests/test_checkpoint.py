@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from qpn.ref import (
     Checkpoint,
     CheckpointError,
-    decode_e4m3,
     FP8Linear,
     NVFP4Linear,
     SafetensorsError,
     StoredTensor,
+    decode_e4m3,
     fp8_dequantize,
     fp8_quantize,
     fuse_fp8_shards,
@@ -38,11 +38,11 @@ from qpn.ref import (
     nvfp4_quantize,
     read_safetensors,
     read_safetensors_header,
+    safetensors_io,
     save_checkpoint,
     write_safetensors,
 )
 from qpn.ref import checkpoint as checkpoint_module
-from qpn.ref import safetensors_io
 
 SEED = 20240611
 ONE = np.float32(1)

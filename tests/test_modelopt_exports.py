@@ -48,7 +48,7 @@ def reference(name: str) -> tuple[torch.Tensor, np.ndarray]:
     return ids, np.load(os.path.join(fixture(name), "reference_logits.npy"))
 
 
-def llama_from_config(name: str, device=None) -> "transformers.LlamaForCausalLM":
+def llama_from_config(name: str, device=None) -> transformers.LlamaForCausalLM:
     """A float32 LlamaForCausalLM built from the fixture's own config.json (random weights)."""
     config = transformers.AutoConfig.from_pretrained(fixture(name))
     assert config.model_type == "llama"

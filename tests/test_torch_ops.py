@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import qpn.torch_bridge  # noqa: F401  (registers torch.ops.qpn.*)
-from qpn.torch_bridge import _cuda
 from qpn import ref
+from qpn.torch_bridge import _cuda
 
 # (N, K): one tile; several tiles and groups; the 128-multiples that block scales need; a
 # MiniLM shape (K = 384 = 6 * 64 is not a multiple of 128: the split-K decode's "practical" rule).

@@ -141,8 +141,7 @@ def vllm_tp1():
     """vLLM's distributed state for one process (tensor parallelism 1, gloo): what its linear and
     embedding layers read their rank from."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (cleanup_dist_env_and_memory, init_distributed_environment,
-                                  initialize_model_parallel)
+    from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
 
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
@@ -170,8 +169,13 @@ FUSED = {f"{LAYER0}.self_attn.qkv_proj": [(f"{LAYER0}.self_attn.q_proj", "q"), (
 
 
 def _real_layers(quant):
-    from vllm.model_executor.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
-                                                   QKVParallelLinear, ReplicatedLinear, RowParallelLinear)
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
 
     h, i = tl.HIDDEN, tl.INTERMEDIATE
     return {
@@ -238,8 +242,11 @@ def test_real_vllm_layer_classes_load_through_their_weight_loaders(vllm_tp1, tin
 def test_embeddings_and_lm_head_are_left_to_vllm(vllm_tp1):
     """vLLM sets output_partition_sizes / input_size on embeddings as on linears; qpn once claimed them and
     vLLM then asked the linear method for embedding() (NotImplementedError at construction)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead, UnquantizedEmbeddingMethod,
-                                                                     VocabParallelEmbedding)
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
 
     quant = vm.QPNConfig("NVFP4", exclude_modules=["lm_head"])
     embed = VocabParallelEmbedding(tl.VOCAB, tl.HIDDEN, quant_config=quant, prefix="model.embed_tokens")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch

@@ -150,7 +150,6 @@ def _target_features(numba) -> tuple[bool, bool]:
     _f16_bits_to_f32 are used instead (same bits). AVX-512F: the QPN2 fused kernel's vpermps
     lookup; without it the arithmetic decode (same bits)."""
     from llvmlite import binding
-
     from numba.core.codegen import get_host_cpu_features
 
     triple = binding.get_process_triple()

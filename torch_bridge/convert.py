@@ -18,7 +18,8 @@ from __future__ import annotations
 import copy
 import fnmatch
 import os
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch

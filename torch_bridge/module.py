@@ -263,7 +263,7 @@ class QPNLinear(nn.Module):
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def from_packed(cls, packed: PackedWeight, bias=None, *, fp8_granularity: str = "channel") -> "QPNLinear":
+    def from_packed(cls, packed: PackedWeight, bias=None, *, fp8_granularity: str = "channel") -> QPNLinear:
         device = packed.codes.device
         module = cls(packed.in_features, packed.out_features, packed.format, bias=bias is not None,
                      fp8_granularity=fp8_granularity, device=device)
@@ -283,13 +283,13 @@ class QPNLinear(nn.Module):
         return module
 
     @classmethod
-    def from_modelopt_nvfp4(cls, weight_packed, weight_scale, weight_scale_2, bias=None) -> "QPNLinear":
+    def from_modelopt_nvfp4(cls, weight_packed, weight_scale, weight_scale_2, bias=None) -> QPNLinear:
         """ModelOpt NVFP4 tensors: weight (uint8 [N, K/2]), weight_scale (e4m3 [N, K/16]),
         weight_scale_2 (float32 multiplier, scalar or per 32-row tile)."""
         return cls.from_packed(pack_nvfp4(weight_packed, weight_scale, weight_scale_2), bias)
 
     @classmethod
-    def from_compressed_tensors_nvfp4(cls, weight_packed, weight_scale, weight_global_scale, bias=None) -> "QPNLinear":
+    def from_compressed_tensors_nvfp4(cls, weight_packed, weight_scale, weight_global_scale, bias=None) -> QPNLinear:
         """compressed-tensors nvfp4-pack-quantized tensors. Their weight_global_scale is the
         RECIPROCAL of the multiplier (2688 / amax); it becomes g = RN32(1 / weight_global_scale),
         one correctly rounded fp32 division, as qpn.ref.load_checkpoint and vLLM do."""
@@ -301,7 +301,7 @@ class QPNLinear(nn.Module):
         return cls.from_modelopt_nvfp4(weight_packed, weight_scale, multiplier, bias)
 
     @classmethod
-    def from_modelopt_fp8(cls, weight, weight_scale, bias=None, granularity: str | None = None) -> "QPNLinear":
+    def from_modelopt_fp8(cls, weight, weight_scale, bias=None, granularity: str | None = None) -> QPNLinear:
         """ModelOpt / DeepSeek FP8: weight (e4m3 [N, K]) and a float32 multiplier scale per tensor
         (()), channel ((N,) / (N, 1)) or 128x128 block ((ceil(N/128), ceil(K/128)))."""
         packed = pack_fp8(weight, weight_scale, granularity)
@@ -309,7 +309,7 @@ class QPNLinear(nn.Module):
         return cls.from_packed(packed, bias, fp8_granularity="block" if block else "channel")
 
     @classmethod
-    def from_checkpoint(cls, linear, bias=None) -> "QPNLinear":
+    def from_checkpoint(cls, linear, bias=None) -> QPNLinear:
         """From a qpn.ref.checkpoint NVFP4Linear / FP8Linear (global scales already multipliers)."""
         if isinstance(linear, ref.NVFP4Linear):
             return cls.from_modelopt_nvfp4(linear.weight_packed, linear.weight_scale, linear.global_scale, bias)
@@ -318,7 +318,7 @@ class QPNLinear(nn.Module):
         raise ValueError(f"linear must be a qpn.ref NVFP4Linear or FP8Linear, got {type(linear).__name__}")
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, format: str = "nvfp4", *, fp8_granularity: str = "channel") -> "QPNLinear":
+    def from_linear(cls, linear: nn.Linear, format: str = "nvfp4", *, fp8_granularity: str = "channel") -> QPNLinear:
         """Quantize an nn.Linear with qpn.ref's quantizers (ModelOpt's NVFP4 rules; FP8 amax/448
         per tensor / channel / block) and pack it. The weight is read as float32 (exact for fp16
         / bf16 / fp32). The new module is on linear.weight's device; bias is kept (as float32)."""
@@ -326,7 +326,7 @@ class QPNLinear(nn.Module):
             raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        n, k = linear.out_features, linear.in_features
+        k = linear.in_features
         rule = ops.NVFP4_K_MULTIPLE if format == "nvfp4" else (FP8_BLOCK if fp8_granularity == "block" else GROUP_K)
         if k % rule != 0:
             raise ValueError(f"in_features must be a multiple of {rule} for {format}"

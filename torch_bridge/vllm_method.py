@@ -101,8 +101,9 @@ from __future__ import annotations
 
 import fnmatch
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -530,7 +531,7 @@ class _QPNLinearMethodBase(LinearMethodBase):
 
     fmt = ""
 
-    def __init__(self, quant_config: "QPNConfig | None" = None):
+    def __init__(self, quant_config: QPNConfig | None = None):
         self.quant_config = quant_config
 
     def apply(self, layer, x: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -606,7 +607,7 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
 
     fmt = "fp8"
 
-    def __init__(self, quant_config: "QPNConfig | None" = None, granularity: str = "tensor"):
+    def __init__(self, quant_config: QPNConfig | None = None, granularity: str = "tensor"):
         super().__init__(quant_config)
         if granularity not in ("tensor", "channel", "block"):
             raise ValueError(f"granularity must be 'tensor', 'channel' or 'block' (ModelOpt FP8 / "
@@ -675,7 +676,7 @@ class QPNUnquantizedLinearMethod(LinearMethodBase):
     """Excluded layers when vLLM is not installed: params_dtype weight [N_part, K_part] with the same
     sharding loader; y = RN16(x @ W^T) with fp32 accumulation (+ bias as in apply above)."""
 
-    def __init__(self, quant_config: "QPNConfig | None" = None):
+    def __init__(self, quant_config: QPNConfig | None = None):
         self.quant_config = quant_config
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -793,7 +794,7 @@ class QPNConfig(QuantizationConfig):
         return list(CONFIG_FILENAMES)
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> "QPNConfig":
+    def from_config(cls, config: Mapping[str, Any]) -> QPNConfig:
         """hf_quant_config.json ({"quantization": {quant_algo, group_size, exclude_modules,
         kv_cache_quant_algo, quantized_layers}}) or config.json's quantization_config
         ({quant_method: "modelopt", quant_algo, group_size, ignore, quantized_layers, kv_cache_scheme})."""
