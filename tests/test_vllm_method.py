@@ -90,11 +90,7 @@ def x_of(m: int, k: int, seed: int = 1) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed + m).standard_normal((m, k)).astype(np.float16))
 
 
-def assert_within_linear_bounds(y: torch.Tensor, x: torch.Tensor, w16: np.ndarray) -> None:
-    lo, hi = ref.linear_bounds(x.numpy(), w16)
-    y = y.numpy()
-    inside = (lo <= y) & (y <= hi)
-    assert inside.all(), f"{int((~inside).sum())} of {y.size} outputs outside the derived bound"
+assert_within_linear_bounds = st.assert_within_linear_bounds
 
 
 def same_bits(a: torch.Tensor, b) -> bool:

@@ -43,8 +43,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/run r
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_llama as tl  # noqa: E402
+import vllm_standin as st  # noqa: E402
 
-from qpn import ref  # noqa: E402
 from qpn.torch_bridge import vllm_method as vm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -213,12 +213,6 @@ def _load_through_vllm(layers, folder) -> None:
         layer.quant_method.process_weights_after_loading(layer)
 
 
-def _assert_within_bounds(y: torch.Tensor, x: torch.Tensor, w16: np.ndarray) -> None:
-    lo, hi = ref.linear_bounds(x.numpy(), w16)
-    y = y.float().numpy()
-    assert np.all((lo <= y) & (y <= hi)), f"{np.sum((y < lo) | (y > hi))} outputs outside the fp32 error bound"
-
-
 @pytest.mark.parametrize("algo", ["NVFP4", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO"])
 def test_real_vllm_layer_classes_load_through_their_weight_loaders(vllm_tp1, tiny_checkpoints, algo):
     folder, linears = tiny_checkpoints[algo]
@@ -230,11 +224,11 @@ def test_real_vllm_layer_classes_load_through_their_weight_loaders(vllm_tp1, tin
     x = torch.randn(5, tl.INTERMEDIATE, generator=torch.Generator().manual_seed(0)).half()
     for name, layer in layers.items():
         shards = [n for n, _ in FUSED[name]] if name in FUSED else [name]
-        w16 = np.concatenate([tl.contract_w16(linears[s]) for s in shards])
+        w16 = np.concatenate([st.contract_w16(linears[s]) for s in shards])
         xk = x[:, : layer.input_size].contiguous()
         y, bias = layer(xk)
         assert bias is None and y.dtype == torch.float16 and y.shape == (5, w16.shape[0])
-        _assert_within_bounds(y, xk, w16)
+        st.assert_within_linear_bounds(y, xk, w16)
         assert np.array_equal(layer.quant_method.dequantized_weight(layer).numpy().view(np.uint16),
                               w16.view(np.uint16)), f"{name}: the layer's W16 is not the contract's"
 

@@ -2,20 +2,21 @@
 
 `write_tiny_llama(folder, algo)` builds a 2-layer `LlamaForCausalLM` (hidden 256, GQA 4/2 heads of
 64, intermediate 512, vocabulary 512) from a fixed seed, quantizes its seven linears per layer with
-`qpn.ref`'s ModelOpt quantizers and writes the folder exactly as ModelOpt's `export_hf_checkpoint`
-lays it out: the full Hugging Face `config.json` (model_type "llama", so vLLM accepts it) with a
+`qpn.ref`'s ModelOpt quantizers (vllm_standin.quantize_linear) and writes the folder exactly as
+ModelOpt's `export_hf_checkpoint` lays it out: the full Hugging Face `config.json` (model_type "llama", so vLLM accepts it) with a
 `quantization_config` {"quant_method": "modelopt", "quant_algo", "kv_cache_quant_algo", "group_size",
 "exclude_modules": ["lm_head"], "producer"} (plus `quantized_layers` for MIXED_PRECISION), the older
 `hf_quant_config.json` {"producer", "quantization": {...}} beside it when asked, and one
 `model.safetensors` holding, per quantized layer X:
-- NVFP4: X.weight U8 [N, K/2], X.weight_scale F8_E4M3 [N, K/16], X.weight_scale_2 F32 [], X.input_scale F32 [];
+- NVFP4: X.weight U8 [N, K/2], X.weight_scale F8_E4M3 [N, K/16], X.weight_scale_2 F32 [], X.input_scale F32 []
+  (not for W4A16_NVFP4);
 - FP8: X.weight F8_E4M3 [N, K], X.weight_scale F32 [] (per tensor) or [N, 1] (per channel) or
-  [N/128, 1, K/128, 1] (FP8_PB_WO, 128x128 blocks: ModelOpt 0.47's 4-D shape), X.input_scale F32 [];
+  [N/128, 1, K/128, 1] (FP8_PB_WO, 128x128 blocks: ModelOpt 0.47's 4-D shape), X.input_scale F32 [] (per tensor);
 - with kv_cache_quant_algo "FP8": self_attn.k_proj.k_scale and self_attn.v_proj.v_scale F32 [].
 Embeddings, norms and lm_head stay float16 (ModelOpt excludes lm_head).
 
-`write_dense_twin(folder, quantized_folder)` writes the same model unquantized: every quantized
-linear replaced by its contract W16 (`qpn.ref`'s exact dequantization), so vLLM's own fp16 path and
+`write_dense_twin(folder, linears)` writes the same model unquantized: every quantized
+linear replaced by its contract W16 (vllm_standin.contract_w16), so vLLM's own fp16 path and
 qpn compute with bit-identical weights and differ only in accumulation order and rounding.
 
 The weights are random (std 0.08 instead of Llama's 0.02, so that the next-token distribution is
@@ -28,6 +29,7 @@ import json
 import os
 
 import numpy as np
+import vllm_standin as st
 
 from qpn import ref
 from qpn.ref.geometry import GROUP_K
@@ -46,7 +48,6 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 # MIXED_PRECISION: attention in FP8 (per tensor), the MLP in NVFP4 - as ModelOpt's auto-quantize mixes them
 MIXED = {"self_attn": "FP8", "mlp": "NVFP4"}
 ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MIXED_PRECISION")
-_FP8_GRANULARITY = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
 KV_SCALE = np.float32(0.0625)  # a recognisable value, not 1.0: the test checks vLLM received it
 
 
@@ -90,17 +91,6 @@ def layer_algo(algo: str, name: str) -> str:
     if algo != "MIXED_PRECISION":
         return algo
     return MIXED[name.split(".")[3]]
-
-
-def _quantize(name: str, w: np.ndarray, algo: str):
-    one = np.float32(1.0)
-    if algo in ("NVFP4", "W4A16_NVFP4"):
-        q = ref.nvfp4_quantize(w)
-        return ref.NVFP4Linear(name, q.weight_packed, q.weight_scale, q.weight_scale_2,
-                               input_scale=None if algo == "W4A16_NVFP4" else one)
-    granularity = _FP8_GRANULARITY[algo]
-    q = ref.fp8_quantize(w, granularity)
-    return ref.FP8Linear(name, q.weight, q.weight_scale, granularity, input_scale=one)
 
 
 def _stored(linear) -> dict[str, ref.StoredTensor]:
@@ -166,7 +156,7 @@ def write_tiny_llama(folder, algo: str, *, kv_cache: bool = False, form: str = "
     for name, w in weights.items():
         layer = name.removesuffix(".weight")
         if layer.rpartition(".")[0].endswith(("self_attn", "mlp")):
-            linears[layer] = _quantize(layer, w, layer_algo(algo, layer))
+            linears[layer] = st.quantize_linear(layer, w, layer_algo(algo, layer))
             stored.update(_stored(linears[layer]))
         else:
             stored[name] = ref.StoredTensor(w.astype(np.float16), "F16")
@@ -189,22 +179,13 @@ def write_tiny_llama(folder, algo: str, *, kv_cache: bool = False, form: str = "
     return linears
 
 
-def contract_w16(linear) -> np.ndarray:
-    """float16 [N, K]: the weight every qpn path computes with (the numerics contract)."""
-    if isinstance(linear, ref.NVFP4Linear):
-        return ref.nvfp4_dequantize(linear.weight_packed, linear.weight_scale, linear.global_scale)
-    codes, group_scales = ref.qpn8_prepack(linear.weight, linear.weight_scale)
-    n, k = linear.weight.shape
-    return ref.qpn8_dequantize(codes, group_scales, n, k)
-
-
 def write_dense_twin(folder, linears: dict, seed: int = 0) -> None:
     """The same model in float16 with every quantized linear replaced by its contract W16."""
     stored = {}
     for name, w in dense_weights(seed).items():
         layer = name.removesuffix(".weight")
         if layer in linears:
-            stored[name] = ref.StoredTensor(contract_w16(linears[layer]), "F16")
+            stored[name] = ref.StoredTensor(st.contract_w16(linears[layer]), "F16")
         else:
             stored[name] = ref.StoredTensor(w.astype(np.float16), "F16")
     _write_folder(folder, hf_config(), stored)

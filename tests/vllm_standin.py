@@ -215,7 +215,7 @@ def quantize_linear(name: str, w, algo: str):
         q = ref.nvfp4_quantize(w)
         return ref.NVFP4Linear(name, q.weight_packed, q.weight_scale, q.weight_scale_2,
                                input_scale=one if algo == "NVFP4" else None)
-    granularity = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel"}[algo]
+    granularity = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}[algo]
     q = ref.fp8_quantize(w, granularity)
     return ref.FP8Linear(name, q.weight, q.weight_scale, granularity, input_scale=one if algo == "FP8" else None)
 
@@ -328,15 +328,26 @@ def load_layers(folder, modules: Mapping[str, nn.Module], reader: str = "qpn.ref
 def contract_w16(linear) -> np.ndarray:
     """The docs/DESIGN.md contract weights of a checkpoint layer, float16 [N, K], from qpn.ref.
 
-    NVFP4: RN16(RN32(e2m1 * RN32(e4m3 * g))); FP8 (tensor / channel): the QPN8 contract
-    RN16(e4m3 * 2^-8 * RN16(256 * s)) with each row's scale.
+    NVFP4: RN16(RN32(e2m1 * RN32(e4m3 * g))); FP8: the QPN8 contract RN16(e4m3 * 2^-8 * RN16(256 * s))
+    with each row's scale (tensor / channel) or each 128x128 block's (block).
     """
     if isinstance(linear, ref.NVFP4Linear):
         return ref.nvfp4_dequantize(linear.weight_packed, linear.weight_scale, linear.global_scale)
     n, k = linear.weight.shape
-    rows = np.ascontiguousarray(np.broadcast_to(linear.weight_scale, (n,)), dtype=np.float32)
-    codes, group_scales = ref.qpn8_prepack(linear.weight, rows, "channel")
+    if linear.granularity == "block":
+        codes, group_scales = ref.qpn8_prepack(linear.weight, linear.weight_scale, "block")
+    else:
+        rows = np.ascontiguousarray(np.broadcast_to(linear.weight_scale, (n,)), dtype=np.float32)
+        codes, group_scales = ref.qpn8_prepack(linear.weight, rows, "channel")
     return ref.qpn8_dequantize(codes, group_scales, n, k)
+
+
+def assert_within_linear_bounds(y: torch.Tensor, x: torch.Tensor, w16: np.ndarray) -> None:
+    """Every output inside ref.linear_bounds(x, W16): fp32-or-wider accumulation, any order, one RN16."""
+    lo, hi = ref.linear_bounds(x.numpy(), w16)
+    y = y.numpy()
+    inside = (lo <= y) & (y <= hi)
+    assert inside.all(), f"{int((~inside).sum())} of {y.size} outputs outside the derived bound"
 
 
 def unshard_columns(layers: list, outputs: list[torch.Tensor]) -> torch.Tensor:
