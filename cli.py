@@ -384,22 +384,20 @@ def _linear_on(layer: packing.PackedLayer, x: np.ndarray, device) -> np.ndarray:
 
 
 def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ref's fp32-sum bound (ref.linear_bounds_of_fp32_sums) with the two fp32 sums from torch's CPU
-    matmul: widening fp16 to fp32 there is vectorized, numpy's astype is not (0.15 s per 14336 x 4096
-    layer, half of the bound's time; measured on the 2-core benchmark machine, bench_verify.py).
-    torch's fp32 matmul accumulates in fp32 at matmul precision "highest"; otherwise, ref's own."""
+    """ref.linear_bounds_fp32 with its fp32 matmuls on torch's CPU matmul: widening fp16 to fp32
+    there is vectorized, numpy's astype is not (0.15 s per 14336 x 4096 layer, half of the bound's
+    time; measured on the 2-core benchmark machine, bench_verify.py). torch's fp32 matmul accumulates
+    in fp32 at matmul precision "highest"; otherwise, ref's own numpy matmul."""
     import torch
 
-    if torch.get_float32_matmul_precision() != "highest":
-        return ref.linear_bounds_fp32(x16, w16)
-    m, k = x16.shape
-    w = torch.from_numpy(w16).float()  # exact
-    x = torch.cat([torch.from_numpy(x16).float(), torch.ones((1, k))])  # exact; the ones row: below
-    s32 = (w @ x[:m].T).T
-    a32 = (w.abs_() @ x.abs_().T).T
-    if not bool(torch.isfinite(a32[m]).all()):  # sum_k |w[n, k]| is finite unless row n holds NaN / inf
-        ref.checks.require_finite("w16", w16)
-    return ref.linear_bounds_of_fp32_sums(s32.numpy(), a32[:m].numpy(), k)
+    def torch_fp32_sums(w16: np.ndarray, x32: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        w = torch.from_numpy(w16).float()  # exact
+        x = torch.from_numpy(x32)
+        s32 = w @ x[:m].T
+        return s32.numpy(), (w.abs_() @ x.abs().T).numpy()
+
+    highest = torch.get_float32_matmul_precision() == "highest"
+    return ref.linear_bounds_fp32(x16, w16, fp32_sums=torch_fp32_sums if highest else None)
 
 
 def _packed_layer_of(linear) -> packing.PackedLayer:

@@ -549,7 +549,7 @@ def _check_layer_entry(name: str, entry) -> None:
     shapes = {"weight_packed": [(n, k // 2)], "weight_scale": [(n, k // GROUP_K)], "weight": [(n, k)]}
     if fmt == "fp8":
         shapes["weight_scale"] = {"tensor": [(), (1,)], "channel": [(n,), (n, 1)],
-                                  "block": [ref.checkpoint.fp8_block_scale_shape(n, k)]}[entry["granularity"]]
+                                  "block": [ref.fp8.fp8_block_grid(n, k)]}[entry["granularity"]]
     for role, dtype in _SOURCE_ROLES[fmt].items():
         info = sources[role]
         shape = tuple(info.get("shape", ())) if isinstance(info, dict) else None

@@ -244,12 +244,13 @@ def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False)
 
 
 def _split_k_state(workspace, partial_size: int, tiles: int):
-    """(partial sums, zeroed tickets) carved out of the call's workspace (module comment above)."""
+    """The zeroed arrival tickets carved out of the call's workspace after its partial_size partial
+    sums (module comment above); the partial sums are the workspace itself, from element 0."""
     import cupy  # noqa: PLC0415
 
     tickets = workspace[partial_size:partial_size + tiles].view(np.uint32)
     cupy.cuda.runtime.memsetAsync(tickets.data.ptr, 0, tickets.nbytes, cupy.cuda.get_current_stream().ptr)
-    return workspace, tickets
+    return tickets
 
 
 def _launch_config(fmt: str, m: int, n: int, k: int, gated: bool, workspace):
@@ -275,7 +276,7 @@ def _launch_config(fmt: str, m: int, n: int, k: int, gated: bool, workspace):
                     f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
                     f"(decode_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one"
                 )
-        partial, tickets = _split_k_state(workspace, _partial_elements(parts, m, n, gated), n // TILE_N)
+        partial, tickets = workspace, _split_k_state(workspace, _partial_elements(parts, m, n, gated), n // TILE_N)
     grid = (-(-n_slots // TILES_PER_BLOCK), parts)
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(groups_per_warp), partial, tickets)
     return grid, (32 * split,), tail

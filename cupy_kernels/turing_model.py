@@ -49,7 +49,7 @@ import sys
 import tempfile
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import loader
@@ -106,9 +106,11 @@ PIPES_SM90 = {
     "lsu": (("mem",), 32 / 32),
 }
 
-# Streaming-read efficiency: the H200's measured read ceiling (benchmarks/results/decode_h200.md,
-# 4462 GB/s) / its 4.8 TB/s spec = 0.93, assumed for the Turing cards' GDDR6 (not measured).
-STREAM_EFFICIENCY = 4462 / 4800
+# Streaming-read efficiency: the H200's measured read ceiling (benchmarks/results/decode_h200.json,
+# ceiling_gbps.read = 4648.5 GB/s, the run the H200 check's measured % are against) / its 4.8 TB/s
+# spec = 0.97, assumed for the Turing cards' GDDR6 (not measured).
+H200_READ_CEILING_GBPS = 4648.5
+STREAM_EFFICIENCY = H200_READ_CEILING_GBPS / 4800
 
 
 @dataclass(frozen=True)
@@ -144,12 +146,13 @@ CARDS = (
     Card("Quadro RTX 8000", 72, 1.77, 672.0, T4_L2_GBPS * 384 / 256 * 1.77 / 1.59, 512.0, PIPES_SM75),
 )
 # The check card: 132 SMs at the 1.98 GHz boost (the results do not record the clock), DRAM =
-# the read ceiling measured in the same run (efficiency 1), m16n8k8 at the measured 434 TFLOP/s
+# the read ceiling measured in the same run (efficiency 1; the check replaces it with the ceiling
+# the results JSON records, _h200_measured), m16n8k8 at the measured 434 TFLOP/s
 # (docs/TURING.md) = 434e12 / 2 / (132 x 1.98e9) FMA per clock per SM, L2 not modelled (no figure).
-H200 = Card("H200", 132, 1.98, 4462.0, None, 434e12 / 2 / (132 * 1.98e9), PIPES_SM90, stream_efficiency=1.0)
+H200 = Card("H200", 132, 1.98, H200_READ_CEILING_GBPS, None, 434e12 / 2 / (132 * 1.98e9), PIPES_SM90,
+            stream_efficiency=1.0)
 
 MS = (1, 8, 16, 32)
-TARGETS = ((8, 85.0), (32, 75.0))  # issue 13: >= 85 % of T4 bandwidth at M <= 8, >= 75 % at M = 32
 GROUP_TILE_WEIGHTS = 16 * 32  # 16 k x 32 columns
 HMMA_PER_GROUP_TILE_PER_NB = 4  # 2 rowblocks of 16 columns x 2 k-steps of 8
 X_BYTES_PER_TOKEN = 16 * 2  # one group's 16 k of one token row, fp16
@@ -394,10 +397,8 @@ def project(stats: LoopStats, card: Card, m: int) -> Projection:
 
 def target_for(m: int) -> float | None:
     """Issue 13's T4 target (% of bandwidth) for M, None where it sets none (M = 16)."""
-    for m_max, want in TARGETS:
-        if m <= m_max and (m_max == 8 or m == m_max):
-            return want
-    return None
+    # issue 13: >= 85 % of the T4's bandwidth at M <= 8, >= 75 % at M = 32, nothing at M = 16
+    return 85.0 if m <= 8 else 75.0 if m == 32 else None
 
 
 def headroom(p: Projection) -> float:
@@ -438,8 +439,10 @@ def run_model(variants=None, nvrtc=None, nvdisasm=None, h200_results: Path | Non
     jobs = [(v, "sm_75") for v in variants]
     jobs += [(v, "sm_90") for fam in ("qpn2_linear", "qpn8_linear") for v in fams.get(fam, {}).values()]
     stats = measure_all(jobs, nvrtc, nvdisasm)
+    h200_pct, h200_ceiling = _h200_measured(h200_results)
     return {"nvrtc": nvrtc.version, "nvdisasm": str(nvdisasm), "sm75": stats["sm_75"], "sm90": stats["sm_90"],
-            "families": fams, "h200_measured": _h200_measured(h200_results)}
+            "families": fams, "h200_measured": h200_pct,
+            "h200": replace(H200, dram_gbps=h200_ceiling)}
 
 
 def measure_all(jobs, nvrtc, nvdisasm: Path) -> dict[str, dict[KernelVariant, LoopStats]]:
@@ -448,16 +451,19 @@ def measure_all(jobs, nvrtc, nvdisasm: Path) -> dict[str, dict[KernelVariant, Lo
         stats = list(pool.map(lambda job: measure(job[0], job[1], nvrtc, nvdisasm), jobs))
     out: dict[str, dict] = {"sm_75": {}, "sm_90": {}}
     for (v, arch), s in zip(jobs, stats):
-        out.setdefault(arch, {})[v] = s
+        out[arch][v] = s
     return out
 
 
-def _h200_measured(path: Path | None) -> dict:
-    """{(fmt, n, k, m): % of ceiling} from bench_decode's JSON (absent file: no comparison)."""
+def _h200_measured(path: Path | None) -> tuple[dict, float]:
+    """({(fmt, n, k, m): % of ceiling}, read ceiling GB/s) from bench_decode's JSON: the % are
+    against that run's ceiling (absent file: no comparison, H200_READ_CEILING_GBPS)."""
     if path is None or not path.is_file():
-        return {}
-    rows = json.loads(path.read_text())["sections"]["decode"]["rows"]
-    return {(f, r["n"], r["k"], r["m"]): r[f"{f}_pct"] for r in rows for f in ("qpn2", "qpn8")}
+        return {}, H200_READ_CEILING_GBPS
+    results = json.loads(path.read_text())
+    rows = results["sections"]["decode"]["rows"]
+    pct = {(f, r["n"], r["k"], r["m"]): r[f"{f}_pct"] for r in rows for f in ("qpn2", "qpn8")}
+    return pct, float(results["ceiling_gbps"]["read"])
 
 
 H200_SHAPES = ((28672, 8192), (34816, 5120))  # the shapes of >= 64 MB of QPN2 weight (tails negligible)
@@ -519,7 +525,8 @@ def report(res: dict, command: str) -> str:
         "",
         "## Projected share of the streaming-read ceiling, per card (limit in brackets)",
         "",
-        f"Ceiling = spec x {STREAM_EFFICIENCY:.2f} (the H200's measured read ceiling / spec). "
+        f"Ceiling = spec x {STREAM_EFFICIENCY:.2f} (the H200's measured read ceiling, "
+        f"{H200_READ_CEILING_GBPS:.0f} GB/s, / its 4800 GB/s spec). "
         "L2 = weight + x bytes (32 x M per group-tile: x re-read per 32-column tile, L1 hits not counted) "
         "at the assumed L2 bandwidth: " + ", ".join(f"{c.name} {c.l2_gbps:.0f} GB/s" for c in CARDS) + ".",
         "",
@@ -558,13 +565,13 @@ def report(res: dict, command: str) -> str:
 
 
 def _h200_section(res: dict) -> list[str]:
-    fams, sm90, measured = res["families"], res["sm90"], res["h200_measured"]
+    fams, sm90, measured, h200 = res["families"], res["sm90"], res["h200_measured"], res["h200"]
     out = [
         "",
         "## Check against the H200 (same method on the sm_90 SASS)",
         "",
-        f"H200: {H200.sms} SMs at {H200.ghz} GHz (boost; the results do not record the clock), read ceiling "
-        f"{H200.dram_gbps:.0f} GB/s measured, sm_90 rates (fp32 / fp16x2 128, IMAD 64, ALU 64 per clock per SM), "
+        f"H200: {h200.sms} SMs at {h200.ghz} GHz (boost; the results do not record the clock), read ceiling "
+        f"{h200.dram_gbps:.0f} GB/s measured, sm_90 rates (fp32 / fp16x2 128, IMAD 64, ALU 64 per clock per SM), "
         "m16n8k8 at the measured 434 TFLOP/s, L2 not modelled. The H200 runs the compute_75 PTX JIT-compiled "
         "by its driver; the model compiles the same source for sm_90 with NVRTC (close, not identical). "
         "Measured: benchmarks/results/decode_h200.json (% of the read ceiling, weight + x + y bytes).",
@@ -585,7 +592,7 @@ def _h200_section(res: dict) -> list[str]:
             v = by_nb.get(_nb(m))
             if v is None or v not in sm90:
                 continue
-            p = project(sm90[v], H200, m)
+            p = project(sm90[v], h200, m)
             fmt = fam.split("_")[0]
             got = [measured.get((fmt, n, k, m)) for n, k in H200_SHAPES]
             meas = " / ".join("-" if g is None else f"{g:.1f}" for g in got)

@@ -120,26 +120,39 @@ def linear_bounds(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) 
     return lo, hi
 
 
-def linear_bounds_fp32(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
+def linear_bounds_fp32(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF, *, fp32_sums=None
+                       ) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N]: as `linear_bounds`, but from fp32 matmuls (module docstring for the
-    derivation): a true bound, slightly wider, at about a quarter of the cost for large layers."""
+    derivation): a true bound, slightly wider, at about a quarter of the cost for large layers.
+
+    fp32_sums(w16, x32, m) -> (S32 [N, m], A32 [N, R]): w16 [N, K] widened once to fp32 (exact),
+    S32 = w32 @ x32[:m].T and A32 = |w32| @ |x32|.T, both accumulated in fp32 (any order, FMA or not).
+    Default numpy's (`numpy_fp32_sums`); a caller with a faster fp32 matmul passes its own (qpn
+    verify: torch's, whose fp16 widening is vectorized).
+    """
     x, w16 = _validate_linear_inputs(x, w16, check_w16_values=False)
     m, k = x.shape
-    w32 = w16.astype(np.float32)  # exact
     x32 = np.concatenate([x.astype(np.float32), np.ones((1, k), np.float32)])  # exact; the ones row: below
-    # [N, K] @ [K, M]: OpenBLAS runs a 14336 x 4096 weight with M = 41 about 25 % faster with the
-    # weight as the left operand (measured on the 2-core benchmark machine)
     with np.errstate(invalid="ignore"):  # inf * 0 in a non-finite weight's row: judged just below
-        s32 = (w32 @ x32[:m].T).T.astype(np.float64)
-        np.abs(x32, out=x32)
-        np.abs(w32, out=w32)
-        a32 = (w32 @ x32.T).T.astype(np.float64)
+        s32, a32 = (fp32_sums or numpy_fp32_sums)(w16, x32, m)
+    s32 = np.asarray(s32).T.astype(np.float64)
+    a32 = np.asarray(a32).T.astype(np.float64)
     # w16's finiteness without its own pass over the weight (np.isfinite on fp16 costs 0.1 s per
     # 14336 x 4096 layer, 15 % of this function): the ones row's sums sum_k |w[n, k]| (<= K * 65504,
     # finite in fp32) are NaN or inf exactly where row n holds a NaN or inf, whatever x is
     if not np.isfinite(a32[m]).all():
         require_finite("w16", w16)  # raises, counting every NaN / inf
     return linear_bounds_of_fp32_sums(s32, a32[:m], k, unit_roundoff)
+
+
+def numpy_fp32_sums(w16: np.ndarray, x32: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """`linear_bounds_fp32`'s default fp32_sums. [N, K] @ [K, R]: OpenBLAS runs a 14336 x 4096 weight
+    with R = 41 about 25 % faster with the weight as the left operand (measured on the 2-core
+    benchmark machine)."""
+    w32 = w16.astype(np.float32)  # exact
+    s32 = w32 @ x32[:m].T
+    np.abs(w32, out=w32)
+    return s32, w32 @ np.abs(x32).T
 
 
 def linear_bounds_of_fp32_sums(s32, a32, k: int, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF

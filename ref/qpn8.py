@@ -48,7 +48,7 @@ import numpy as np
 
 from .checks import require_array, require_multiple, require_no_nan_e4m3, require_positive_scale
 from .codecs import E4M3_MAX, decode_e4m3
-from .fp8 import fp8_block_grid, fp8_scale_granularity
+from .fp8 import _ALL_CODES, fp8_block_grid, fp8_scale_granularity
 from .geometry import GROUP_K, TILE_N
 from .lookup import lookup_blocks
 from .qpn2 import PAD_N_FIX, _korder_shuffle, _korder_unshuffle, _lanes_to_rows, _rows_to_lanes
@@ -61,7 +61,6 @@ PAD_K16_FIX = "pad K with zero columns to a multiple of 16"
 
 _UNIT = np.dtype("V16")  # one lane's 16 bytes of one group, moved as raw bytes
 _U64 = np.dtype("<u8")
-_ALL_CODES = np.arange(256, dtype=np.uint8)
 
 
 def qpn8_scale_granularity(weight_scale, n: int, k: int, granularity: str | None = None) -> str:
@@ -149,7 +148,7 @@ def qpn8_group_scales(weight_scale, n: int, k: int, granularity: str | None = No
     scale = require_array("weight_scale", weight_scale, np.float32)
     granularity = qpn8_scale_granularity(scale, n, k, granularity)
     if granularity == "block":
-        scale = scale.reshape(fp8_block_grid(n, k))
+        scale = scale.reshape(fp8_block_grid(n, k))  # ModelOpt's [N/128, 1, K/128, 1]: same values, same order
     require_positive_scale("weight_scale", scale)
     s16 = _s16_of_scale(scale)
     _require_s16_fits_fp16("weight_scale", s16, scale)
@@ -167,20 +166,9 @@ def qpn8_prepack(weight, weight_scale, granularity: str | None = None) -> tuple[
     Exact inverse of the code permutation: `qpn8_unpack`.
     """
     weight = require_array("weight", weight, np.uint8, ndim=2)
-    if isinstance(weight_scale, np.float32):
-        weight_scale = np.asarray(weight_scale)
-    scale = require_array("weight_scale", weight_scale, np.float32)
     n, k = weight.shape
-    granularity = qpn8_scale_granularity(scale, n, k, granularity)
-    if granularity == "block":
-        scale = scale.reshape(fp8_block_grid(n, k))  # ModelOpt's [N/128, 1, K/128, 1]: same values, same order
-
-    require_positive_scale("weight_scale", scale)
-    s16 = _s16_of_scale(scale)
-    _require_s16_fits_fp16("weight_scale", s16, scale)
+    group_scales = qpn8_group_scales(weight_scale, n, k, granularity)  # scale errors before weight errors
     require_no_nan_e4m3("weight", weight)
-
-    group_scales = _group_scales_of_s16(s16, granularity, n)
 
     units = np.ascontiguousarray(weight).view(_UNIT)  # [N, G]: one lane-group of 16 bytes per unit
     codes = _rows_to_lanes(units).view(np.uint8).reshape(-1)  # a fresh array

@@ -156,11 +156,13 @@ def test_fused_w16_equals_dequantize():
     fp8 = [torch.from_numpy(a) for a in (codes, group_scales)]
     for k, dequantize, linear, operands in ((k, torch.ops.qpn.nvfp4_dequantize, torch.ops.qpn.nvfp4_linear, nvfp4),
                                             (k8, torch.ops.qpn.fp8_dequantize, torch.ops.qpn.fp8_linear, fp8)):
-        columns = np.arange(0, k, 37)[: _cpu.FUSED_MAX_M]
-        x = torch.zeros((columns.size, k), dtype=torch.float16)
-        x[np.arange(columns.size), columns] = 1.0
-        y = linear(x, *operands)
-        assert np.array_equal(y.numpy(), dequantize(*operands)[:, columns].t().numpy()), linear
+        want = dequantize(*operands).t().numpy()
+        for c0 in range(0, k, _cpu.FUSED_MAX_M):  # every column, FUSED_MAX_M one-hot rows per call
+            columns = np.arange(c0, min(c0 + _cpu.FUSED_MAX_M, k))
+            x = torch.zeros((columns.size, k), dtype=torch.float16)
+            x[np.arange(columns.size), columns] = 1.0
+            y = linear(x, *operands)
+            assert np.array_equal(y.numpy(), want[columns]), (linear, c0)
 
 
 # ----------------------------------------------------------------------------- linear paths

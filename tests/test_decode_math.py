@@ -6,13 +6,13 @@ RN16(RN32(e2m1 * S)) element by element. Per block (one column, 16 k) the owner 
     X  = fma16(B1, 2, RN16(-2 * B0))        Y = fma16(B0, 3, RN16(-2 * B1))
 and every weight pair is then, with e14 = the nibble bit trick (e2m1 * 2^-14, exact),
     e  = RN16(e14 * 2^14)        p = bits(e) & 0xFDFF        W = fma16(e, X, RN16(p * Y))
-on blocks with |S| >= 2^-13 or S == 0 whose Y has its exponent MSB clear (bit 14 of Y =
-QPN2_SLOW_FLAG 0x40000000 of the {X, Y} table word: the kernel tests the OR of a batch's entries
-for that bit, and stores an all-ones marker for every other block) (the "fast path"); other
-blocks use the contract formula itself. This module models each step with numpy (fp16 products: exact in float32 and rounded
-once by the cast; fma16: exact in float64, rounded once) and compares the result with
-`qpn.ref.nvfp4_dequantize` for all 254 non-NaN scale bytes x all 16 codes x a few thousand
-global scales, including ones that push blocks into fp16 subnormals and to the overflow limit.
+This "fast path" serves the blocks with |S| >= 2^-13 or S == 0 whose Y has its exponent MSB (bit 14)
+clear; every other block uses the contract formula itself. Bit 14 of Y is QPN2_SLOW_FLAG (0x40000000)
+of the {X, Y} table word: the table holds an all-ones marker for every other block, and the kernel
+tests the OR of a batch's entries for that bit. This module models each step with numpy (fp16
+products: exact in float32 and rounded once by the cast; fma16: exact in float64, rounded once) and
+compares the result with `qpn.ref.nvfp4_dequantize` for all 254 non-NaN scale bytes x all 16 codes
+x a few thousand global scales, including ones that push blocks into fp16 subnormals and to the overflow limit.
 
 Zeros: for codes 0 and 8 the fast path returns a zero whose sign may differ from the
 contract's (-0 for code 8); the decode kernels only feed the tensor-core dot product, where a

@@ -17,8 +17,6 @@ import torch
 from qpn import cli, packed, ref
 from qpn.torch_bridge import QPNLinear, load_quantized
 
-transformers = pytest.importorskip("transformers", reason="the fixtures are Llama models (the [test] extra has it)")
-
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "modelopt")
 # fixture -> (quant_algo, layer kind, granularity of the exported scales)
 EXPORTS = {
@@ -48,8 +46,9 @@ def reference(name: str) -> tuple[torch.Tensor, np.ndarray]:
     return ids, np.load(os.path.join(fixture(name), "reference_logits.npy"))
 
 
-def llama_from_config(name: str, device=None) -> transformers.LlamaForCausalLM:
+def llama_from_config(name: str, device=None):
     """A float32 LlamaForCausalLM built from the fixture's own config.json (random weights)."""
+    transformers = pytest.importorskip("transformers", reason="the fixtures are Llama models (the [test] extra has it)")
     config = transformers.AutoConfig.from_pretrained(fixture(name))
     assert config.model_type == "llama"
     torch.manual_seed(0)

@@ -59,7 +59,7 @@ def packed_folder(tmp_path, kind="nvfp4", name="out") -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# item 1: --overwrite replaces only a folder qpn wrote, never the source or what holds it
+# --overwrite replaces only a folder qpn wrote, never the source or what holds it
 
 
 def _user_folder(root):
@@ -160,7 +160,7 @@ def test_save_checkpoint_overwrites_only_its_own_folders(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# items 6 and 13: signals during `qpn pack` (a real subprocess stopped inside its first file write)
+# signals during `qpn pack` (a real subprocess stopped inside its first file write)
 
 DRIVER = textwrap.dedent("""
     import os, sys, time
@@ -220,7 +220,7 @@ def test_after_sigkill_the_next_run_removes_the_stale_temporary_and_says_so(tmp_
 
 
 # ----------------------------------------------------------------------------------------------
-# item 7: a kill inside the --overwrite swap is finished or rolled back by the next run
+# a kill inside the --overwrite swap is finished or rolled back by the next run
 
 
 def dead_pid() -> int:
@@ -279,6 +279,7 @@ def test_recovery_leaves_the_work_of_a_running_process_alone(tmp_path):
     assert len(leftovers(work)) == 2
 
 
+@POSIX
 def test_a_signal_during_the_swap_is_held_until_the_swap_is_done(tmp_path, monkeypatch):
     """Steps 3 and 4 run with SIGINT blocked: a Ctrl-C raised between them lands after both."""
     out = packed_folder(tmp_path, "nvfp4")
@@ -299,7 +300,7 @@ def test_a_signal_during_the_swap_is_held_until_the_swap_is_done(tmp_path, monke
 
 
 # ----------------------------------------------------------------------------------------------
-# item 11: `qpn verify | head -3`
+# a closed pipe: `qpn verify | head -3`
 
 
 @POSIX
@@ -337,7 +338,7 @@ def test_verify_into_a_closed_pipe_stops_early_and_quietly(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# item 13: messages
+# the messages of a read-only or full output disk
 
 
 def test_a_read_only_output_folder_is_named_not_the_hidden_temporary(tmp_path, capsys, monkeypatch):

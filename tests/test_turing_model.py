@@ -2,8 +2,9 @@
 
 - The SASS parser, the steady-state loop rule and the classifier on a fixed nvdisasm snippet.
 - CI guard: no registered decode kernel's sm_75 K loop may grow past the counts recorded in
-  tests/fixtures/turing_loop_counts.json (`python -m qpn.cupy_kernels.turing_model --record
-  tests/fixtures/turing_loop_counts.json` after a deliberate change). Skips, with the reason, only
+  tests/fixtures/turing_loop_counts.json, nor shrink below them or outlive its variant (a stale record;
+  `python -m qpn.cupy_kernels.turing_model --record tests/fixtures/turing_loop_counts.json` after a
+  deliberate change). Skips, with the reason, only
   without NVRTC (cuda-bindings, nvidia-cuda-nvrtc) or nvdisasm (nvidia-cuda-nvdisasm): all three
   are in the [test] extra, so CI runs it.
 """
@@ -139,21 +140,38 @@ def test_projection_of_a_known_loop():
 
 
 def grown_loops(recorded: dict, measured: dict[str, int], slack: int = SLACK) -> list[str]:
-    """Loops longer than recorded + slack, and registered variants with no record."""
-    problems = []
+    """Loops longer than recorded + slack, registered variants with no record, and stale records:
+    loops shorter than recorded - slack and recorded labels no longer registered (a stale record
+    would let a later regression back up to the old count pass)."""
+    rerecord = f"re-record with --record {RECORD.relative_to(RECORD.parents[2])}"
+    problems = [f"{label}: recorded but no longer registered ({rerecord})"
+                for label in sorted(recorded.keys() - measured.keys())]
     for label, count in measured.items():
         if label not in recorded:
-            problems.append(f"{label}: not recorded (run turing_model --record {RECORD.relative_to(RECORD.parents[2])})")
-        elif count > recorded[label]["instructions"] + slack:
-            problems.append(f"{label}: {count} instructions per loop iteration, recorded {recorded[label]['instructions']}")
+            problems.append(f"{label}: not recorded ({rerecord})")
+            continue
+        was = recorded[label]["instructions"]
+        if count > was + slack:
+            problems.append(f"{label}: {count} instructions per loop iteration, recorded {was}")
+        elif count < was - slack:
+            problems.append(f"{label}: {count} instructions per loop iteration, shorter than the recorded {was} "
+                            f"({rerecord})")
     return problems
 
 
 def test_grown_loops_flags_growth_beyond_the_slack():
     recorded = {"a": {"instructions": 100}, "b": {"instructions": 50}}
-    assert grown_loops(recorded, {"a": 101, "b": 40}) == []
+    assert grown_loops(recorded, {"a": 101, "b": 49}) == []
     assert len(grown_loops(recorded, {"a": 102, "b": 50})) == 1
-    assert "not recorded" in grown_loops(recorded, {"c": 1})[0]
+    assert "not recorded" in grown_loops({}, {"c": 1})[0]
+
+
+def test_grown_loops_flags_stale_records():
+    recorded = {"a": {"instructions": 100}, "b": {"instructions": 50}}
+    shorter = grown_loops(recorded, {"a": 100, "b": 48})
+    assert len(shorter) == 1 and "b: 48" in shorter[0] and "re-record with --record" in shorter[0]
+    gone = grown_loops(recorded, {"a": 100})
+    assert len(gone) == 1 and "b: recorded but no longer registered" in gone[0] and "re-record with --record" in gone[0]
 
 
 @pytest.fixture(scope="module")

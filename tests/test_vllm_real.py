@@ -280,6 +280,11 @@ def _vllm_run(folder, out, *extra, env=None) -> dict:
 
 
 def _compare_with_dense(got: dict, dense: dict) -> None:
+    # zip stops at the shorter list: equal lengths first, so a missing prompt or step cannot pass unseen.
+    for key in ("prompt_logprobs", "tokens"):
+        assert len(got[key]) == len(dense[key]) == len(dense["top2"]), f"{key}: prompt counts differ"
+        for i, (q, d) in enumerate(zip(got[key], dense[key])):
+            assert len(q) == len(d), f"{key} of prompt {i}: {len(q)} vs {len(d)} entries"
     worst = 0.0
     for lp_q, lp_d in zip(got["prompt_logprobs"], dense["prompt_logprobs"]):
         for a, b in zip(lp_q[1:], lp_d[1:]):
@@ -331,6 +336,7 @@ def test_llm_generates_like_the_dense_twin(served, algo):
     layers = {name: cls for name, cls in got["quant_methods"].items() if name.endswith("_proj")}
     expected = {"qkv_proj": "QPNFP8LinearMethod" if algo != "NVFP4" else "QPNNVFP4LinearMethod",
                 "gate_up_proj": "QPNFP8LinearMethod" if algo == "FP8" else "QPNNVFP4LinearMethod"}
+    assert set(expected) <= {name.rpartition(".")[2] for name in layers}, sorted(layers)
     for name, cls in layers.items():
         leaf = name.rpartition(".")[2]
         if leaf in expected:

@@ -32,6 +32,7 @@ import numpy as np
 import vllm_standin as st
 
 from qpn import ref
+from qpn.ref.fp8 import fp8_block_grid_4d
 from qpn.ref.geometry import GROUP_K
 
 HIDDEN = 256
@@ -105,7 +106,7 @@ def _stored(linear) -> dict[str, ref.StoredTensor]:
         if linear.granularity == "channel":
             scale = scale.reshape(-1, 1)
         elif linear.granularity == "block":
-            scale = scale.reshape(scale.shape[0], 1, scale.shape[1], 1)
+            scale = scale.reshape(fp8_block_grid_4d(*linear.weight.shape))
         out = {f"{n}.weight": ref.StoredTensor(linear.weight, "F8_E4M3"),
                f"{n}.weight_scale": ref.StoredTensor(scale, "F32")}
     if linear.input_scale is not None:

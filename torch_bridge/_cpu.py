@@ -48,7 +48,7 @@ import types as pytypes
 import numpy as np
 
 from qpn.ref import decode_e4m3
-from qpn.ref.geometry import COLUMN_OF_LANE, GROUP_K, KORDER, LANE_OF_COLUMN, TILE_N, position_of_k
+from qpn.ref.geometry import COLUMN_OF_LANE, GROUP_K, KORDER, TILE_N, position_of_k
 
 # Largest M served by the fused kernels; above it, decode once then torch's fp32 matmul.
 # Measured (benchmarks/bench_cpu.py --crossover, 4096 x 4096, 2 threads pinned to 2 cores of a
@@ -69,7 +69,6 @@ _E4M3[0x7F] = np.float32(480.0)  # 0x7F = 0111_1111 -> fp16 bits 0x3F80 = 1.875,
 _E4M3[0xFF] = np.float32(-480.0)
 _E2M1_BIT_TRICK_UNDO = np.float32(2.0**14)  # e2m1 * 2^-14 (fp16 bit trick) -> e2m1
 _POSITION_OF_K = position_of_k(np.arange(GROUP_K))  # k inside a group -> its position p
-_LANE = LANE_OF_COLUMN.astype(np.int64)  # column inside a 32-column tile -> the lane that owns it
 _COLUMN = COLUMN_OF_LANE.astype(np.int64)  # lane -> its column inside the tile
 _QPN2_BYTES = GROUP_K // 2  # code bytes per lane and group in QPN2 (two nibbles each)
 _QPN8_BYTES = GROUP_K  # one byte per weight in QPN8

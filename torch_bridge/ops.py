@@ -220,9 +220,9 @@ def _cpu_linear_rn16(x: Tensor, n: int, fused, decode_rows) -> Tensor:
     """RN16(x @ W16^T) with fp32 (or, under reduced matmul precision settings, fp64) accumulation.
 
     M <= _cpu.FUSED_MAX_M: `fused(x_positions, y)`, the decode fused into the dot products.
-    Otherwise W16 is decoded by `decode_rows(out, row0)` in chunks of rows that stay in L2, each
-    multiplied by torch's fp32 matmul (y^T = W16 @ x^T, chunk by chunk). Both operands hold fp16
-    values exactly, so every product is exact and only the sums round. torch's fp32 CPU matmul
+    Otherwise W16 is decoded by `decode_rows(out, row0)` in chunks of _cpu.CHUNK_ELEMENTS (sized for
+    the last-level cache), each multiplied by torch's fp32 matmul (y^T = W16 @ x^T, chunk by chunk).
+    Both operands hold fp16 values exactly, so every product is exact and only the sums round. torch's fp32 CPU matmul
     accumulates in fp32 at the default "highest" matmul precision; at "high"/"medium" it may use
     bf16 internally, so the product is then taken in float64.
     """

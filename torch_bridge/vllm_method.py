@@ -109,6 +109,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from qpn.ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from qpn.ref.geometry import GROUP_K, TILE_N
 
 from . import ops  # registers torch.ops.qpn.*
@@ -171,7 +172,6 @@ FP8_BLOCK = ops.FP8_BLOCK  # 128: FP8_PB_WO scales one 128x128 block each
 # ModelOpt per-layer algorithm -> qpn method kind
 LAYER_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8_tensor",
                "FP8_PER_CHANNEL_PER_TOKEN": "fp8_channel", "FP8_PB_WO": "fp8_block"}
-FP8_GRANULARITY = {"fp8_tensor": "tensor", "fp8_channel": "channel", "fp8_block": "block"}
 EMBEDDING_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}  # ParallelLMHead subclasses the former
 ATTENTION_CLASSES = {"Attention", "MLAAttention"}  # vLLM's attention layers (KV-cache scales)
 QUANT_ALGOS = tuple(LAYER_ALGOS) + ("MIXED_PRECISION",)
@@ -388,7 +388,7 @@ def _load_per_shard(geom: ShardGeometry, name: str, param: Tensor, loaded: Tenso
 
 def _block_rows(partitions) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """FP8 block scales: (block rows of each shard on this rank, their first row in the parameter)."""
-    counts = tuple(-(-p // FP8_BLOCK) for p in partitions)
+    counts = tuple(fp8_block_grid(p, FP8_BLOCK)[0] for p in partitions)  # block rows only: any k will do
     return counts, tuple(sum(counts[:i]) for i in range(len(counts)))
 
 
@@ -404,17 +404,16 @@ def _load_block_grid(geom: ShardGeometry, name: str, param: Tensor, loaded: Tens
         raise ValueError(f"layer {geom.prefix!r}: {name} holds the block scales of shards {shard_id!r} fused on disk; "
                          "qpn splits FP8_PB_WO block scales per shard only - store the shards separately")
     i = indices[0]
-    if loaded.dim() == 4 and loaded.shape[1] == 1 and loaded.shape[3] == 1:
-        loaded = loaded.reshape(loaded.shape[0], loaded.shape[2])
-    elif loaded.dim() == 0:
-        loaded = loaded.reshape(1, 1)
     counts, starts = _block_rows(geom.partitions)
     k_blocks = param.shape[1] * (geom.tp_size if geom.kind == "row" else 1)
-    disk_blocks = (-(-geom.disk_rows[i] // FP8_BLOCK), k_blocks)
+    disk_rows, disk_k = geom.disk_rows[i], k_blocks * FP8_BLOCK  # a whole block per k_block: same grid
+    disk_blocks, modelopt = fp8_block_grid(disk_rows, disk_k), fp8_block_grid_4d(disk_rows, disk_k)
     what = f"shard {geom.shard_ids[i]!r}" if geom.shard_ids != (None,) else "the layer"
-    if loaded.dim() != 2 or tuple(loaded.shape) != disk_blocks:
+    if tuple(loaded.shape) == modelopt or (loaded.dim() == 0 and disk_blocks == (1, 1)):
+        loaded = loaded.reshape(disk_blocks)
+    if tuple(loaded.shape) != disk_blocks:
         raise ValueError(f"layer {geom.prefix!r}: {name} of {what} must be the 128x128 block grid {list(disk_blocks)} "
-                         f"(or ModelOpt's [{disk_blocks[0]}, 1, {disk_blocks[1]}, 1]), got shape {tuple(loaded.shape)}")
+                         f"(or ModelOpt's {list(modelopt)}), got shape {tuple(loaded.shape)}")
     first_row = geom.source_ranks[i] * geom.partitions[i]
     if first_row % FP8_BLOCK != 0:
         raise ValueError(f"layer {geom.prefix!r}: {what} starts at row {first_row} on tp_rank {geom.tp_rank}, inside a "
@@ -860,7 +859,7 @@ class QPNConfig(QuantizationConfig):
             kind = LAYER_ALGOS[algo]
             if kind == "nvfp4":
                 return QPNNVFP4LinearMethod(self)
-            return QPNFP8LinearMethod(self, FP8_GRANULARITY[kind])
+            return QPNFP8LinearMethod(self, kind.removeprefix("fp8_"))
         if names & {"FusedMoE", "RoutedExperts"}:
             if self.layer_algo(prefix, fused=False) is not None or self._has_quantized_descendant(prefix):
                 raise ValueError(f"layer {prefix!r} is a quantized MoE layer; qpn's vLLM plugin runs dense linear "
