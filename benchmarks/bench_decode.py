@@ -77,7 +77,7 @@ def shipped_macros(fmt, nb):
     """The wrapper's own build for M <= 8 * nb (channel scales for QPN8), as a dict to override."""
     from qpn.cupy_kernels import linear as L
 
-    return dict(L._macros(fmt, nb, False, (("QPN8_BLOCK_SCALES", "0"),) if fmt == "qpn8" else ()))
+    return dict(L._macros(fmt, nb, False))
 
 
 def _check(ctx, what, y, x, w16_rows, n_check):
@@ -249,26 +249,84 @@ def section_variants(ctx: bk.Context) -> bk.Section:
 
 
 def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=None, check=None):
-    """Time one macro build of a decode kernel (the wrapper's grid and split rules); with `check`
-    (the W16 of bufs[0]), first verify its outputs against the fp32 accumulation bound."""
+    """Time one macro build of a decode kernel through the wrapper's launch (x fragments where the
+    build reads them, split-K reset, split and grid), the workspace allocated once as the torch op
+    passes it; `target` overrides linear.TARGET_WARPS. With `check` (the W16 of bufs[0]), first
+    verify its outputs against the fp32 accumulation bound."""
     from qpn.cupy_kernels import linear as L
     from qpn.cupy_kernels.loader import get_function
 
     fn = get_function(f"{fmt}_linear.cu", f"{fmt}_linear", macros)
+    x_frag = dict(macros).get("QPN_X_FRAG") == "1"
     saved, L.TARGET_WARPS = L.TARGET_WARPS, target or L.TARGET_WARPS
     try:
         parts, split, gpw = L.decode_split(fmt, n, k)
-        grid, block, tail = L._launch_config(fmt, m, n, k, False, None)
+        workspace = ctx.cp.empty(L._fragment_elements(m, k) + L.decode_workspace_size(fmt, m, n, k), ctx.cp.float32)
+
+        def launch(i):
+            if fmt == "qpn2":
+                weights = (*bufs[i % slots], g_dev, np.int32(0))
+            else:
+                weights = (bufs[i % slots][0], bufs[i % slots][1], np.int32(0))
+            L._launch(fmt, fn, weights, x, y, n, False, workspace, x_frag)
+
+        if check is not None:
+            launch(0)
+            _check(ctx, f"{fmt}_linear {dict(macros)} N={n} K={k} M={m}", y, x, check, 64)
+        return ctx.time_calls(launch, slots), f"{parts}x{split}x{gpw}"
     finally:
         L.TARGET_WARPS = saved
-    if fmt == "qpn2":
-        launch = lambda i: fn(grid, block, (*bufs[i % slots], g_dev, np.int32(0), x, y, *tail))  # noqa: E731
-    else:
-        launch = lambda i: fn(grid, block, (bufs[i % slots][0], bufs[i % slots][1], np.int32(0), x, y, *tail))  # noqa: E731
-    if check is not None:
-        launch(0)
-        _check(ctx, f"{fmt}_linear {dict(macros)} N={n} K={k} M={m}", y, x, check, 64)
-    return ctx.time_calls(launch, slots), f"{parts}x{split}x{gpw}"
+
+
+# M = 9-32 (issue 13, part 1): where x comes from (rows of x, or fragments: x_fragments.cu) and the
+# load batches (groups, blocks of 16 warps per SM the registers allow), around the shipped build.
+# The exploration behind the shipped choice (tile slots sharing x, L2 prefetch, .cg weights,
+# register caps): results/decode_m32_explore/README.md.
+MID_VARIANTS = (  # (label, macros over the shipped build)
+    ("shipped", ()),
+    ("x rows", (("QPN_X_FRAG", "0"),)),
+    ("4 groups, 1 block/SM", (("QPN_UNROLL", "4"), ("QPN_MIN_BLOCKS", "1"))),
+    ("2 groups, 1 block/SM", (("QPN_UNROLL", "2"), ("QPN_MIN_BLOCKS", "1"))),
+)
+MID_MS = (1, 8, 16, 24, 32)
+MID_SHAPES = ((28672, 8192), (34816, 5120), (5120, 17408))
+
+
+def section_mid(ctx: bk.Context) -> bk.Section:
+    """Decode-kernel builds at M = 1 .. 32 (correctness-checked, then timed): MID_VARIANTS."""
+    from qpn.cupy_kernels import qpn2_dequantize, qpn8_dequantize
+
+    cp = ctx.cp
+    read = ctx.ceiling["read"]
+    g_dev = cp.full(1, G, dtype=cp.float32)
+    sec = bk.Section("mid", "Decode kernels at M = 1-32: x rows or fragments, load batches", [
+        bk.Column("fmt", "format"), bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
+        bk.Column("variant", "variant"), bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
+    ])
+    for n, k in [s for s in MID_SHAPES if s in ctx.shapes] or ctx.shapes:
+        slots, bufs = _buffers(ctx, n, k)
+        w16 = {"qpn2": qpn2_dequantize(*bufs["qpn2"][0], G, n, k), "qpn8": qpn8_dequantize(*bufs["qpn8"][0], n, k)}
+        for m in MID_MS:
+            x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
+            y = cp.empty((m, n), cp.float16)
+            for fmt in ("qpn2", "qpn8"):
+                shipped = shipped_macros(fmt, -(-m // 8))
+                seen = set()
+                for label, extra in MID_VARIANTS:
+                    macros = tuple(sorted({**shipped, **dict(extra)}.items()))
+                    if macros in seen:
+                        continue  # the same build as a row above
+                    seen.add(macros)
+                    try:
+                        t, split = _launch_variant(ctx, fmt, macros, n, k, m, bufs[fmt], x, y, slots, g_dev, check=w16[fmt])
+                    except Exception as exc:  # noqa: BLE001 - a variant that fails is a row, not a crash
+                        sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label}: {exc}"[:120]})
+                        continue
+                    sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label} ({split})",
+                                     "us": t["us"], "pct": 100.0 * bk.gbps(weight_bytes(fmt, n, k), t["us"]) / read})
+        del bufs, w16
+        cp.get_default_memory_pool().free_all_blocks()
+    return sec
 
 
 ABLATIONS = (  # (format, label, extra macros): where the time goes (method: leave one stage out)
@@ -309,11 +367,13 @@ def section_ablate(ctx: bk.Context) -> bk.Section:
 TARGETS = (("qpn2", 1, "pct", 85.0), ("qpn2", 8, "pct", 75.0), ("qpn2", 32, "x", 2.0),
            ("qpn8", 1, "pct", 85.0), ("qpn8", 8, "pct", 75.0))
 SMALL_TARGET = ((4096, 4096), 1, "x", 2.0)  # 4096x4096 (fits in L2) at M = 1: >= 2x cuBLAS fp16
+FLAT_TARGETS = ((16, 1.15), (32, 1.25))  # issue 13: time(M) / time(M = 1) at most
+M32_VS_CUBLAS = {"qpn2": 1.4, "qpn8": 1.6}  # issue 13: M = 32 x cuBLAS fp16 at least
 
 
 def section_targets(ctx: bk.Context) -> bk.Section:
-    """Issue 4's targets checked against this run's "decode" rows (run that section first)."""
-    sec = bk.Section("targets", "Targets (issue 4), from the decode rows of this run", [
+    """Issues 4 and 13's targets checked against this run's "decode" rows (run that section first)."""
+    sec = bk.Section("targets", "Targets (issues 4 and 13), from the decode rows of this run", [
         bk.Column("target", "target"), bk.Column("shape", "shape"), bk.Column("measured", "measured"), bk.Column("met", "met"),
     ])
     decode = next((sec_ for sec_ in ctx.sections if sec_.name == "decode"), None)
@@ -336,6 +396,18 @@ def section_targets(ctx: bk.Context) -> bk.Section:
         for n, k in ctx.shapes:
             if weight_bytes(fmt, n, k) >= 64e6:
                 add(fmt, n, k, m, metric, threshold)
+    # issue 13: flat cost in M, and M = 32 against cuBLAS fp16
+    for fmt in ("qpn2", "qpn8"):
+        for n, k in ctx.shapes:
+            if weight_bytes(fmt, n, k) < 64e6 or (n, k, 1) not in rows:
+                continue
+            for m, most in FLAT_TARGETS:
+                if (n, k, m) in rows:
+                    ratio = rows[n, k, m][f"{fmt}_us"] / rows[n, k, 1][f"{fmt}_us"]
+                    sec.rows.append({"target": f"{fmt.upper()} time(M={m}) <= {most:g} x time(M=1)", "shape": f"{n}x{k}",
+                                     "measured": f"{ratio:.2f}x", "met": "yes" if ratio <= most else "no"})
+            if (n, k, 32) in rows:
+                add(fmt, n, k, 32, "x", M32_VS_CUBLAS[fmt])
     (n, k), m, metric, threshold = SMALL_TARGET
     for fmt in ("qpn2", "qpn8"):
         add(fmt, n, k, m, metric, threshold)
@@ -352,7 +424,7 @@ def section_targets(ctx: bk.Context) -> bk.Section:
 
 
 SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants, "ablate": section_ablate,
-            "targets": section_targets}
+            "mid": section_mid, "targets": section_targets}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
-"""Launch decode-kernel builds a few times each (for `ncu` stall / occupancy sections); timing-free.
+"""Launch decode-kernel builds twice each for `ncu` (timing-free): bench_decode's MID_VARIANTS.
 
-    ncu --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy \
-        --section ComputeWorkloadAnalysis -k regex:qpn python benchmarks/profile_decode.py
+    ncu --metrics <list> -k regex:qpn python benchmarks/profile_decode.py [M] [NxK] [label,label...]
+
+Each launch prints its label and split first, so ncu's per-launch rows can be matched in order.
 """
 import sys
 
@@ -9,10 +10,12 @@ import cupy as cp
 import numpy as np
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_decode import G, _launch_variant, _qpn2_copies, _qpn8_copies, shipped_macros  # noqa: E402
+from bench_decode import MID_VARIANTS, G, _launch_variant, _qpn2_copies, _qpn8_copies, shipped_macros  # noqa: E402
 
 
-class _Ctx:  # minimal stand-in for bench_kernels.Context.time_calls: 2 launches, no timing
+class _Ctx:  # minimal stand-in for bench_kernels.Context: cp, and time_calls = 2 launches, no timing
+    cp = cp
+
     def time_calls(self, launch, slots):
         launch(0)
         launch(1)
@@ -20,21 +23,20 @@ class _Ctx:  # minimal stand-in for bench_kernels.Context.time_calls: 2 launches
         return {"us": 0.0}
 
 
-# (format, load batches (unroll, blocks/SM) or None for the shipped one, extra macros)
-VARIANTS = [("qpn2", None, ()), ("qpn2", (4, 1), ()), ("qpn2", None, (("QPN_ABLATE", "1"),)),
-            ("qpn8", None, ()), ("qpn8", (4, 2), ())]
+PROFILED = ("shipped", "x rows")
 
 if __name__ == "__main__":
-    from qpn.cupy_kernels import linear as L
-
-    n, k = 28672, 8192
+    m = int(sys.argv[1]) if len(sys.argv) > 1 else 32
+    n, k = (int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "28672x8192").split("x"))
     bufs = {"qpn2": _qpn2_copies(cp, n, k, 2), "qpn8": _qpn8_copies(cp, n, k, 2)}
-    x = cp.asarray(np.random.default_rng(0).standard_normal((1, k)).astype(np.float16))
-    y = cp.empty((1, n), cp.float16)
+    x = cp.asarray(np.random.default_rng(0).standard_normal((m, k)).astype(np.float16))
+    y = cp.empty((m, n), cp.float16)
     g = cp.full(1, G, cp.float32)
-    for fmt, pipe, extra in VARIANTS:
-        macros = shipped_macros(fmt, 1)
-        if pipe is not None:
-            macros.update(L.pipeline_macros(*pipe))
-        macros.update(extra)
-        print(fmt, pipe, extra, _launch_variant(_Ctx(), fmt, tuple(sorted(macros.items())), n, k, 1, bufs[fmt], x, y, 2, g)[1], flush=True)
+    profiled = sys.argv[3].split(",") if len(sys.argv) > 3 else PROFILED
+    for fmt in ("qpn2", "qpn8"):
+        for label, extra in MID_VARIANTS:
+            if label not in profiled:
+                continue
+            macros = tuple(sorted({**shipped_macros(fmt, -(-m // 8)), **dict(extra)}.items()))
+            split = _launch_variant(_Ctx(), fmt, macros, n, k, m, bufs[fmt], x, y, 2, g)[1]
+            print(f"{fmt} M={m} {n}x{k} {label} ({split})", flush=True)

@@ -48,18 +48,26 @@ MAX_WARPS = 16
 MIN_WARPS = 8
 MAX_PARTS = 4  # blocks per tile (split-K across blocks)
 MIN_GROUPS_PER_WARP = 8
-TILES_PER_BLOCK = 1  # tile slots per block (a gated slot = gate tile + up tile)
 # The load batches (qpn_mma.cuh, qpn_run_batches) per (format, 8-token blocks, gated): (groups per
-# batch, blocks of MAX_WARPS warps per SM the registers must allow). Measured on the H200
-# (bench_decode.py "variants", results/decode_h200.md, % of the read ceiling, 28672x8192):
-# M <= 8: QPN2 4 groups at 2 blocks/SM (64 registers) 40.1 against 35.3 at 1 block/SM (111
-# registers); QPN8 4 groups need 58 registers either way (84.1 at 1 block/SM, 81.6 at 2).
-# M = 32: 4 groups at 1 block/SM QPN2 22.1 / QPN8 44.6 against 17.3 / 39.4 with 1 group at 2.
+# batch, blocks of MAX_WARPS warps per SM the registers must allow: 2 = 64 registers). Measured on
+# the H200 (bench_decode.py "variants" and "mid"; results/decode_h200.md, results/decode_m32_explore):
+# M <= 8: QPN2 4 groups at 2 blocks/SM 40.1 % of the read ceiling against 35.3 at 1 (111
+# registers); QPN8 at 2 blocks/SM (the build needs 64-68 registers otherwise, and 68 leave one
+# block): 5120x17408 46.6 -> 36.1 us, 28672x8192 64.6 -> 61.9 us.
+# M = 9-16, x fragments, 64 registers: 28672x8192 QPN2 81.3 -> 76.4 us (2 groups: 4 spill on
+# sm_75), QPN8 80.7 -> 71.9 (4 groups); 5120x17408 54.2 -> 44.6 / 53.5 -> 42.3.
+# M = 17-24: QPN8 2 groups at 64 registers 93.2 -> 85.7 us (28672x8192), 63.6 -> 48.0 (5120x17408);
+# QPN2 keeps 4 groups at 1 block (2 groups at 64 registers spill on sm_75).
+# M = 25-32: 4 groups at 1 block/SM (108-116 registers); 2 groups at 64 registers spill, and
+# 1 group at 64: 100 -> 121 us (QPN2, 28672x8192).
+# QPN8 with 128x128 block scales (a scale load per group-tile) spills where the channel build
+# does not: one group less per batch at 64 registers (not measured separately).
 # Gated builds hold two tiles' accumulators: fewer groups per batch keep them free of spills.
 PIPELINE = {
-    **{("qpn2", nb, False): (4, 2 if nb == 1 else 1) for nb in (1, 2, 3, 4)},
-    **{("qpn8", nb, False): (4, 1) for nb in (1, 2, 3, 4)},
-    **{(fmt, nb, True): (2 if nb <= 2 else 1, 1) for fmt in ("qpn2", "qpn8") for nb in (1, 2, 3, 4)},
+    **{("qpn2", nb, False): {1: (4, 2), 2: (2, 2), 3: (4, 1), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
+    **{("qpn8", nb, False): {1: (4, 2), 2: (4, 2), 3: (2, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
+    **{("qpn8_block", nb, False): {1: (4, 2), 2: (2, 2), 3: (1, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
+    **{(family, nb, True): (2 if nb <= 2 else 1, 1) for family in ("qpn2", "qpn8", "qpn8_block") for nb in (1, 2, 3, 4)},
 }
 QPN8_K_MULTIPLE = GROUP_K
 
@@ -69,17 +77,24 @@ def pipeline_macros(unroll: int, min_blocks: int) -> tuple[tuple[str, str], ...]
 
 
 X_BATCH = {"qpn2": 1, "qpn8": 0}  # when a batch's x is loaded: qpn_mma.cuh, QPN_X_BATCH (measured)
+# Builds that read x as fragments (x_fragments.cu, qpn_mma.cuh QPN_X_FRAG) per (format, 8-token
+# blocks): M > 8. Measured on the H200, M = 32 (results/decode_m32_explore): 28672x8192 QPN2
+# 130 -> 100 us, QPN8 118 -> 98 us; 34816x5120 103 -> 86 / 97 -> 82. At M <= 8 the rows of x
+# are as good (the clamped rows of M = 1 read 32 bytes per group) and need no extra launch.
+X_FRAG = {(fmt, nb): nb >= 2 for fmt in ("qpn2", "qpn8") for nb in (1, 2, 3, 4)}
 
 
-def _macros(fmt: str, nb: int, gated: bool, extra=()) -> tuple[tuple[str, str], ...]:
+def _macros(fmt: str, nb: int, gated: bool, block_scales: bool = False) -> tuple[tuple[str, str], ...]:
+    """The build of a decode kernel for `fmt` ("qpn2" | "qpn8"), 8 * nb tokens, gated or not."""
+    family = "qpn8_block" if block_scales else fmt
     return tuple(sorted((
-        *pipeline_macros(*PIPELINE[fmt, nb, gated]),
+        *pipeline_macros(*PIPELINE[family, nb, gated]),
         ("QPN_X_BATCH", str(X_BATCH[fmt])),
+        ("QPN_X_FRAG", str(int(X_FRAG[fmt, nb]))),
         ("QPN_GATED", str(int(gated))),
         ("QPN_NB", str(nb)),
-        ("QPN_TILES", str(TILES_PER_BLOCK)),
         ("QPN_WARPS", str(MAX_WARPS)),
-        *extra,
+        *((("QPN8_BLOCK_SCALES", str(int(block_scales))),) if fmt == "qpn8" else ()),
     )))
 
 
@@ -96,14 +111,16 @@ QPN2_LINEAR = {
 }
 QPN8_LINEAR = {
     (nb, gated, block): KernelVariant(
-        "qpn8_linear.cu", "qpn8_linear", _macros("qpn8", nb, gated, (("QPN8_BLOCK_SCALES", str(int(block))),)), archs=("sm_75",),
+        "qpn8_linear.cu", "qpn8_linear", _macros("qpn8", nb, gated, block), archs=("sm_75",),
         max_stack_bytes=FALLBACK_STACK_BYTES,
     )
     for block in (False, True)
     for gated in (False, True)
     for nb in _BLOCKS
 }
-KERNEL_VARIANTS = (*QPN2_LINEAR.values(), *QPN8_LINEAR.values())
+X_FRAGMENTS = KernelVariant("x_fragments.cu", "qpn_x_fragments", archs=("sm_75",))
+DECODE_VARIANTS = (*QPN2_LINEAR.values(), *QPN8_LINEAR.values())
+KERNEL_VARIANTS = (*DECODE_VARIANTS, X_FRAGMENTS)
 
 
 def split_k(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, int, int]:
@@ -207,7 +224,8 @@ def _gated_rows(n: int, gated: bool) -> int:
 
 
 # groups_per_warp multiple per format, the same for every M and gated or not (batch invariance):
-# QPN2's K % 64 == 0 makes every K-slice whole batches of up to 4 groups (no pad groups).
+# QPN2's K % 64 == 0 makes every K-slice whole batches of up to 4 groups (no pad groups; every
+# QPN2 build's batch divides it: tests/test_decode_split.py).
 SLICE_MULTIPLE = {"qpn2": QPN2_K_MULTIPLE // GROUP_K, "qpn8": 1}
 
 
@@ -225,47 +243,65 @@ def _partial_elements(parts: int, m: int, n: int, gated: bool) -> int:
     return parts * (2 if gated else 1) * m * _gated_rows(n, gated)
 
 
-def _workspace_elements(parts: int, m: int, n: int, gated: bool) -> int:
-    """fp32 slots of a split-K call's workspace: the partial sums, then N/32 uint32 tickets."""
-    return 0 if parts == 1 else _partial_elements(parts, m, n, gated) + n // TILE_N
+def _fragment_elements(m: int, k: int) -> int:
+    """fp32 slots of the x fragments (x_fragments.cu) of an [M, K] x: 16 bytes per lane, group and
+    pair of 8-token blocks."""
+    return k // GROUP_K * -(-m // (2 * TOKENS_PER_BLOCK)) * 32 * 4
+
+
+def _workspace_parts(fmt: str, m: int, n: int, k: int, gated: bool) -> tuple[int, int, int]:
+    """fp32 slots of a call's workspace, in order: x fragments, split-K partial sums, N/32 tickets."""
+    parts = decode_split(fmt, n, k)[0]
+    split_k = (_partial_elements(parts, m, n, gated), n // TILE_N) if parts > 1 else (0, 0)
+    return (_fragment_elements(m, k) if X_FRAG[fmt, -(-m // TOKENS_PER_BLOCK)] else 0, *split_k)
 
 
 def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False) -> int:
-    """fp32 elements of the split-K workspace qpn2_linear / qpn8_linear need for this call (0: none).
+    """fp32 elements of the workspace qpn2_linear / qpn8_linear need for this call (0: none).
 
     Pass a workspace of at least this size (`workspace=`) where allocations must come from the
     caller (torch's allocator under CUDA-graph capture); without one the wrappers allocate it. It
-    holds the call's partial sums and arrival counters; it may be reused by the next call on the
-    same stream (or freed to the caching allocator) once this one is queued.
+    holds the call's x fragments (M > 8), split-K partial sums and arrival counters; it may be
+    reused by the next call on the same stream (or freed to the caching allocator) once this one
+    is queued.
     """
     if fmt not in ("qpn2", "qpn8"):
         raise ValueError(f"fmt must be 'qpn2' or 'qpn8', got {fmt!r}")
-    return _workspace_elements(decode_split(fmt, n, k)[0], m, n, gated)
+    return sum(_workspace_parts(fmt, m, n, k, gated))
 
 
-def _split_k_state(workspace, partial_size: int, tiles: int):
-    """The zeroed arrival tickets carved out of the call's workspace after its partial_size partial
-    sums (module comment above); the partial sums are the workspace itself, from element 0."""
+def _zeroed_tickets(tickets):
+    """The split-K arrival tickets, zeroed on the call's stream (module comment above)."""
     import cupy  # noqa: PLC0415
 
-    tickets = workspace[partial_size:partial_size + tiles].view(np.uint32)
+    tickets = tickets.view(np.uint32)
     cupy.cuda.runtime.memsetAsync(tickets.data.ptr, 0, tickets.nbytes, cupy.cuda.get_current_stream().ptr)
     return tickets
 
 
-def _launch_config(fmt: str, m: int, n: int, k: int, gated: bool, workspace):
-    """(grid, block, trailing kernel arguments) of a decode launch: the split (decode_split), and
-    the split-K partial sums and arrival counters (null pointers when the split has one part).
+def _x_fragments(x, out):
+    """Queue qpn_x_fragments: x [M, K] -> out, the decode kernels' fragment order (x_fragments.cu)."""
+    m, k = x.shape
+    nb2 = -(-m // (2 * TOKENS_PER_BLOCK))
+    threads = k // GROUP_K * nb2 * 32
+    kernel(X_FRAGMENTS)((min(-(-threads // 256), 1024),), (256,), (x, out, np.int32(m), np.int32(k), np.int32(nb2)))
+
+
+def _launch(fmt: str, fn, weights: tuple, x, y, n: int, gated: bool, workspace, x_frag: bool) -> None:
+    """Queue one decode call: the x fragments (x_frag: the build reads them), the split-K tickets'
+    reset, and the kernel `fn` with the split (decode_split) and its grid; `weights` are the
+    format's leading kernel arguments.
 
     The split follows the weight's tile count, gated or not: the gated kernel then sums every tile
     exactly as the plain kernel does (its gate / up values equal the plain call's, bit for bit).
     """
     import cupy  # noqa: PLC0415
 
+    m, k = x.shape
     parts, split, groups_per_warp = decode_split(fmt, n, k)
-    n_slots = n // TILE_N // (2 if gated else 1)
-    partial = tickets = np.uint64(0)
-    size = _workspace_elements(parts, m, n, gated)
+    _, partial_size, ticket_count = _workspace_parts(fmt, m, n, k, gated)
+    frag = _fragment_elements(m, k) if x_frag else 0
+    size = frag + partial_size + ticket_count
     if size:
         if workspace is None:
             workspace = cupy.empty(size, dtype=np.float32)
@@ -276,10 +312,16 @@ def _launch_config(fmt: str, m: int, n: int, k: int, gated: bool, workspace):
                     f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
                     f"(decode_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one"
                 )
-        partial, tickets = workspace, _split_k_state(workspace, _partial_elements(parts, m, n, gated), n // TILE_N)
-    grid = (-(-n_slots // TILES_PER_BLOCK), parts)
-    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(n_slots), np.int32(groups_per_warp), partial, tickets)
-    return grid, (32 * split,), tail
+    x_arg, partial, tickets = x, np.uint64(0), np.uint64(0)
+    if frag:
+        x_arg = workspace[:frag]
+        _x_fragments(x, x_arg)
+    if parts > 1:
+        partial = workspace[frag:frag + partial_size]
+        tickets = _zeroed_tickets(workspace[frag + partial_size:size])
+    grid = (n // TILE_N // (2 if gated else 1), parts)
+    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(groups_per_warp), partial, tickets)
+    fn(grid, (32 * split,), (*weights, x_arg, y, *tail))
 
 
 def qpn2_linear(x, codes, scales, global_scale, out=None, gated: bool = False, workspace=None):
@@ -296,9 +338,9 @@ def qpn2_linear(x, codes, scales, global_scale, out=None, gated: bool = False, w
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
     out_cols = _gated_rows(n, gated)
     y = output_array(out, (m, out_cols), np.float16)
-    grid, block, tail = _launch_config("qpn2", m, n, k, gated, workspace)
-    fn = kernel(QPN2_LINEAR[-(-m // TOKENS_PER_BLOCK), bool(gated)])
-    fn(grid, block, (codes, scales, g, np.int32(g_stride), x, y, *tail))
+    nb = -(-m // TOKENS_PER_BLOCK)
+    fn = kernel(QPN2_LINEAR[nb, bool(gated)])
+    _launch("qpn2", fn, (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace, X_FRAG["qpn2", nb])
     return y
 
 
@@ -318,7 +360,7 @@ def qpn8_linear(x, codes, group_scales, out=None, gated: bool = False, workspace
         require_aligned("group_scales", group_scales, 8)  # 8-byte loads of a quad's 4 scales
     out_cols = _gated_rows(n, gated)
     y = output_array(out, (m, out_cols), np.float16)
-    grid, block, tail = _launch_config("qpn8", m, n, k, gated, workspace)
-    fn = kernel(QPN8_LINEAR[-(-m // TOKENS_PER_BLOCK), bool(gated), block_scales])
-    fn(grid, block, (codes, group_scales, np.int32(kb_stride), x, y, *tail))
+    nb = -(-m // TOKENS_PER_BLOCK)
+    fn = kernel(QPN8_LINEAR[nb, bool(gated), block_scales])
+    _launch("qpn8", fn, (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace, X_FRAG["qpn8", nb])
     return y

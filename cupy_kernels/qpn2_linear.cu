@@ -2,25 +2,25 @@
 //
 // Kernel:  qpn2_linear
 // Macros:  QPN_NB             8-token blocks (the host launches QPN_NB = ceil(M / 8))   qpn_mma.cuh
-//          QPN_TILES          tile slots per block (a gated slot = gate tile + up tile)
 //          QPN_GATED          0: y [M][N];  1: y [M][N/2] = silu_and_mul(gate rows [0,N/2), up rows [N/2,N))
 //          QPN_WARPS          most warps per block (launch bound, shared-memory size)
 //          QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   the load batches (qpn_mma.cuh)
+//          QPN_X_FRAG         0: x as [M][K] rows;  1: x as fragments (x_fragments.cu, qpn_mma.cuh)
 //          QPN2_EXACT_PATH, QPN_ABLATE   benchmark-only switches (bench_decode.py "ablate"); never registered
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][8 bytes]  QPN2 order (docs/QPN2.md)
 //         scales  [tile][group][lane]  e4m3 bytes
 //         gscale  fp32, g(tile) = gscale[tile * gs_stride]  (stride 0: scalar, 1: per 32-column tile)
-//         x       fp16 [M][K] row-major
+//         x       fp16 [M][K] row-major, or its fragments (QPN_X_FRAG = 1)
 // Writes  y       fp16 [M][N] (gated: [M][N/2])
 // Shared  red (split-K partials, QPN_WARPS x QPN_HT KiB) + a 256-entry {X, Y} table per tile (1 KiB)
 //
 // Numerics: the weights are exactly the contract's W16 = RN16(RN32(e2m1 * RN32(e4m3 * g))),
 // products W16 * x exact in the tensor core, fp32 accumulation, one RN16 at the end.
 //
-// Work split. Block (b, p) = QPN_TILES tile slots, part p; warp w of the block = K-slice
-// s = p * split + w, groups [s * groups_per_warp, (s+1) * groups_per_warp) of every tile of the
-// block (split-K inside the block, partials added in shared memory in ascending warp order:
+// Work split. Block (b, p) = tile b (gated: gate tile b and up tile b + N/64), part p; warp w of
+// the block = K-slice s = p * split + w, groups [s * groups_per_warp, (s+1) * groups_per_warp) of
+// the block's tiles (split-K inside the block, partials added in shared memory in ascending warp order:
 // qpn_reduce_store). The host
 // chooses the split from N, K and the SM count, never from M (batch invariance); layers with few
 // tiles also split K across blocks (gridDim.y parts, added in a fixed order: qpn_reduce_store).
@@ -89,9 +89,9 @@
 #define QPN_ABLATE 0  // benchmarks only (never registered): 1 loads only, 2 no exchange, 3 no decode, 4 no mma
 #endif
 
-struct Qpn2Batch {  // one load batch (qpn_run_batches): QPN_UNROLL groups of every tile
-    uint2 code[QPN_UNROLL][QPN_NT];
-    qpn_u32 scale[QPN_UNROLL][QPN_NT];
+struct Qpn2Batch {  // one load batch: QPN_UNROLL groups of the warp's tiles
+    uint2 code[QPN_UNROLL][QPN_HT];
+    qpn_u32 scale[QPN_UNROLL][QPN_HT];
 };
 
 // One byte, zero-extended by the load itself (ld.u8 into a 32-bit register): indexes the {X, Y}
@@ -103,20 +103,15 @@ __device__ __forceinline__ qpn_u32 qpn_ldcs_u8(const qpn_u8* p) {
     return v;
 }
 
-// Group g0 + u of the warp's slice into slot u; pc / ps point at group g0 (the K loop passes
-// g0 = 0 and advances them, so every address is a pointer plus the immediate u * 256 / u * 32).
+// Group u of the batch into slot u; pc / ps point at the batch's first group (the K loop
+// advances them, so every address is a pointer plus the immediate u * 256 / u * 32).
 __device__ __forceinline__ void qpn2_load_slot(
-    Qpn2Batch& sl, int u, int g0, bool valid, const qpn_u8* const (&pc)[QPN_NT], const qpn_u8* const (&ps)[QPN_NT])
+    Qpn2Batch& sl, int u, const qpn_u8* const (&pc)[QPN_HT], const qpn_u8* const (&ps)[QPN_HT])
 {
 #pragma unroll
-    for (int tt = 0; tt < QPN_NT; ++tt) {
-        if (valid) {
-            sl.code[u][tt] = qpn_ldcs_u2(pc[tt] + 256 * (long long)g0 + 256 * u);  // 32 lanes x 8 bytes per group
-            sl.scale[u][tt] = qpn_ldcs_u8(ps[tt] + 32 * (long long)g0 + 32 * u);
-        } else {  // pad group: code 0 and scale byte 0 decode to zeros on the fast path
-            sl.code[u][tt] = make_uint2(0u, 0u);
-            sl.scale[u][tt] = 0u;
-        }
+    for (int h = 0; h < QPN_HT; ++h) {
+        sl.code[u][h] = qpn_ldcs_u2(pc[h] + 256 * u);  // 32 lanes x 8 bytes per group
+        sl.scale[u][h] = qpn_ldcs_u8(ps[h] + 32 * u);
     }
 }
 
@@ -188,42 +183,37 @@ __device__ __forceinline__ void qpn2_e14_pairs(qpn_u32 w, qpn_u32 (&e)[4]) {
 
 extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn2_linear(
     const qpn_u8* __restrict__ codes, const qpn_u8* __restrict__ scales, const float* __restrict__ gscale,
-    int gs_stride, const qpn_u16* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
-    int n_slots, int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
+    int gs_stride, const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
+    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
     __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
-    __shared__ qpn_u32 xy_table[QPN_NT][256];  // {X, Y} of every scale byte for each tile's g
+    __shared__ qpn_u32 xy_table[QPN_HT][256];  // {X, Y} of every scale byte for each tile's g
     const int lane = threadIdx.x & 31;
-    const int n_tiles = n / QPN_TILE_N;
-    const QpnSlice sl = qpn_block_slice(n, k, n_slots, groups_per_warp);
+    const QpnSlice sl = qpn_block_slice(n, k, groups_per_warp);
     const int n_local = sl.n_local;
 
-    float gval[QPN_NT];
+    float gval[QPN_HT];
 #pragma unroll
-    for (int tt = 0; tt < QPN_NT; ++tt) gval[tt] = gscale[(long long)sl.tile[tt] * gs_stride];
+    for (int h = 0; h < QPN_HT; ++h) gval[h] = gscale[(long long)sl.tile[h] * gs_stride];
     // The block constants depend only on (scale byte, g): a 256-entry table per tile replaces
     // ~15 instructions per lane and group (2 cvt, 3 fmul, packs, 2 fp16 ops) by one LDS.
-    for (int i = threadIdx.x; i < QPN_NT * 256; i += blockDim.x) {
-        const int tt = i >> 8;
-        const int slot = min((int)blockIdx.x * QPN_TILES + (tt / QPN_HT), n_slots - 1);
-        const float g = gscale[(long long)(slot + (tt % QPN_HT) * (n_tiles / 2)) * gs_stride];
+    for (int i = threadIdx.x; i < QPN_HT * 256; i += blockDim.x) {
         float s;
-        const qpn_u32 xy = qpn2_block_xy(i & 255, g, s);
-        xy_table[tt][i & 255] = ((fabsf(s) < 0x1p-13f && s != 0.0f) || (xy & QPN2_SLOW_FLAG)) ? QPN2_SLOW_XY : xy;
+        const qpn_u32 xy = qpn2_block_xy(i & 255, i < 256 ? gval[0] : gval[QPN_HT - 1], s);
+        xy_table[i >> 8][i & 255] = ((fabsf(s) < 0x1p-13f && s != 0.0f) || (xy & QPN2_SLOW_FLAG)) ? QPN2_SLOW_XY : xy;
     }
     __syncthreads();
 
     // per-tile / per-token-block base pointers at the slice's first group (see qpn2_load_slot)
-    const qpn_u8* pc[QPN_NT];
-    const qpn_u8* ps[QPN_NT];
+    const qpn_u8* pc[QPN_HT];
+    const qpn_u8* ps[QPN_HT];
 #pragma unroll
-    for (int tt = 0; tt < QPN_NT; ++tt) {
-        const long long unit = ((long long)sl.tile[tt] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane;
-        pc[tt] = codes + unit * 8;
-        ps[tt] = scales + unit;
+    for (int h = 0; h < QPN_HT; ++h) {
+        const long long unit = ((long long)sl.tile[h] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane;
+        pc[h] = codes + unit * 8;
+        ps[h] = scales + unit;
     }
-    const qpn_u16* px[QPN_NB];
-    qpn_x_pointers(px, x, m_rows, k, sl.g_begin);
+    QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin);
 
     // lane-dependent byte-permute selectors of the quad transpose (see header comment)
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;
@@ -238,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     // registers too); held, they take 6 of the 64 registers and no instruction in the loop
     asm volatile("" : "+r"(sel_keep1), "+r"(sel_send1), "+r"(sel_keep2), "+r"(sel_send2), "+r"(sel_fin0), "+r"(sel_fin1));
 
-    float acc[QPN_TILES][QPN_HT][QPN_NB][2][4] = {};
+    float acc[QPN_HT][QPN_NB][2][4] = {};
 
     // one group x tile: exchange, decode (fast or exact), 4 mma per 8 tokens
     qpn_u32 ablate_sink = 0;
@@ -286,29 +276,29 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         ablate_sink ^= a[0][0] ^ a[0][1] ^ a[0][2] ^ a[0][3] ^ a[1][0] ^ a[1][1] ^ a[1][2] ^ a[1][3] ^ xf[0].x;
         return;
 #endif
-        qpn_mma_group(acc[tt / QPN_HT][tt % QPN_HT], a, xf);
+        qpn_mma_group(acc[tt], a, xf);
     };
 
     // One batch: look the U groups' block constants up, vote once whether any block needs the
     // exact path, then run the batch branch-free (lets the compiler interleave its groups).
     auto compute = [&](const Qpn2Batch& b, int i, bool full) {
         QpnBatchX xb;
-        qpn_x_batch_start(xb, px, i, full, n_local);
-        qpn_u32 xy[QPN_UNROLL][QPN_NT];
+        qpn_x_batch_start(xb, xs, i, full, n_local);
+        qpn_u32 xy[QPN_UNROLL][QPN_HT];
         qpn_u32 any_xy = 0;
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u)
 #pragma unroll
-            for (int tt = 0; tt < QPN_NT; ++tt) {
+            for (int tt = 0; tt < QPN_HT; ++tt) {
                 xy[u][tt] = xy_table[tt][b.scale[u][tt]];
                 any_xy |= xy[u][tt];
             }
         auto run = [&](bool exact_path) {
 #pragma unroll
             for (int u = 0; u < QPN_UNROLL; ++u) {
-                const uint2 (&xf)[QPN_NB] = qpn_x_group(xb, px, i, u, full, n_local);
+                const uint2 (&xf)[QPN_NB] = qpn_x_group(xb, xs, i, u, full, n_local);
 #pragma unroll
-                for (int tt = 0; tt < QPN_NT; ++tt) group_tile(b, xf, u, tt, xy[u][tt], exact_path);
+                for (int tt = 0; tt < QPN_HT; ++tt) group_tile(b, xf, u, tt, xy[u][tt], exact_path);
             }
         };
         if (QPN2_EXACT_PATH && qpn2_warp_any_flag(any_xy & QPN2_SLOW_FLAG))
@@ -322,19 +312,18 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     for (int i = 0; i + QPN_UNROLL <= n_local; i += QPN_UNROLL) {  // never reads past the slice
         Qpn2Batch b;
 #pragma unroll
-        for (int u = 0; u < QPN_UNROLL; ++u) qpn2_load_slot(b, u, 0, true, pc, ps);
+        for (int u = 0; u < QPN_UNROLL; ++u) qpn2_load_slot(b, u, pc, ps);
         compute(b, 0, true);
 #pragma unroll
-        for (int tt = 0; tt < QPN_NT; ++tt) {
-            pc[tt] += 256 * QPN_UNROLL;
-            ps[tt] += 32 * QPN_UNROLL;
+        for (int h = 0; h < QPN_HT; ++h) {
+            pc[h] += 256 * QPN_UNROLL;
+            ps[h] += 32 * QPN_UNROLL;
         }
-#pragma unroll
-        for (int j = 0; j < QPN_NB; ++j) px[j] += QPN_GROUP_K * QPN_UNROLL;
+        qpn_x_advance(xs, QPN_UNROLL);
     }
 
 #if QPN_ABLATE
     if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive
 #endif
-    qpn_store_slots(red, acc, y, m_rows, n, n_slots, partial, tickets);
+    qpn_reduce_store(red, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
 }

@@ -1,13 +1,13 @@
 // qpn8_linear.cu: y = x @ W16^T for a QPN8 (FP8 e4m3) weight, M <= 32 tokens (the decode path).
 //
 // Kernel:  qpn8_linear
-// Macros:  QPN_NB, QPN_TILES, QPN_GATED, QPN_WARPS, QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   qpn_mma.cuh
+// Macros:  QPN_NB, QPN_GATED, QPN_WARPS, QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH, QPN_X_FRAG   qpn_mma.cuh
 //          QPN8_BLOCK_SCALES  0: channel / tensor scales S16[0, n];  1: 128x128 block S16[kb, t]
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][16 bytes]  QPN8 order (docs/QPN8.md):
 //                 lane byte p holds W[32t + col(lane)][16g + KORDER[p]]
 //         gs16    fp16 group scales: channel [1, N] (S16[n]) or block [K/128, N/32] (S16[g/8][t])
-//         x       fp16 [M][K] row-major
+//         x       fp16 [M][K] row-major, or its fragments (QPN_X_FRAG = 1)
 // Writes  y       fp16 [M][N] (gated: [M][N/2], silu_and_mul of gate rows [0,N/2) and up rows [N/2,N))
 //
 // Numerics: W16 = RN16(e4m3 * 2^-8 * S16) is one mul.rn.f16x2 of the bit-trick value
@@ -39,17 +39,17 @@
 #define QPN_ABLATE 0  // benchmarks only (never registered): 1 loads only
 #endif
 
-struct Qpn8Batch {  // one load batch (qpn_run_batches): QPN_UNROLL groups of every tile
-    uint4 code[QPN_UNROLL][QPN_NT];
+struct Qpn8Batch {  // one load batch (qpn_run_batches): QPN_UNROLL groups of the warp's tiles
+    uint4 code[QPN_UNROLL][QPN_HT];
 };
 
 // Group g0 + u of the warp's slice into slot u (pc: the slice's first group; per-batch base g0
 // plus an immediate); a pad group past the slice gets code 0 (decodes to +0).
-__device__ __forceinline__ void qpn8_load_slot(Qpn8Batch& sl, int u, int g0, bool valid, const qpn_u8* const (&pc)[QPN_NT])
+__device__ __forceinline__ void qpn8_load_slot(Qpn8Batch& sl, int u, int g0, bool valid, const qpn_u8* const (&pc)[QPN_HT])
 {
 #pragma unroll
-    for (int tt = 0; tt < QPN_NT; ++tt)  // 32 lanes x 16 bytes per group
-        sl.code[u][tt] = valid ? qpn_ldcs_u4(pc[tt] + 512 * (long long)g0 + 512 * u) : make_uint4(0u, 0u, 0u, 0u);
+    for (int h = 0; h < QPN_HT; ++h)  // 32 lanes x 16 bytes per group
+        sl.code[u][h] = valid ? qpn_ldcs_u4(pc[h] + 512 * (long long)g0 + 512 * u) : make_uint4(0u, 0u, 0u, 0u);
 }
 
 // e4m3 bytes 0 and 2 of e -> fp16 pair (exact e4m3 * 2^-8); bytes 1 and 3 -> the other pair.
@@ -75,36 +75,35 @@ __device__ __forceinline__ qpn_u32 qpn8_scale_pair(qpn_u32 bits, qpn_u32 s2) {
 
 extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn8_linear(
     const qpn_u8* __restrict__ codes, const qpn_u16* __restrict__ gs16, int kb_stride,
-    const qpn_u16* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k, int n_slots,
+    const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
     int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
     __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
     const int lane = threadIdx.x & 31;
     const int quad = lane >> 2;
-    const QpnSlice sl = qpn_block_slice(n, k, n_slots, groups_per_warp);
+    const QpnSlice sl = qpn_block_slice(n, k, groups_per_warp);
     const int n_local = sl.n_local;
 #if !QPN8_BLOCK_SCALES
     // channel scales of the quad's 4 columns col(4q+j) = 8(q&3) + 4(q>>2) + j: 8 contiguous bytes
-    uint2 s16[QPN_NT];
+    uint2 s16[QPN_HT];
 #pragma unroll
-    for (int tt = 0; tt < QPN_NT; ++tt) {
+    for (int tt = 0; tt < QPN_HT; ++tt) {
         const qpn_u16* p = gs16 + 32 * sl.tile[tt] + 8 * (quad & 3) + 4 * (quad >> 2);
         asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(s16[tt].x), "=r"(s16[tt].y) : "l"(p));
     }
 #endif
 
-    const qpn_u8* pc[QPN_NT];
+    const qpn_u8* pc[QPN_HT];
 #pragma unroll
-    for (int tt = 0; tt < QPN_NT; ++tt)
+    for (int tt = 0; tt < QPN_HT; ++tt)
         pc[tt] = codes + (((long long)sl.tile[tt] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane) * 16;
-    const qpn_u16* px[QPN_NB];
-    qpn_x_pointers(px, x, m_rows, k, sl.g_begin);
+    const QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin);
 
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;
     const qpn_u32 sel_keep = q0 ? 0x7632u : 0x5410u;
     const qpn_u32 sel_send = q0 ? 0x5410u : 0x7632u;
 
-    float acc[QPN_TILES][QPN_HT][QPN_NB][2][4] = {};
+    float acc[QPN_HT][QPN_NB][2][4] = {};
 
     qpn_u32 ablate_sink = 0;
     // One batch: groups i .. i+U-1 of the slice.
@@ -112,12 +111,12 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         const int g0 = sl.g_begin + i;
         (void)g0;  // block scales only
         QpnBatchX xb;
-        qpn_x_batch_start(xb, px, i, full, n_local);
+        qpn_x_batch_start(xb, xs, i, full, n_local);
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u) {
-            const uint2 (&xf)[QPN_NB] = qpn_x_group(xb, px, i, u, full, n_local);
+            const uint2 (&xf)[QPN_NB] = qpn_x_group(xb, xs, i, u, full, n_local);
 #pragma unroll
-            for (int tt = 0; tt < QPN_NT; ++tt) {
+            for (int tt = 0; tt < QPN_HT; ++tt) {
                 const uint4 c = b.code[u][tt];
 #if QPN_ABLATE == 1
                 ablate_sink ^= c.x ^ c.y ^ c.z ^ c.w ^ xf[0].x ^ xf[0].y;
@@ -152,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
                 a[1][2] = qpn8_scale_pair<0>(qpn8_pair_bytes13(f[2]), s23);
                 a[1][3] = qpn8_scale_pair<1>(qpn8_pair_bytes13(f[3]), s23);
 
-                qpn_mma_group(acc[tt / QPN_HT][tt % QPN_HT], a, xf);
+                qpn_mma_group(acc[tt], a, xf);
             }
         }
     };
@@ -161,5 +160,5 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #if QPN_ABLATE
     if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive
 #endif
-    qpn_store_slots(red, acc, y, m_rows, n, n_slots, partial, tickets);
+    qpn_reduce_store(red, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
 }

@@ -29,9 +29,6 @@
 #ifndef QPN_NB
 #define QPN_NB 1  // 8-token blocks: M <= 8 * QPN_NB
 #endif
-#ifndef QPN_TILES
-#define QPN_TILES 1  // tile slots per block (a gated slot = its gate tile and its up tile)
-#endif
 #ifndef QPN_GATED
 #define QPN_GATED 0
 #endif
@@ -48,8 +45,7 @@
 #define QPN_UNROLL 4  // groups per load batch (qpn_run_batches)
 #endif
 
-#define QPN_HT (QPN_GATED ? 2 : 1)       // tiles per slot
-#define QPN_NT (QPN_TILES * QPN_HT)      // tiles per block
+#define QPN_HT (QPN_GATED ? 2 : 1)  // tiles per block and warp: gated, the gate tile and the up tile
 
 __device__ __forceinline__ qpn_u32 qpn_prmt(qpn_u32 a, qpn_u32 b, qpn_u32 sel) {
     qpn_u32 d;
@@ -92,25 +88,24 @@ __device__ __forceinline__ void qpn_mma_group(float (&acc)[QPN_NB][2][4], const 
 }
 
 // The block's share of the layer and this warp's K-slice (both decode kernels).
-//   tile[s * QPN_HT + h]: tile of slot s (gated: h = 0 gate tile, 1 up tile); a slot past n_slots
-//                         (the last block's) recomputes the last slot and is never stored
+// Block (b, part) = slot b (its QPN_HT tiles) x `split` = blockDim / 32 K-slices, one warp each.
+//   tile[h]:              the slot's tiles (gated: h = 0 gate tile, 1 up tile)
 //   g_begin, n_local:     the K-slice s = part * split + warp, groups [s * gpw, (s+1) * gpw)
 //                         clipped to K (n_local <= 0: a trailing warp with nothing to do)
+// Sharing x between 2 or 4 tiles of a block (their warps of one K-slice reading the same x
+// through L1) was measured slower at every M on the H200: 28672x8192 M = 1 61.5 -> 69.5 us,
+// M = 32 no gain (results/decode_m32_explore).
 struct QpnSlice {
-    int tile[QPN_NT];
+    int tile[QPN_HT];
     int g_begin;
     int n_local;
 };
 
-__device__ __forceinline__ QpnSlice qpn_block_slice(int n, int k, int n_slots, int groups_per_warp) {
+__device__ __forceinline__ QpnSlice qpn_block_slice(int n, int k, int groups_per_warp) {
     QpnSlice sl;
     const int n_tiles = n / QPN_TILE_N;
 #pragma unroll
-    for (int s = 0; s < QPN_TILES; ++s) {
-        const int slot = min((int)blockIdx.x * QPN_TILES + s, n_slots - 1);
-#pragma unroll
-        for (int h = 0; h < QPN_HT; ++h) sl.tile[s * QPN_HT + h] = slot + h * (n_tiles / 2);
-    }
+    for (int h = 0; h < QPN_HT; ++h) sl.tile[h] = blockIdx.x + h * (n_tiles / 2);
     sl.g_begin = (blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)) * groups_per_warp;
     sl.n_local = min(k / QPN_GROUP_K, sl.g_begin + groups_per_warp) - sl.g_begin;
     return sl;
@@ -128,40 +123,86 @@ __device__ __forceinline__ uint4 qpn_ldcs_u4(const void* p) {
     return v;
 }
 
-// The B fragments of group g0 + u of the warp's K-slice for every 8-token block j:
-// x[row][16g + 4t .. 16g + 4t + 3] (g = g0 + u; 8 bytes, one load), px[j] = row 8j + gid
-// (clamped to M-1: rows >= M only feed output columns that are never stored; clamping keeps the
-// loads in bounds and on the same cache lines, so M = 1 reads 32 bytes of x per group, not 256)
-// at the slice's first group. x is re-read by every tile of a block and by the other blocks of
-// the SM: the .nc (read-only, L1-allocating) path keeps it on chip, so it is loaded when its
-// batch computes (QPN_X_BATCH below), not with the weights: L1 hits, and no registers held
-// across the DRAM latency (holding x with the weights cost 2 * NB registers per group in flight).
+// Where a lane's B fragments come from (QPN_X_FRAG, per build; x_fragments.cu):
+//   0: x itself, fp16 [M][K]: the fragment of group g, 8-token block j is x[row][16g + 4t .. 4t + 3]
+//      (8 bytes, one load), row = 8j + gid clamped to M-1 (rows >= M only feed output columns that
+//      are never stored; clamping keeps the loads in bounds and on the same cache lines, so M = 1
+//      reads 32 bytes of x per group). A warp's load touches one 32-byte sector in each of 8 rows:
+//      8 L1 wavefronts per 8 tokens.
+//   1: x rearranged once per call by qpn_x_fragments into fragment order, [K/16][NB2][32 lanes][16 bytes]
+//      (NB2 = ceil(NB / 2); lane's 16 bytes = its fragments of blocks 2jp and 2jp + 1): one
+//      coalesced 16-byte load per lane feeds two 8-token blocks, 4 L1 wavefronts per 16 tokens
+//      instead of 16. Measured on the H200 at M = 32 (28672x8192, ncu): with layout 0 the L1/TEX
+//      pipe was 78 % busy and the kernel 2.1x its M = 1 time.
+// x is re-read by every tile of a block and by the other blocks of the SM: the .nc (read-only,
+// L1-allocating) path keeps it on chip, so it is loaded when its batch computes (QPN_X_BATCH
+// below), not with the weights: L1 hits, and no registers held across the DRAM latency.
 // A pad group past the slice (valid = false) gets x = 0: its mma add exactly +0.
-// .x = step A register (k 4t, 4t+1), .y = step B register (k 4t+2, 4t+3).
-// Addresses: a per-batch base g0 plus the immediate 32 * u bytes.
-__device__ __forceinline__ void qpn_load_x_group(uint2 (&xf)[QPN_NB], const qpn_u16* const (&px)[QPN_NB], int g0, int u, bool valid)
+// Fragment .x = step A register (k 4t, 4t+1), .y = step B register (k 4t+2, 4t+3).
+#ifndef QPN_X_FRAG
+#define QPN_X_FRAG 0
+#endif
+#define QPN_NB2 ((QPN_NB + 1) / 2)  // 16-byte fragment pairs per group (QPN_X_FRAG = 1)
+
+struct QpnX {  // the warp's x at its slice's first group; loads add the group as an immediate
+#if QPN_X_FRAG
+    const uint4* p;
+#else
+    const qpn_u16* p[QPN_NB];
+#endif
+};
+
+__device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_rows, int k, int g_begin) {
+    QpnX xs;
+    const int lane = threadIdx.x & 31;
+#if QPN_X_FRAG
+    xs.p = static_cast<const uint4*>(x) + (long long)g_begin * QPN_NB2 * 32 + lane;
+#else
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j) {
+        const int row = min(8 * j + (lane >> 2), m_rows - 1);
+        xs.p[j] = static_cast<const qpn_u16*>(x) + (long long)row * k + 16 * g_begin + 4 * (lane & 3);
+    }
+#endif
+    return xs;
+}
+
+// advance by `groups` groups (the QPN2 K loop moves its pointers one batch at a time)
+__device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
+#if QPN_X_FRAG
+    xs.p += groups * QPN_NB2 * 32;
+#else
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j) xs.p[j] += QPN_GROUP_K * groups;
+#endif
+}
+
+// The B fragments of group g0 + u of the slice (from the source's current position) for every
+// 8-token block j; g0 is a per-batch base, u an immediate.
+__device__ __forceinline__ void qpn_load_x_group(uint2 (&xf)[QPN_NB], const QpnX& xs, int g0, int u, bool valid)
 {
+#if QPN_X_FRAG
+#pragma unroll
+    for (int jp = 0; jp < QPN_NB2; ++jp) {
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (valid) {
+            const uint4* p = xs.p + (long long)g0 * (QPN_NB2 * 32) + (u * QPN_NB2 + jp) * 32;
+            asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+        }
+        xf[2 * jp] = make_uint2(v.x, v.y);
+        if (2 * jp + 1 < QPN_NB) xf[2 * jp + 1] = make_uint2(v.z, v.w);
+    }
+#else
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j) {
         if (valid) {
-            const qpn_u16* p = px[j] + 16 * (long long)g0 + 16 * u;
+            const qpn_u16* p = xs.p[j] + 16 * (long long)g0 + 16 * u;
             asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(xf[j].x), "=r"(xf[j].y) : "l"(p));
         } else {
             xf[j] = make_uint2(0u, 0u);
         }
     }
-}
-
-// Per 8-token block j, this lane's x row (8j + gid, clamped to M-1: see below) at group g_begin.
-__device__ __forceinline__ void qpn_x_pointers(
-    const qpn_u16* (&px)[QPN_NB], const qpn_u16* __restrict__ x, int m_rows, int k, int g_begin)
-{
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int j = 0; j < QPN_NB; ++j) {
-        const int row = min(8 * j + (lane >> 2), m_rows - 1);
-        px[j] = x + (long long)row * k + 16 * g_begin + 4 * (lane & 3);
-    }
+#endif
 }
 
 // When a batch's x is loaded (QPN_X_BATCH, per format by measurement on the H200, bench_decode.py):
@@ -173,23 +214,22 @@ struct QpnBatchX {
     uint2 f[QPN_X_BATCH ? QPN_UNROLL : 1][QPN_NB];
 };
 
-__device__ __forceinline__ void qpn_x_batch_start(
-    QpnBatchX& xb, const qpn_u16* const (&px)[QPN_NB], int i, bool full, int n_local)
+__device__ __forceinline__ void qpn_x_batch_start(QpnBatchX& xb, const QpnX& xs, int i, bool full, int n_local)
 {
 #if QPN_X_BATCH
 #pragma unroll
-    for (int u = 0; u < QPN_UNROLL; ++u) qpn_load_x_group(xb.f[u], px, i, u, full || i + u < n_local);
+    for (int u = 0; u < QPN_UNROLL; ++u) qpn_load_x_group(xb.f[u], xs, i, u, full || i + u < n_local);
 #endif
 }
 
 // group u's fragments (loaded here when QPN_X_BATCH = 0)
 __device__ __forceinline__ const uint2 (&qpn_x_group(
-    QpnBatchX& xb, const qpn_u16* const (&px)[QPN_NB], int i, int u, bool full, int n_local))[QPN_NB]
+    QpnBatchX& xb, const QpnX& xs, int i, int u, bool full, int n_local))[QPN_NB]
 {
 #if QPN_X_BATCH
     return xb.f[u];
 #else
-    qpn_load_x_group(xb.f[0], px, i, u, full || i + u < n_local);
+    qpn_load_x_group(xb.f[0], xs, i, u, full || i + u < n_local);
     return xb.f[0];
 #endif
 }
@@ -256,26 +296,27 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT]) {
 #endif
 }
 
-// acc[h][j][rb][i] of this warp for the QPN_HT tiles of one slot -> y.
-//   non-gated: tile = tiles[0], y [M][N]      gated: gate tiles[0], up tiles[1], y [M][N/2]
-// out_tile = the 32-column output tile index, y_cols = row length of y.
+// Every warp's acc[h][j][rb][i] (the block's QPN_HT tiles) -> y.
+//   non-gated: y [M][N], tile = blockIdx.x      gated: gate tile, up tile -> y [M][N/2]
+// y_cols = row length of y; the block's outputs are y columns [32 b, 32 b + 32), b = blockIdx.x.
 //
 // Split-K across blocks (gridDim.y = parts > 1, for layers with too few tiles to fill the GPU):
-// block (tile, part) holds the K-slices [part * split, (part + 1) * split) and writes its block
-// sum to partial[part][h][m][y_cols] (fp32); the last of the tile's blocks to arrive (ticket
-// counter per output tile, in the call's workspace, zeroed by the wrapper on the call's stream
+// block (b, part) holds the K-slices [part * split, (part + 1) * split) and writes its block
+// sum to partial[part][h][m][y_cols] (fp32); the last of the column's blocks to arrive (ticket
+// counter per block column b, in the call's workspace, zeroed by the wrapper on the call's stream
 // before the launch: no state outlives a call) adds the parts in ascending
 // order -- fixed whatever the arrival order, so the result is deterministic and, as the split
 // depends on N, K and the SM count, never on M, batch-invariant -- and stores the outputs.
 __device__ __forceinline__ void qpn_reduce_store(
     float (*red)[QPN_HT][2][4][32], const float (&acc)[QPN_HT][QPN_NB][2][4],
-    qpn_u16* __restrict__ y, int m_rows, int y_cols, int out_tile, int split,
-    float* __restrict__ partial, unsigned* __restrict__ tickets)
+    qpn_u16* __restrict__ y, int m_rows, int y_cols, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
     __shared__ unsigned last_part;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int split = blockDim.x >> 5;
     const int parts = gridDim.y, part = blockIdx.y;
+    const int col0 = 32 * blockIdx.x;
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j) {
         if (8 * j >= m_rows) break;  // uniform
@@ -304,7 +345,7 @@ __device__ __forceinline__ void qpn_reduce_store(
                 s[h] = red[0][h][rb][i][src];
                 for (int w = 1; w < split; ++w) s[h] = __fadd_rn(s[h], red[w][h][rb][i][src]);
             }
-            const long long at = (long long)m * y_cols + 32 * out_tile + c;
+            const long long at = (long long)m * y_cols + col0 + c;
             if (parts == 1) {
                 y[at] = qpn_output(s);
             } else {
@@ -317,13 +358,13 @@ __device__ __forceinline__ void qpn_reduce_store(
     __threadfence();  // this block's partials are visible device-wide before its ticket
     __syncthreads();
     if (threadIdx.x == 0) {
-        last_part = atomicAdd(&tickets[out_tile], 1u) == (unsigned)(parts - 1);
+        last_part = atomicAdd(&tickets[blockIdx.x], 1u) == (unsigned)(parts - 1);
     }
     __syncthreads();
     if (!last_part) return;
     __threadfence();
     for (int v = threadIdx.x; v < 32 * m_rows; v += blockDim.x) {
-        const long long at = (long long)(v >> 5) * y_cols + 32 * out_tile + (v & 31);
+        const long long at = (long long)(v >> 5) * y_cols + col0 + (v & 31);
         float s[QPN_HT];
 #pragma unroll
         for (int h = 0; h < QPN_HT; ++h) {
@@ -332,19 +373,5 @@ __device__ __forceinline__ void qpn_reduce_store(
                 s[h] = __fadd_rn(s[h], __ldcg(partial + ((long long)p * QPN_HT + h) * m_rows * y_cols + at));
         }
         y[at] = qpn_output(s);
-    }
-}
-
-// Every stored slot of the block: reduce and store (qpn_reduce_store); y_cols = N (N/2 gated).
-__device__ __forceinline__ void qpn_store_slots(
-    float (*red)[QPN_HT][2][4][32], const float (&acc)[QPN_TILES][QPN_HT][QPN_NB][2][4],
-    qpn_u16* __restrict__ y, int m_rows, int n, int n_slots, float* __restrict__ partial,
-    unsigned* __restrict__ tickets)
-{
-#pragma unroll
-    for (int s = 0; s < QPN_TILES; ++s) {
-        const int slot = blockIdx.x * QPN_TILES + s;
-        if (slot >= n_slots) break;  // uniform over the block
-        qpn_reduce_store(red, acc[s], y, m_rows, QPN_GATED ? n / 2 : n, slot, blockDim.x >> 5, partial, tickets);
     }
 }

@@ -6,7 +6,7 @@ NVRTC from the `nvidia-cuda-nvrtc` wheel as for the compile check, `nvdisasm` fr
 
 Method (every step reads the compiled code, nothing about the loop is hard-coded):
 
-1. Build: every decode variant the `linear` wrapper registers (`linear.KERNEL_VARIANTS`) is
+1. Build: every decode variant the `linear` wrapper registers (`linear.DECODE_VARIANTS`) is
    compiled for sm_75 with `loader.compile_text`, the compile check's path and options, and the
    cubin is disassembled with `nvdisasm -c`.
 2. The steady-state loop (`steady_loop`). Control flow: a `BRA.DIV` is never taken (it leads to
@@ -339,7 +339,7 @@ def measure(variant: KernelVariant, arch: str, nvrtc, nvdisasm: Path) -> LoopSta
     loop = steady_loop(functions[variant.kernel])
     counts = class_counts(loop)
     nb = _macro(variant, "QPN_NB", 1)
-    tiles = _macro(variant, "QPN_TILES", 1) * (2 if _macro(variant, "QPN_GATED", 0) else 1)
+    tiles = 2 if _macro(variant, "QPN_GATED", 0) else 1  # per warp: gated, the gate and the up tile
     expected = _macro(variant, "QPN_UNROLL", 4) * tiles
     hmma = counts.get("hmma", 0)
     if hmma != HMMA_PER_GROUP_TILE_PER_NB * nb * expected:
@@ -430,7 +430,7 @@ def run_model(variants=None, nvrtc=None, nvdisasm=None, h200_results: Path | Non
     report and the record need."""
     from . import linear  # noqa: PLC0415 (the wrapper module registers the decode variants)
 
-    variants = linear.KERNEL_VARIANTS if variants is None else variants
+    variants = linear.DECODE_VARIANTS if variants is None else variants
     nvrtc = nvrtc or loader.CudaBindingsNVRTC()
     nvdisasm = nvdisasm or find_nvdisasm()
     if nvdisasm is None:
@@ -578,8 +578,9 @@ def _h200_section(res: dict) -> list[str]:
         "",
         "Reading it: ncu saw 60-68 % of the H200's issue slots busy in QPN2 (issue 13), about its measured / "
         "predicted ratio at M <= 8: the model's counts and rates hold, the missing factor is latency hiding. "
-        "At M >= 16 the kernels also re-read x from L2 (3.7x the weight bytes at M = 32) and the M = 32 build "
-        "holds 119 registers (half the warps): neither is in the H200 model, so the ratio falls. On the T4 "
+        "At M >= 16 the ratio falls with occupancy, which the model leaves out: the M = 25-32 builds hold "
+        "108-116 registers (16 warps per SM; ncu at M = 32: 54 % of issue slots busy, L1 47 %, L2 44 %, "
+        "benchmarks/results/decode_m32_explore). On the T4 "
         "the same ratios leave QPN2 and QPN8 DRAM-bound at M <= 16 wherever the T4 headroom above exceeds 1 / ratio.",
         "",
         "| kernel | M | sm_90 instr/gt | predicted % (limit) | measured % " + " / ".join(f"{n}x{k}" for n, k in H200_SHAPES)

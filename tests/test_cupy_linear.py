@@ -256,6 +256,31 @@ def test_gated(cp, fmt, m):
 SPLIT_K_SHAPES = [(64, 4096), (32, 8192), (96, 4608)]
 
 
+def x_fragments_reference(x: np.ndarray) -> np.ndarray:
+    """The fragment order of x_fragments.cu, from its header: [K/16][ceil(NB/2)][32 lanes][2 blocks][4 halves],
+    lane 4 * gid + t of block j holding x[8j + gid][16g + 4t .. 16g + 4t + 3], zeros past row M."""
+    m, k = x.shape
+    nb2 = -(-m // 16)
+    padded = np.zeros((16 * nb2, k), np.float16)
+    padded[:m] = x
+    # [row = 16 jp + 8 h + gid][group g][t][4] -> [g][jp][gid][t][h][4]
+    v = padded.reshape(nb2, 2, 8, k // 16, 4, 4)
+    return np.ascontiguousarray(v.transpose(3, 0, 2, 4, 1, 5)).reshape(k // 16, nb2, 32, 8)
+
+
+@pytest.mark.parametrize("m", (9, 16, 17, 24, 32))
+def test_x_fragments_layout(cp, m):
+    """qpn_x_fragments writes exactly the documented layout (every byte, zero rows past M)."""
+    from qpn.cupy_kernels import linear as L
+
+    k = 48
+    x = activations(np.random.default_rng(m), m, k)
+    out = cp.full(L._fragment_elements(m, k), np.nan, dtype=cp.float32)
+    L._x_fragments(cp.asarray(x), out)
+    got = out.get().view(np.float16).reshape(k // 16, -(-m // 16), 32, 8)
+    assert np.array_equal(got.view(np.uint16), x_fragments_reference(x).view(np.uint16))
+
+
 @pytest.mark.parametrize("n,k", SPLIT_K_SHAPES)
 def test_split_k_across_blocks(cp, n, k):
     """parts > 1: inside the bound, batch-invariant, the same bits on every call (ticket counters

@@ -38,3 +38,11 @@ def test_parts_follow_the_busiest_sm():
     assert L.split_k(160, 1088, 1, 132)[0] == 4
     assert L.split_k(128, 256, 1, 132)[0] == 1  # 128 tiles already fill 132 SMs one each
     assert L.split_k(160, 1088, 1, 40)[0] == 1  # a T4: 4 tiles per SM, balanced by the scheduler
+
+
+def test_every_qpn2_build_runs_whole_batches():
+    """qpn2_linear's K loop has no partial batch (it would skip the slice's last groups): every
+    QPN2 build's groups per batch must divide the slice multiple that split_k rounds to."""
+    for (family, nb, gated), (unroll, _) in L.PIPELINE.items():
+        if family == "qpn2":
+            assert L.SLICE_MULTIPLE["qpn2"] % unroll == 0, (nb, gated, unroll)

@@ -190,8 +190,8 @@ def toolchain():
 def test_no_decode_loop_grew(toolchain):
     nvrtc, nvdisasm = toolchain
     recorded = json.loads(RECORD.read_text())["loops"]
-    stats = tm.measure_all([(v, "sm_75") for v in linear.KERNEL_VARIANTS], nvrtc, nvdisasm)["sm_75"]
+    stats = tm.measure_all([(v, "sm_75") for v in linear.DECODE_VARIANTS], nvrtc, nvdisasm)["sm_75"]
     measured = {v.label: s.instructions for v, s in stats.items()}
     assert not grown_loops(recorded, measured), "\n".join(grown_loops(recorded, measured))
     # the loop unit the model divides by: QPN_UNROLL x tiles group-tiles, none of them empty
-    assert all(s.group_tiles >= 2 and s.stream_bytes for s in stats.values())
+    assert all(s.group_tiles >= 1 and s.stream_bytes for s in stats.values())
