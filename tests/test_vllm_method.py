@@ -17,6 +17,7 @@ for byte. Row-parallel sums use the bound derived in vllm_standin.all_reduce_bou
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_standin as st  # noqa: E402
 
 from qpn import ref  # noqa: E402
-from qpn.torch_bridge import vllm_method as vm  # noqa: E402
+from qpn.torch_bridge import vllm as vm  # noqa: E402
 
 if vm.VLLM_AVAILABLE:
     pytest.skip("vLLM is installed: the stand-in stands in for it only where it is absent (module docstring); "
@@ -515,3 +516,38 @@ def test_non_linear_layers():
 def test_module_imports_without_vllm_and_register_says_why():
     with pytest.raises(RuntimeError, match="needs vLLM"):
         vm.register()
+
+
+# the names the adapter's documentation promises (torch_bridge/vllm/__init__.py)
+PUBLIC_NAMES = ("QPNConfig", "QPNNVFP4LinearMethod", "QPNFP8LinearMethod", "QPNUnquantizedLinearMethod",
+                "QPNKVCacheMethod", "register", "VLLM_AVAILABLE")
+
+
+def test_packaging_ships_the_adapter_and_its_entry_point_names_register():
+    """`pip install .` ships only the packages pyproject.toml lists (no discovery), so every package folder
+    (an __init__.py) under a listed one must be listed too, the adapter's torch_bridge/vllm/ among them; the
+    vllm.general_plugins entry point resolves to register(); the module installs made before the split
+    name as their entry point, qpn.torch_bridge.vllm_method, keeps the public names."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    setuptools = project["tool"]["setuptools"]
+    folders = {os.path.normpath(os.path.join(repo, d)): name for name, d in setuptools["package-dir"].items()}
+    listed, unlisted = set(setuptools["packages"]), []
+    todo = list(folders.items())
+    while todo:  # package folders only: a folder without __init__.py (tests/, docs/) is not descended into
+        folder, name = todo.pop()
+        for sub in sorted(os.listdir(folder)):
+            path = os.path.join(folder, sub)
+            if os.path.isfile(os.path.join(path, "__init__.py")) and path not in folders:
+                todo.append((path, f"{name}.{sub}"))
+                unlisted += [] if f"{name}.{sub}" in listed else [f"{name}.{sub}"]
+    assert not unlisted, f"package folders missing from [tool.setuptools] packages: {unlisted}"
+
+    module, _, attr = project["project"]["entry-points"]["vllm.general_plugins"]["qpn"].partition(":")
+    assert getattr(importlib.import_module(module), attr) is vm.register
+    from qpn.torch_bridge import vllm_method
+
+    assert {name: getattr(vllm_method, name) is getattr(vm, name) for name in PUBLIC_NAMES} == \
+        dict.fromkeys(PUBLIC_NAMES, True)

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_llama as tl  # noqa: E402
 import vllm_standin as st  # noqa: E402
 
-from qpn.torch_bridge import vllm_method as vm  # noqa: E402
+from qpn.torch_bridge import vllm as vm  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,0 +1,305 @@
+"""QPNConfig, the vLLM quantization config "qpn" (ModelOpt config parsing, which method each layer
+gets), and register(), the plugin entry point.
+
+The checkpoint is unchanged: it keeps its own ModelOpt quantization config (config.json
+`quantization_config`, or the older `hf_quant_config.json`), which `QPNConfig.from_config` parses.
+vLLM would match that config to "modelopt" / "modelopt_fp4" / "modelopt_mixed" and then refuse the
+user's "qpn" as a mismatch; `QPNConfig.override_quantization_method` (vLLM asks plugin configs first)
+claims a ModelOpt NVFP4 / W4A16_NVFP4 / FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO / MIXED_PRECISION
+config, but only when the user asked for "qpn", so vLLM's own ModelOpt path stays the default
+otherwise; asked for "qpn" on a checkpoint it cannot run (another quant_algo, compressed-tensors), it
+raises a ValueError saying why, instead of vLLM's bare "does not match" message.
+`dtype="half"`: the kernels take fp16 activations (get_supported_act_dtypes), so a bf16 model must
+run in fp16.
+
+Embeddings and lm_head (VocabParallelEmbedding, ParallelLMHead) are left to vLLM (get_quant_method
+returns None: vLLM's unquantized embedding); vLLM gives them the same `output_partition_sizes` /
+`input_size` attributes as its linear layers, so they are recognised by class, never by shape.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ._compat import VLLM_AVAILABLE, QuantizationConfig, _VllmLinearBase
+from .methods import (
+    NVFP4_GROUP_SIZE,
+    QPNFP8LinearMethod,
+    QPNKVCacheMethod,
+    QPNNVFP4LinearMethod,
+    _unquantized_method,
+)
+
+QUANT_NAME = "qpn"
+MIN_CAPABILITY = 75  # Turing (sm_75); newer cards run the compute_75 PTX
+CONFIG_FILENAMES = ["hf_quant_config.json"]
+# ModelOpt per-layer algorithm -> qpn method kind
+LAYER_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8_tensor",
+               "FP8_PER_CHANNEL_PER_TOKEN": "fp8_channel", "FP8_PB_WO": "fp8_block"}
+EMBEDDING_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}  # ParallelLMHead subclasses the former
+ATTENTION_CLASSES = {"Attention", "MLAAttention"}  # vLLM's attention layers (KV-cache scales)
+QUANT_ALGOS = tuple(LAYER_ALGOS) + ("MIXED_PRECISION",)
+# vLLM models set packed_modules_mapping on the config; this is the fallback for the usual names
+DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+# ----------------------------------------------------------------------------- layer classes
+
+
+def _class_names(obj) -> set[str]:
+    return {cls.__name__ for cls in type(obj).__mro__}
+
+
+def is_linear_layer(layer) -> bool:
+    """vLLM's LinearBase, or anything shaped like it (the stand-in): `output_partition_sizes` is set
+    by every vLLM linear layer before it asks the config for a method. vLLM's embeddings and lm_head
+    set the same two attributes, so they are excluded by class first: claiming one made vLLM call
+    the linear method's `embedding()`, which a linear method does not have."""
+    if _class_names(layer) & EMBEDDING_CLASSES:
+        return False
+    if _VllmLinearBase is not None and isinstance(layer, _VllmLinearBase):
+        return True
+    return hasattr(layer, "output_partition_sizes") and hasattr(layer, "input_size")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _modelopt_section(config: Mapping) -> tuple[Mapping, str]:
+    """(section holding quant_algo, form): hf_quant_config.json {"quantization": {...}} or config.json
+    quantization_config {"quant_method": "modelopt", "quant_algo": ...}."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"the quantization config must be a dict, got {type(config).__name__}")
+    if "quantization" in config:
+        section = config["quantization"]
+        if not isinstance(section, Mapping):
+            raise ValueError(f"'quantization' in hf_quant_config.json must be an object, got {section!r}")
+        return section, "hf_quant_config.json"
+    method = str(config.get("quant_method", "")).lower()
+    if method and not method.startswith("modelopt"):
+        raise ValueError(f"qpn's vLLM plugin reads ModelOpt checkpoints (quant_method 'modelopt'), got quant_method "
+                         f"{config.get('quant_method')!r}; run this checkpoint without quantization='qpn'")
+    return config, "quantization_config"
+
+
+class QPNConfig(QuantizationConfig):
+    """ModelOpt NVFP4 / W4A16_NVFP4 / FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO / MIXED_PRECISION via qpn.
+
+    quant_algo: the checkpoint's quant_algo (upper case); exclude_modules: ModelOpt's `ignore` /
+    `exclude_modules` (exact names or fnmatch wildcards); quantized_layers: MIXED_PRECISION's
+    {layer name: per-layer algo}; kv_cache_quant_algo is recorded (vLLM reads it from the
+    checkpoint config itself to pick the fp8 KV cache; QPNKVCacheMethod loads the scales).
+    """
+
+    def __init__(self, quant_algo: str, exclude_modules=None, quantized_layers: Mapping[str, str] | None = None,
+                 group_size: int | None = None, kv_cache_quant_algo: str | None = None):
+        super().__init__()
+        algo = str(quant_algo).upper()
+        if algo not in QUANT_ALGOS:
+            raise ValueError(f"quant_algo {quant_algo!r} is not supported by qpn; supported: {QUANT_ALGOS} "
+                             "(MXFP8, NVFP4_AWQ, W4A8_AWQ and other algorithms need vLLM's own methods)")
+        self.quant_algo = algo
+        self.exclude_modules = list(exclude_modules or [])
+        if not all(isinstance(e, str) for e in self.exclude_modules):
+            raise ValueError(f"exclude_modules must be a list of strings, got {exclude_modules!r}")
+        self.group_size = NVFP4_GROUP_SIZE if group_size is None else int(group_size)
+        if self.group_size != NVFP4_GROUP_SIZE and any(
+                LAYER_ALGOS.get(a) == "nvfp4" for a in [algo, *(quantized_layers or {}).values()]):
+            raise ValueError(f"group_size must be {NVFP4_GROUP_SIZE} for NVFP4, got {group_size!r}")
+        self.kv_cache_quant_algo = kv_cache_quant_algo
+        self.quantized_layers: dict[str, str] = {}
+        if algo == "MIXED_PRECISION":
+            if not quantized_layers:
+                raise ValueError("MIXED_PRECISION needs a non-empty quantized_layers mapping {layer: {quant_algo}}")
+            bad = {}
+            for name, layer_algo in quantized_layers.items():
+                layer_algo = str(layer_algo).upper()
+                if layer_algo not in LAYER_ALGOS:
+                    bad[name] = layer_algo
+                self.quantized_layers[name] = layer_algo
+            if bad:
+                raise ValueError(f"quantized_layers has algorithms qpn does not run: {bad}; supported per layer: "
+                                 f"{tuple(LAYER_ALGOS)}")
+
+    def __repr__(self) -> str:
+        return (f"QPNConfig(quant_algo={self.quant_algo!r}, exclude_modules={self.exclude_modules!r}, "
+                f"quantized_layers={len(self.quantized_layers)} entries)")
+
+    # --- vLLM's QuantizationConfig interface
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_NAME
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float16]  # fp16-in / fp32-accumulate kernels; Turing has no bf16 MMA
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return MIN_CAPABILITY
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return list(CONFIG_FILENAMES)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> QPNConfig:
+        """hf_quant_config.json ({"quantization": {quant_algo, group_size, exclude_modules,
+        kv_cache_quant_algo, quantized_layers}}) or config.json's quantization_config
+        ({quant_method: "modelopt", quant_algo, group_size, ignore, quantized_layers, kv_cache_scheme})."""
+        section, form = _modelopt_section(config)
+        algo = section.get("quant_algo")
+        if not isinstance(algo, str) or not algo:
+            raise ValueError(f"{form}: quant_algo is missing or not a string: {algo!r}")
+        key = "exclude_modules" if "exclude_modules" in section else "ignore"
+        exclude = section.get(key) or []
+        if not isinstance(exclude, list):
+            raise ValueError(f"{form}: {key} must be a list of layer names / wildcards, got {exclude!r}")
+        layers = section.get("quantized_layers") or {}
+        if not isinstance(layers, Mapping):
+            raise ValueError(f"{form}: quantized_layers must map layer names to {{quant_algo, ...}}, got {layers!r}")
+        per_layer = {}
+        for name, entry in layers.items():
+            layer_algo = entry.get("quant_algo") if isinstance(entry, Mapping) else entry
+            if not isinstance(layer_algo, str):
+                raise ValueError(f"{form}: quantized_layers[{name!r}] needs a quant_algo string, got {entry!r}")
+            per_layer[name] = layer_algo
+            if isinstance(entry, Mapping) and LAYER_ALGOS.get(layer_algo.upper()) == "nvfp4" and \
+                    entry.get("group_size", NVFP4_GROUP_SIZE) != NVFP4_GROUP_SIZE:
+                raise ValueError(f"{form}: quantized_layers[{name!r}] has group_size {entry.get('group_size')!r}; "
+                                 f"NVFP4 needs {NVFP4_GROUP_SIZE}")
+        kv = section.get("kv_cache_quant_algo")
+        return cls(algo, exclude, per_layer, section.get("group_size"), kv)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
+        """Claim a ModelOpt checkpoint only when the user asked for quantization="qpn".
+
+        Asked for "qpn" on a checkpoint qpn cannot run, raise a ValueError that says why (vLLM would
+        otherwise only say that "modelopt" does not match "qpn"); not asked, never claim or raise.
+        """
+        if user_quant != QUANT_NAME or not isinstance(hf_quant_cfg, Mapping):
+            return None
+        method = str(hf_quant_cfg.get("quant_method", "modelopt"))
+        if not method.lower().startswith("modelopt"):
+            raise ValueError(f"quantization='qpn' runs ModelOpt checkpoints (quant_method 'modelopt'); this one has "
+                             f"quant_method {method!r}. Serve it without quantization='qpn' (vLLM's own method), or "
+                             "load it in PyTorch with qpn.torch_bridge.load_quantized (compressed-tensors NVFP4)")
+        section = hf_quant_cfg.get("quantization", hf_quant_cfg)
+        algo = str(section.get("quant_algo", "")).upper() if isinstance(section, Mapping) else ""
+        if algo not in QUANT_ALGOS:
+            raise ValueError(f"quantization='qpn' does not run ModelOpt quant_algo {algo or None!r}; it runs "
+                             f"{QUANT_ALGOS}. Serve this checkpoint without quantization='qpn' (vLLM's own ModelOpt "
+                             "path)")
+        return QUANT_NAME
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        """Rename checkpoint layer names to the vLLM model's (models with an hf_to_vllm_mapper)."""
+        if self.exclude_modules and hasattr(hf_to_vllm_mapper, "apply_list"):
+            self.exclude_modules = list(hf_to_vllm_mapper.apply_list(self.exclude_modules))
+        if self.quantized_layers and hasattr(hf_to_vllm_mapper, "apply_dict"):
+            self.quantized_layers = dict(hf_to_vllm_mapper.apply_dict(self.quantized_layers))
+
+    def get_quant_method(self, layer, prefix: str):
+        names = _class_names(layer)
+        if is_linear_layer(layer):
+            algo = self.layer_algo(prefix)
+            if algo is None:
+                return _unquantized_method(self)
+            kind = LAYER_ALGOS[algo]
+            if kind == "nvfp4":
+                return QPNNVFP4LinearMethod(self)
+            return QPNFP8LinearMethod(self, kind.removeprefix("fp8_"))
+        if names & {"FusedMoE", "RoutedExperts"}:
+            if self.layer_algo(prefix, fused=False) is not None or self._has_quantized_descendant(prefix):
+                raise ValueError(f"layer {prefix!r} is a quantized MoE layer; qpn's vLLM plugin runs dense linear "
+                                 "layers only - serve this checkpoint with vLLM's ModelOpt path")
+            return None
+        if names & EMBEDDING_CLASSES:
+            # ModelOpt quantizes nn.Linear modules only: an input embedding is quantized only if a
+            # MIXED_PRECISION config lists it; lm_head is a Linear in HF, quantized unless excluded.
+            lm_head = "ParallelLMHead" in names
+            quantized = self.layer_algo(prefix, fused=False) is not None if lm_head else \
+                self.quant_algo == "MIXED_PRECISION" and self._listed_algo(prefix) is not None
+            if quantized:
+                raise ValueError(f"layer {prefix!r} ({type(layer).__name__}) is quantized in this checkpoint; qpn "
+                                 "runs linear layers only - add it to exclude_modules or use vLLM's ModelOpt path")
+            return None
+        if names & ATTENTION_CLASSES and QPNKVCacheMethod is not None:
+            return QPNKVCacheMethod(self)
+        return None
+
+    # --- which layers are quantized, and how
+
+    def _shard_names(self, prefix: str) -> list[str]:
+        parent, _, leaf = prefix.rpartition(".")
+        shards = self.packed_modules_mapping.get(leaf) or DEFAULT_PACKED_MODULES.get(leaf)
+        if not shards:
+            return []
+        return [f"{parent}.{s}" if parent else s for s in shards]
+
+    def _excluded(self, name: str) -> bool:
+        return any(name == e or fnmatch.fnmatchcase(name, e) for e in self.exclude_modules)
+
+    def _listed_algo(self, name: str) -> str | None:
+        """MIXED_PRECISION: the entry for `name` or its nearest listed ancestor."""
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            algo = self.quantized_layers.get(".".join(parts[:i]))
+            if algo is not None:
+                return algo
+        return None
+
+    def _algo_of(self, name: str) -> str | None:
+        if self._excluded(name):
+            return None
+        if self.quant_algo != "MIXED_PRECISION":
+            return self.quant_algo
+        return self._listed_algo(name)
+
+    def _has_quantized_descendant(self, prefix: str) -> bool:
+        return any(name.startswith(prefix + ".") and self._algo_of(name) is not None for name in self.quantized_layers)
+
+    def layer_algo(self, prefix: str, fused: bool = True) -> str | None:
+        """The ModelOpt algorithm of the vLLM layer `prefix` (None: unquantized).
+
+        A fused layer (qkv_proj, gate_up_proj, or anything in packed_modules_mapping) is decided by
+        its own name when the config names it, else by its shards (q_proj, k_proj, v_proj / gate_proj,
+        up_proj), which must agree.
+        """
+        if self._excluded(prefix):
+            return None
+        if self.quant_algo == "MIXED_PRECISION" and prefix in self.quantized_layers:
+            return self.quantized_layers[prefix]
+        shards = self._shard_names(prefix) if fused else []
+        if not shards:
+            return self._algo_of(prefix)
+        algos = {s: self._algo_of(s) for s in shards}
+        if len(set(algos.values())) != 1:
+            raise ValueError(f"fused layer {prefix!r}: its shards are quantized differently {algos} "
+                             "(None = unquantized); vLLM runs a fused layer with one method, so its shards must agree")
+        return algos[shards[0]]
+
+
+# ----------------------------------------------------------------------------- plugin entry point
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """vLLM `vllm.general_plugins` entry point: register QPNConfig as quantization "qpn" (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    if not VLLM_AVAILABLE:
+        raise RuntimeError("qpn.torch_bridge.vllm.register() needs vLLM, which is not importable here")
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+
+    if QUANT_NAME not in QUANTIZATION_METHODS:
+        register_quantization_config(QUANT_NAME)(QPNConfig)
+    _REGISTERED = True

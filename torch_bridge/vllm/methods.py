@@ -1,0 +1,318 @@
+"""The qpn linear methods: thin per-format create_weights / process_weights_after_loading over the
+shared helpers (_begin_create, _finish, _apply), and the KV-cache method.
+
+Parameters (ModelOpt's checkpoint names and shapes; N_part = sum(output_partition_sizes),
+K_part = input_size_per_partition, S = number of logical shards, e.g. 3 for q/k/v):
+    NVFP4 (NVFP4, W4A16_NVFP4): weight uint8 [N_part, K_part/2], weight_scale float8_e4m3fn
+        [N_part, K_part/16], weight_scale_2 float32 [S], input_scale float32 [S] (loaded, unused)
+    FP8 per tensor (FP8): weight float8_e4m3fn [N_part, K_part], weight_scale float32 [S],
+        input_scale float32 [S] (loaded, unused)
+    FP8 per channel (FP8_PER_CHANNEL_PER_TOKEN): weight as above, weight_scale float32 [N_part]
+        ([N, 1] on disk is read as [N])
+    FP8 128x128 blocks (FP8_PB_WO): weight as above, weight_scale float32 [sum_i ceil(N_i/128),
+        K_part/128]: each shard's own block grid, stacked (ModelOpt 0.47 writes [N/128, 1, K/128, 1],
+        or [] for a layer of one block: the same values). K_part % 128 == 0; a fused layer's shards
+        must be multiples of 32 rows on this rank and start on a 128-row block (ValueError otherwise):
+        each shard is packed with its own grid and the 32-row tiles concatenated
+
+process_weights_after_loading (every slot must have been loaded; ValueError otherwise):
+- NVFP4: prepack through torch.ops.qpn.nvfp4_prepack (qpn.torch_bridge.pack_nvfp4 validates the
+  values: NaN scale bytes, fp16 overflow). Global scale: if every shard's weight_scale_2 is the
+  same fp32 value, that scalar (N_part is then padded to 32 inside and the padding cropped in
+  apply); otherwise one value per 32-row tile, each shard's tiles carrying its own scale, which
+  needs every shard's N_part to be a multiple of 32 (ValueError otherwise). Different shard
+  scales are NEVER collapsed with max() (that makes the smaller shards 1.5-3x too large).
+- FP8: per-shard scalars become a per-channel scale vector (each row keeps its shard's scale:
+  exact), then torch.ops.qpn.fp8_prepack (per-channel QPN8: S16 = RN16(256 * s)); block scales
+  prepack as they are (QPN8 block layout).
+- The original parameters are deleted; the layer keeps qpn_codes, qpn_scales (and
+  qpn_global_scale for NVFP4) as frozen Parameters.
+
+apply(layer, x, bias): x [..., K_part] float16 -> flattened to [M, K_part] -> torch.ops.qpn.nvfp4_linear
+/ fp8_linear (fp32 accumulation, one RN16; the decode / dense split is inside the op) -> padding
+cropped -> bias added as RN16(y + b) (computed in fp32 and rounded once: exact sum of two fp16
+values rounded to fp16, because fp32 holds 24 >= 2 * 11 + 2 bits, so the double rounding is
+innocuous) -> [..., N_part].
+
+KV cache: attention layers get `QPNKVCacheMethod`, vLLM's own BaseKVCacheMethod, as vLLM's ModelOpt
+method does: the checkpoint's k_scale / v_scale (ModelOpt `kv_cache_quant_algo: FP8`, stored as
+self_attn.k_proj.k_scale / v_proj.v_scale and renamed by vLLM) reach the fp8 KV cache that vLLM picks
+from the same config. Activations stay fp16: only the cache is fp8.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from qpn.ref.geometry import GROUP_K, TILE_N
+
+from .. import ops  # registers torch.ops.qpn.*
+from ..module import PackedWeight, pack_fp8, pack_nvfp4
+from ._compat import LinearMethodBase, _VllmKVCacheMethod, _VllmUnquantizedLinearMethod
+from .sharding import (
+    _BLOCK_GRID,
+    _PER_SHARD,
+    _ROWS,
+    FP8_BLOCK,
+    ShardGeometry,
+    _block_rows,
+    _register,
+    _require_loaded,
+    layer_geometry,
+)
+
+if TYPE_CHECKING:
+    from .config import QPNConfig
+
+NVFP4_GROUP_SIZE = GROUP_K  # 16
+NVFP4_K_MULTIPLE = ops.NVFP4_K_MULTIPLE  # 64 (QPN2)
+FP8_K_MULTIPLE = ops.FP8_K_MULTIPLE  # 16 (QPN8, channel scales)
+_UNLOADED = float("nan")  # initial value of per-shard slots (the loaded-slot bookkeeping is what counts)
+
+
+def _begin_create(layer, input_size_per_partition, output_partition_sizes, k_multiple: int, fmt: str):
+    geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes)
+    k = geom.k_partition
+    if k <= 0 or k % k_multiple != 0:
+        input_size = getattr(layer, "input_size", "?")
+        raise ValueError(
+            f"layer {geom.prefix!r}: {fmt} needs the input features per partition to be a multiple of {k_multiple}, "
+            f"got K_part={k} (input_size={input_size}, tp_size={geom.tp_size}, {geom.kind}-parallel); pick a "
+            "tensor-parallel size that keeps K_part a multiple of it, or exclude this layer from quantization")
+    layer.qpn_geometry = geom
+    # the attributes vLLM's own ModelOpt methods set, for code that reads them
+    layer.logical_widths = list(geom.partitions)
+    layer.input_size_per_partition = k
+    layer.output_size_per_partition = geom.n_partition
+    return geom
+
+
+def _finish(layer, fmt: str, packed, deleted: tuple[str, ...]) -> None:
+    for name in deleted:
+        if hasattr(layer, name):
+            delattr(layer, name)
+    layer.qpn_format = fmt
+    layer.qpn_codes = Parameter(packed.codes, requires_grad=False)
+    layer.qpn_scales = Parameter(packed.scales, requires_grad=False)
+    if packed.global_scale is not None:
+        layer.qpn_global_scale = Parameter(packed.global_scale, requires_grad=False)
+    layer.qpn_out_features = packed.out_features
+
+
+def _apply(layer, x: Tensor, bias: Tensor | None, gated: bool = False) -> Tensor:
+    k = layer.input_size_per_partition
+    n = layer.qpn_out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"layer {layer.qpn_geometry.prefix!r}: x must have {k} input features in its last "
+                         f"dimension, got shape {tuple(x.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if layer.qpn_format == "nvfp4":
+        y = torch.ops.qpn.nvfp4_linear(x2, layer.qpn_codes, layer.qpn_scales, layer.qpn_global_scale, gated)
+    else:
+        y = torch.ops.qpn.fp8_linear(x2, layer.qpn_codes, layer.qpn_scales, gated)
+    n_out = n // 2 if gated else n
+    if y.shape[1] != n_out:
+        y = y[:, :n_out]  # pad rows (N_part padded to 32) produce exact zeros; crop them
+    if bias is not None:
+        y = (y.float() + bias.float()).to(y.dtype)  # RN16(y + b): module docstring
+    return y.reshape(*lead, n_out)
+
+
+class _QPNLinearMethodBase(LinearMethodBase):
+    """Shared apply / apply_gated / dequantized_weight of the two qpn methods."""
+
+    fmt = ""
+
+    def __init__(self, quant_config: QPNConfig | None = None):
+        self.quant_config = quant_config
+
+    def apply(self, layer, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        return _apply(layer, x, bias)
+
+    def apply_gated(self, layer, x: Tensor) -> Tensor:
+        """Fused gate_up (MergedColumnParallelLinear with two equal shards) + SiLU-and-mul inside the op:
+        equals vLLM's silu_and_mul applied to apply(layer, x). x [..., K_part] -> [..., N_part/2]."""
+        geom = layer.qpn_geometry
+        parts = geom.partitions
+        if len(parts) != 2 or parts[0] != parts[1] or parts[0] % TILE_N != 0 or layer.qpn_codes.shape[0] != sum(parts):
+            raise ValueError(f"layer {geom.prefix!r}: apply_gated needs a gate_up layer of two equal shards, each a "
+                             f"multiple of {TILE_N} rows on this rank, got partitions {list(parts)}; use apply() "
+                             "and a separate silu_and_mul")
+        if getattr(layer, "bias", None) is not None:
+            raise ValueError(f"layer {geom.prefix!r}: apply_gated does not add a bias (the epilogue follows the "
+                             "linear directly); use apply() and a separate silu_and_mul")
+        return _apply(layer, x, None, gated=True)
+
+    def dequantized_weight(self, layer) -> Tensor:
+        """float16 [N_part, K_part]: the W16 this rank computes with (padding cropped)."""
+        if layer.qpn_format == "nvfp4":
+            w16 = torch.ops.qpn.nvfp4_dequantize(layer.qpn_codes, layer.qpn_scales, layer.qpn_global_scale)
+        else:
+            w16 = torch.ops.qpn.fp8_dequantize(layer.qpn_codes, layer.qpn_scales)
+        return w16[: layer.qpn_out_features]
+
+
+class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
+    """ModelOpt NVFP4 / W4A16_NVFP4 weights, run weight-only through the QPN2 ops (module docstring)."""
+
+    fmt = "nvfp4"
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        del input_size, output_size, params_dtype
+        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, NVFP4_K_MULTIPLE,
+                             "NVFP4 (QPN2 layout)")
+        n, k, s = geom.n_partition, geom.k_partition, len(geom.partitions)
+        _register(layer, geom, "weight", torch.empty((n, k // 2), dtype=torch.uint8), _ROWS, extra_weight_attrs)
+        _register(layer, geom, "weight_scale", torch.empty((n, k // NVFP4_GROUP_SIZE), dtype=torch.float8_e4m3fn),
+                  _ROWS, extra_weight_attrs)
+        _register(layer, geom, "weight_scale_2", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
+                  extra_weight_attrs)
+        _register(layer, geom, "input_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
+                  extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        geom: ShardGeometry = layer.qpn_geometry
+        _require_loaded(layer, geom, ("weight", "weight_scale", "weight_scale_2"))
+        global_scale = _nvfp4_global_scale(geom, layer.weight_scale_2.data)
+        packed = pack_nvfp4(layer.weight.data, layer.weight_scale.data, global_scale)
+        _finish(layer, self.fmt, packed, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
+
+
+class QPNFP8LinearMethod(_QPNLinearMethodBase):
+    """ModelOpt FP8 (per-tensor, per shard), FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO (128x128 blocks)
+    weights, run weight-only through the QPN8 ops (module docstring)."""
+
+    fmt = "fp8"
+
+    def __init__(self, quant_config: QPNConfig | None = None, granularity: str = "tensor"):
+        super().__init__(quant_config)
+        if granularity not in ("tensor", "channel", "block"):
+            raise ValueError(f"granularity must be 'tensor', 'channel' or 'block' (ModelOpt FP8 / "
+                             f"FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO), got {granularity!r}")
+        self.granularity = granularity
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        del input_size, output_size, params_dtype
+        block = self.granularity == "block"
+        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes,
+                             FP8_BLOCK if block else FP8_K_MULTIPLE, "FP8 (QPN8 layout)")
+        n, k, s = geom.n_partition, geom.k_partition, len(geom.partitions)
+        _register(layer, geom, "weight", torch.empty((n, k), dtype=torch.float8_e4m3fn), _ROWS, extra_weight_attrs)
+        if self.granularity == "tensor":
+            _register(layer, geom, "weight_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
+                      extra_weight_attrs)
+        elif self.granularity == "channel":
+            _register(layer, geom, "weight_scale", torch.full((n,), _UNLOADED, dtype=torch.float32), _ROWS,
+                      extra_weight_attrs)
+        else:
+            _register(layer, geom, "weight_scale", torch.full(_block_scale_grid(geom), _UNLOADED, dtype=torch.float32),
+                      _BLOCK_GRID, extra_weight_attrs)
+        _register(layer, geom, "input_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
+                  extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer) -> None:
+        geom: ShardGeometry = layer.qpn_geometry
+        _require_loaded(layer, geom, ("weight", "weight_scale"))
+        s = layer.weight_scale.data
+        if self.granularity == "block":
+            packed = _pack_fp8_block_shards(layer.weight.data, s, geom)
+        else:
+            if self.granularity == "tensor":  # each row keeps its own shard's multiplier: exact
+                rows = torch.tensor(list(geom.partitions), device=s.device)
+                s = torch.repeat_interleave(s, rows)
+            packed = pack_fp8(layer.weight.data, s.contiguous(), "channel")
+        _finish(layer, self.fmt, packed, ("weight", "weight_scale", "input_scale"))
+
+
+def _nvfp4_global_scale(geom: ShardGeometry, g: Tensor) -> Tensor:
+    """The shards' weight_scale_2 [S] -> one scalar, or one value per 32-row tile (module docstring)."""
+    if bool(torch.all(g == g[0])):
+        return g[:1].clone()  # one value for the whole layer
+    misaligned = {geom.shard_ids[i]: p for i, p in enumerate(geom.partitions) if p % TILE_N != 0}
+    if misaligned:
+        raise ValueError(
+            f"layer {geom.prefix!r}: its shards {list(geom.shard_ids)} carry different weight_scale_2 "
+            f"{[float(v) for v in g.cpu()]}; qpn keeps one global scale per {TILE_N}-row tile (never the "
+            f"max(), which mis-scales the smaller shards), so every shard's rows on this rank must be a "
+            f"multiple of {TILE_N}, got {misaligned} (partitions {list(geom.partitions)}, tp_size "
+            f"{geom.tp_size}); use a tensor-parallel size that keeps them aligned, or requantize the shards "
+            "to one weight_scale_2")
+    tiles = torch.tensor([p // TILE_N for p in geom.partitions], device=g.device)
+    return torch.repeat_interleave(g, tiles)  # tile t: the scale of the shard holding its rows
+
+
+def _block_scale_grid(geom: ShardGeometry) -> tuple[int, int]:
+    """FP8_PB_WO weight_scale shape: the shards' block rows stacked x K_part/128 (module docstring)."""
+    off_tile = {geom.shard_ids[i]: p for i, p in enumerate(geom.partitions) if p % TILE_N != 0}
+    if len(geom.partitions) > 1 and off_tile:
+        raise ValueError(
+            f"layer {geom.prefix!r}: fused FP8_PB_WO shards are packed one by one into {TILE_N}-row tiles, so "
+            f"every shard's rows on this rank must be a multiple of {TILE_N}, got {off_tile} (partitions "
+            f"{list(geom.partitions)}, tp_size {geom.tp_size}); use a tensor-parallel size that keeps them aligned")
+    counts, _ = _block_rows(geom.partitions)
+    return sum(counts), geom.k_partition // FP8_BLOCK
+
+
+def _pack_fp8_block_shards(weight: Tensor, grid: Tensor, geom: ShardGeometry) -> PackedWeight:
+    """FP8_PB_WO: each shard packed with its own block grid (pack_fp8 validates and pads it to whole
+    128-row blocks), the pad cropped, the shards' 32-row tiles concatenated. QPN8's block layout keeps
+    one scale per (128 columns, 32-row tile), so a shard of 64 rows with its own block scale is exact."""
+    if len(geom.partitions) == 1:
+        return pack_fp8(weight, grid.contiguous(), "block")
+    counts, starts = _block_rows(geom.partitions)
+    codes, scales = [], []
+    for rows, offset, count, start in zip(geom.partitions, geom.offsets, counts, starts):
+        part = pack_fp8(weight.narrow(0, offset, rows), grid.narrow(0, start, count).contiguous(), "block")
+        codes.append(part.codes[:rows])
+        scales.append(part.scales[:, : rows // TILE_N])
+    return PackedWeight("fp8", torch.cat(codes).contiguous(), torch.cat(scales, dim=1).contiguous(), None,
+                        int(weight.shape[1]), geom.n_partition)
+
+
+class QPNUnquantizedLinearMethod(LinearMethodBase):
+    """Excluded layers when vLLM is not installed: params_dtype weight [N_part, K_part] with the same
+    sharding loader; y = RN16(x @ W^T) with fp32 accumulation (+ bias as in apply above)."""
+
+    def __init__(self, quant_config: QPNConfig | None = None):
+        self.quant_config = quant_config
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        del input_size, output_size
+        geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes)
+        layer.qpn_geometry = geom
+        _register(layer, geom, "weight", torch.empty((geom.n_partition, geom.k_partition), dtype=params_dtype),
+                  _ROWS, extra_weight_attrs, cast_ok=True)
+
+    def process_weights_after_loading(self, layer) -> None:
+        _require_loaded(layer, layer.qpn_geometry, ("weight",))
+
+    def apply(self, layer, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        y = torch.matmul(x.float(), layer.weight.float().t()).to(x.dtype)
+        if bias is not None:
+            y = (y.float() + bias.float()).to(y.dtype)
+        return y
+
+
+if _VllmKVCacheMethod is not None:
+    class QPNKVCacheMethod(_VllmKVCacheMethod):
+        """vLLM's BaseKVCacheMethod for attention layers: creates k_scale / v_scale (and q / prob scales) so
+        the checkpoint's ModelOpt FP8 KV-cache scales load, and hands them to vLLM's fp8 KV cache after
+        loading (module docstring). qpn adds nothing: the name only says which config made it."""
+else:
+    QPNKVCacheMethod = None  # KV-cache scales need vLLM's attention layers; nothing to do without vLLM
+
+
+def _unquantized_method(config):
+    if _VllmUnquantizedLinearMethod is not None:
+        return _VllmUnquantizedLinearMethod()
+    return QPNUnquantizedLinearMethod(config)
