@@ -30,6 +30,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import ablate  # noqa: E402
 import bench_kernels as bk  # noqa: E402
 
 DECODE_MS = (1, 2, 4, 8, 16, 32)
@@ -248,15 +249,16 @@ def section_variants(ctx: bk.Context) -> bk.Section:
     return sec
 
 
-def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=None, check=None):
+def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=None, check=None, source=None):
     """Time one macro build of a decode kernel through the wrapper's launch (x fragments where the
     build reads them, split-K reset, split and grid), the workspace allocated once as the torch op
     passes it; `target` overrides linear.TARGET_WARPS. With `check` (the W16 of bufs[0]), first
-    verify its outputs against the fp32 accumulation bound."""
+    verify its outputs against the fp32 accumulation bound. `source`: another kernel file (an
+    ablation's path) instead of the shipped one."""
     from qpn.cupy_kernels import linear as L
     from qpn.cupy_kernels.loader import get_function
 
-    fn = get_function(f"{fmt}_linear.cu", f"{fmt}_linear", macros)
+    fn = get_function(str(source or ablate.kernel_source(fmt)), f"{fmt}_linear", macros)
     x_frag = dict(macros).get("QPN_X_FRAG") == "1"
     saved, L.TARGET_WARPS = L.TARGET_WARPS, target or L.TARGET_WARPS
     try:
@@ -329,14 +331,10 @@ def section_mid(ctx: bk.Context) -> bk.Section:
     return sec
 
 
-ABLATIONS = (  # (format, label, extra macros): where the time goes (method: leave one stage out)
-    ("qpn2", "full", ()),
-    ("qpn2", "loads only", (("QPN_ABLATE", "1"),)),
-    ("qpn2", "no exchange", (("QPN_ABLATE", "2"),)), ("qpn2", "no decode", (("QPN_ABLATE", "3"),)),
-    ("qpn2", "no mma", (("QPN_ABLATE", "4"),)),
-    ("qpn8", "full", ()),
-    ("qpn8", "loads only", (("QPN_ABLATE", "1"),)),
-)
+# (format, label): where the time goes (method: leave one stage out). "full" is the shipped kernel;
+# the others are source transforms of it (benchmarks/ablate), built with the shipped macros.
+ABLATIONS = (("qpn2", "full"), *(a for a in ablate.ABLATIONS if a[0] == "qpn2"),
+             ("qpn8", "full"), *(a for a in ablate.ABLATIONS if a[0] == "qpn8"))
 
 
 def section_ablate(ctx: bk.Context) -> bk.Section:
@@ -352,10 +350,10 @@ def section_ablate(ctx: bk.Context) -> bk.Section:
         slots, bufs = _buffers(ctx, n, k)
         x = (cp.random.RandomState(1).standard_normal((1, k)) * 0.5).astype(cp.float16)
         y = cp.empty((1, n), cp.float16)
-        for fmt, label, extra in ABLATIONS:
-            macros = shipped_macros(fmt, 1)
-            macros.update(extra)
-            t, split = _launch_variant(ctx, fmt, tuple(sorted(macros.items())), n, k, 1, bufs[fmt], x, y, slots, g_dev)
+        for fmt, label in ABLATIONS:
+            source = None if label == "full" else ablate.write_source(fmt, label)
+            macros = tuple(sorted(shipped_macros(fmt, 1).items()))
+            t, split = _launch_variant(ctx, fmt, macros, n, k, 1, bufs[fmt], x, y, slots, g_dev, source=source)
             sec.rows.append({"fmt": fmt, "n": n, "k": k, "variant": label, "split": split, "us": t["us"],
                              "pct": 100.0 * bk.gbps(weight_bytes(fmt, n, k), t["us"]) / read})
         del bufs

@@ -6,7 +6,6 @@
 //          QPN_WARPS          most warps per block (launch bound, shared-memory size)
 //          QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   the load batches (qpn_mma.cuh)
 //          QPN_X_FRAG         0: x as [M][K] rows;  1: x as fragments (x_fragments.cu, qpn_mma.cuh)
-//          QPN2_EXACT_PATH, QPN_ABLATE   benchmark-only switches (bench_decode.py "ablate"); never registered
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][8 bytes]  QPN2 order (docs/QPN2.md)
 //         scales  [tile][group][lane]  e4m3 bytes
@@ -66,28 +65,19 @@
 // practice; they take the exact path, so still exact; tests/test_decode_math.py checks both).
 // 2 LOP3 per 4 entries instead of 4 compares, and the vote reads the predicate.
 //
-// Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200.md), M = 1,
-// 28672x8192: 61.2 us = 46.4 % of the 4.65 TB/s read ceiling (QPN8: 82 %); M = 32: 0.86x cuBLAS fp16.
+// Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200.md), 28672x8192:
+// M = 1 60.8 us = 47.6 % of the read ceiling (QPN8: 82.9 %); M = 32 1.16x cuBLAS fp16.
 // The kernel is issue-bound. sm_75 SASS of the fast path, M <= 8, 64 registers (turing_model.py):
 // 80 instructions per group-tile (512 weights) -- 32 decode (4 fp16/logic ops per pair), 22
 // nibble fields, 8 exchange, 4 {X, Y} gather, 4 mma, 4 loads (code, scale, x, table), 6 loop and
-// slow-path control -- down from 98.25 (benchmarks/NOTES.md: x pointers and exchange selectors
-// rebuilt every batch, `& 0x3FC` on the table index, per-entry slow compares); ~63 per group-tile
-// is where 132 SMs x 4 schedulers at ~1.9 GHz would issue as fast as the 288 bytes per group-tile
-// stream in; ncu (28672x8192, the 98-instruction build): 60-68 % of issue slots busy. Stage
-// ablations (bench_decode.py "ablate", % of the ceiling): loads only 75.5, no decode 65.7, no mma
-// 46.7, no exchange 43.9, full 40.1. Tried and kept off: L2 prefetch 8-32 groups ahead (+1..-19 %),
-// 2 tiles per block (x reuse: -54..+14 % by shape), the load pipelines of qpn_mma.cuh.
+// slow-path control; ~63 per group-tile is where 132 SMs x 4 schedulers at ~1.9 GHz would issue
+// as fast as the 288 bytes per group-tile stream in. How the count came down, the stage ablations
+// (benchmarks/ablate) and what was tried and kept off: benchmarks/NOTES.md, "Decode kernels:
+// history moved out of the kernel comments".
 #include "qpn_mma.cuh"
 
 #define QPN2_SLOW_XY 0xFFFFFFFFu  // scale-table marker: this (byte, g) block takes the exact path
 #define QPN2_SLOW_FLAG 0x40000000u  // 0100 0000 ... : Y's exponent MSB (|Y| >= 2), set in the marker
-#ifndef QPN2_EXACT_PATH
-#define QPN2_EXACT_PATH 1  // 0 only to count the fast path's instructions (benchmarks): never ship it
-#endif
-#ifndef QPN_ABLATE
-#define QPN_ABLATE 0  // benchmarks only (never registered): 1 loads only, 2 no exchange, 3 no decode, 4 no mma
-#endif
 
 struct Qpn2Batch {  // one load batch: QPN_UNROLL groups of the warp's tiles
     uint2 code[QPN_UNROLL][QPN_HT];
@@ -217,44 +207,30 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 
     // lane-dependent byte-permute selectors of the quad transpose (see header comment)
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;
-    qpn_u32 sel_keep1 = q0 ? 0x7531u : 0x6420u;
-    qpn_u32 sel_send1 = q0 ? 0x6420u : 0x7531u;
-    qpn_u32 sel_keep2 = q0 ? (q1 ? 0x3276u : 0x1054u) : (q1 ? 0x7632u : 0x5410u);
-    qpn_u32 sel_send2 = q0 ? (q1 ? 0x1054u : 0x3276u) : (q1 ? 0x5410u : 0x7632u);
-    qpn_u32 sel_fin0 = q1 ? 0x7564u : 0x3120u;
-    qpn_u32 sel_fin1 = q1 ? 0x3120u : 0x7564u;
+    qpn_u32 sel_keep1 = q0 ? QPN_PRMT_ODD_BYTES : QPN_PRMT_EVEN_BYTES;
+    qpn_u32 sel_send1 = q0 ? QPN_PRMT_EVEN_BYTES : QPN_PRMT_ODD_BYTES;
+    qpn_u32 sel_keep2 = q0 ? (q1 ? QPN_PRMT_HIGH_HALVES_BA : QPN_PRMT_LOW_HALVES_BA)
+                           : (q1 ? QPN_PRMT_HIGH_HALVES : QPN_PRMT_LOW_HALVES);
+    qpn_u32 sel_send2 = q0 ? (q1 ? QPN_PRMT_LOW_HALVES_BA : QPN_PRMT_HIGH_HALVES_BA)
+                           : (q1 ? QPN_PRMT_LOW_HALVES : QPN_PRMT_HIGH_HALVES);
+    qpn_u32 sel_fin0 = q1 ? QPN_PRMT_B_EVEN_ODD : QPN_PRMT_A_EVEN_ODD;
+    qpn_u32 sel_fin1 = q1 ? QPN_PRMT_A_EVEN_ODD : QPN_PRMT_B_EVEN_ODD;
     // opaque to the compiler: without this it rebuilds all six from SR_TID in every iteration of the
     // K loop (15-19 SASS instructions per 4 group-tiles; not register pressure: it did so at 87
     // registers too); held, they take 6 of the 64 registers and no instruction in the loop
     asm volatile("" : "+r"(sel_keep1), "+r"(sel_send1), "+r"(sel_keep2), "+r"(sel_send2), "+r"(sel_fin0), "+r"(sel_fin1));
 
-    float acc[QPN_HT][QPN_NB][2][4] = {};
+    QpnAcc acc[QPN_HT] = {};
 
     // one group x tile: exchange, decode (fast or exact), 4 mma per 8 tokens
-    qpn_u32 ablate_sink = 0;
-    auto group_tile = [&](const Qpn2Batch& b, const uint2 (&xf)[QPN_NB], int u, int tt, qpn_u32 xy, bool exact) {
+    auto group_tile = [&](const Qpn2Batch& b, const QpnFragB& xf, int u, int tt, qpn_u32 xy, bool exact) {
         const qpn_u32 w0 = b.code[u][tt].x, w1 = b.code[u][tt].y;
-#if QPN_ABLATE == 1
-        ablate_sink ^= w0 ^ w1 ^ xy ^ xf[0].x ^ xf[0].y;
-        return;
-#endif
         const qpn_u32 keep = qpn_prmt(w0, w1, sel_keep1);
         const qpn_u32 recv = __shfl_xor_sync(0xFFFFFFFFu, qpn_prmt(w0, w1, sel_send1), 1);
         const qpn_u32 keep2 = qpn_prmt(keep, recv, sel_keep2);
         const qpn_u32 recv2 = __shfl_xor_sync(0xFFFFFFFFu, qpn_prmt(keep, recv, sel_send2), 2);
-#if QPN_ABLATE == 2
-        const qpn_u32 wq[2] = {w0, w1};
-        (void)keep2; (void)recv2;
-#else
         const qpn_u32 wq[2] = {qpn_prmt(keep2, recv2, sel_fin0), qpn_prmt(keep2, recv2, sel_fin1)};
-#endif
-        qpn_u32 a[2][4];  // [rowblock][c step A, c' step A, c step B, c' step B]
-#if QPN_ABLATE == 3
-#pragma unroll
-        for (int rb = 0; rb < 2; ++rb)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[rb][i] = wq[rb] ^ (i * 0x00100010u) ^ xy;
-#else
+        QpnFragA a;
         // the owner column's decode constant -- {X, Y}, or S = RN32(e4m3 * g) on the exact path --
         // gathered for the quad's four columns (`exact` is a constant at both call sites)
         const qpn_u32 own = exact ? __float_as_uint(__fmul_rn(qpn_e4m3_to_float(b.scale[u][tt]), gval[tt])) : xy;
@@ -271,11 +247,6 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
                 a[rb][i] = exact ? qpn2_decode_exact(e[i], __uint_as_float(c)) : qpn2_decode_fast(e[i], c);
             }
         }
-#endif
-#if QPN_ABLATE == 4
-        ablate_sink ^= a[0][0] ^ a[0][1] ^ a[0][2] ^ a[0][3] ^ a[1][0] ^ a[1][1] ^ a[1][2] ^ a[1][3] ^ xf[0].x;
-        return;
-#endif
         qpn_mma_group(acc[tt], a, xf);
     };
 
@@ -296,12 +267,12 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         auto run = [&](bool exact_path) {
 #pragma unroll
             for (int u = 0; u < QPN_UNROLL; ++u) {
-                const uint2 (&xf)[QPN_NB] = qpn_x_group(xb, xs, i, u, full, n_local);
+                const QpnFragB& xf = qpn_x_group(xb, xs, i, u, full, n_local);
 #pragma unroll
                 for (int tt = 0; tt < QPN_HT; ++tt) group_tile(b, xf, u, tt, xy[u][tt], exact_path);
             }
         };
-        if (QPN2_EXACT_PATH && qpn2_warp_any_flag(any_xy & QPN2_SLOW_FLAG))
+        if (qpn2_warp_any_flag(any_xy & QPN2_SLOW_FLAG))
             run(true);
         else
             run(false);
@@ -322,8 +293,5 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         qpn_x_advance(xs, QPN_UNROLL);
     }
 
-#if QPN_ABLATE
-    if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive
-#endif
     qpn_reduce_store(red, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
 }

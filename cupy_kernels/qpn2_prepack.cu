@@ -30,7 +30,7 @@ __device__ __forceinline__ qpn_u32 qpn2_unshuffle_nibbles(qpn_u32 x) {
     qpn_u32 odd = (x >> 4) & 0x0F0F0F0Fu;   // n1, n3, n5, n7
     even |= even >> 4;                      // byte 0 = n0 | n2<<4, byte 2 = n4 | n6<<4
     odd |= odd >> 4;                        // byte 0 = n1 | n3<<4, byte 2 = n5 | n7<<4
-    return __byte_perm(even, odd, 0x6420);  // bytes: even.b0, even.b2, odd.b0, odd.b2
+    return __byte_perm(even, odd, QPN_PRMT_EVEN_BYTES);  // bytes: even.b0, even.b2, odd.b0, odd.b2
 }
 
 extern "C" __global__ void qpn2_prepack(

@@ -38,9 +38,9 @@
 #include "qpn_dequant.cuh"
 
 // Byte i of `a` and byte i of `b` (a 4-byte word each) -> fp16 weights of k (2i, 2i+1).
-// Selector nibbles: byte 0 <- a.b_i, byte 2 <- b.b_i (bytes 1, 3 are masked off anyway).
+// The permute [a.b_i, a.b_i, b.b_i, b.b_i] puts them at bytes 0 and 2 (bytes 1, 3 are masked off anyway).
 #define QPN8_PAIR(a, b, i, s2) \
-    qpn_hmul2_rn(qpn_e4m3x2_to_half2_bits(__byte_perm((a), (b), (i) * 0x11u + (4u + (i)) * 0x1100u)), (s2))
+    qpn_hmul2_rn(qpn_e4m3x2_to_half2_bits(__byte_perm((a), (b), QPN_PRMT((i), (i), 4 + (i), 4 + (i)))), (s2))
 
 // One 8-byte half (words a = positions 0..3, b = positions 4..7) -> 8 consecutive fp16 weights.
 __device__ __forceinline__ uint4 qpn8_decode_half(qpn_u32 a, qpn_u32 b, qpn_u32 s2) {

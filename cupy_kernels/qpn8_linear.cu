@@ -24,19 +24,16 @@
 // per weight, so it has twice QPN2's instruction budget per weight).
 // Decode of E: step A pair (k 4t, 4t+1) = bytes 0, 2; step B pair (k 4t+2, 4t+3) = bytes 1, 3.
 //
-// Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200.md), M = 1:
-// 28672x8192 62 us = 85.2 % of the 4.6 TB/s read ceiling (M = 8: 82.3 %; 81.6-85.2 % over the
-// session's runs), 34816x5120 79 %, 4096x14336 65 %, 5120x17408 59 % (160 tiles on 132 SMs: split
-// into 4 parts per tile across blocks, from 55 % with one block per tile). The load stream alone
-// (QPN_ABLATE=1) reaches 93.5 %. Chosen by measurement: batches of 4 groups (58 registers), no L2
-// prefetch (8 groups ahead: -10 %), 8 warps per tile on 28672x8192 (86.5 % vs 79.9 % with 4).
+// Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200.md), M = 1,
+// % of the read ceiling: 28672x8192 62.1 us = 82.9 % (M = 8: 81.3 %), 34816x5120 78.0 %,
+// 4096x14336 64.0 %, 5120x17408 54.5 % (160 tiles on 132 SMs: split into 4 parts per tile across
+// blocks). Chosen by measurement: batches of 4 groups (59 registers), no L2 prefetch, 8 warps per
+// tile on 28672x8192; the alternatives' numbers: benchmarks/NOTES.md, "Decode kernels: history
+// moved out of the kernel comments".
 #include "qpn_mma.cuh"
 
 #ifndef QPN8_BLOCK_SCALES
 #define QPN8_BLOCK_SCALES 0
-#endif
-#ifndef QPN_ABLATE
-#define QPN_ABLATE 0  // benchmarks only (never registered): 1 loads only
 #endif
 
 struct Qpn8Batch {  // one load batch (qpn_run_batches): QPN_UNROLL groups of the warp's tiles
@@ -100,12 +97,11 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     const QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin);
 
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;
-    const qpn_u32 sel_keep = q0 ? 0x7632u : 0x5410u;
-    const qpn_u32 sel_send = q0 ? 0x5410u : 0x7632u;
+    const qpn_u32 sel_keep = q0 ? QPN_PRMT_HIGH_HALVES : QPN_PRMT_LOW_HALVES;
+    const qpn_u32 sel_send = q0 ? QPN_PRMT_LOW_HALVES : QPN_PRMT_HIGH_HALVES;
 
-    float acc[QPN_HT][QPN_NB][2][4] = {};
+    QpnAcc acc[QPN_HT] = {};
 
-    qpn_u32 ablate_sink = 0;
     // One batch: groups i .. i+U-1 of the slice.
     auto compute = [&](const Qpn8Batch& b, int i, bool full) {
         const int g0 = sl.g_begin + i;
@@ -114,14 +110,10 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         qpn_x_batch_start(xb, xs, i, full, n_local);
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u) {
-            const uint2 (&xf)[QPN_NB] = qpn_x_group(xb, xs, i, u, full, n_local);
+            const QpnFragB& xf = qpn_x_group(xb, xs, i, u, full, n_local);
 #pragma unroll
             for (int tt = 0; tt < QPN_HT; ++tt) {
                 const uint4 c = b.code[u][tt];
-#if QPN_ABLATE == 1
-                ablate_sink ^= c.x ^ c.y ^ c.z ^ c.w ^ xf[0].x ^ xf[0].y;
-                continue;
-#endif
                 // round 1 (partner lane ^ 1): keep the elements for receivers of my parity
                 const qpn_u32 keep_a = qpn_prmt(c.x, c.y, sel_keep), keep_b = qpn_prmt(c.z, c.w, sel_keep);
                 const qpn_u32 recv_a = __shfl_xor_sync(0xFFFFFFFFu, qpn_prmt(c.x, c.y, sel_send), 1);
@@ -141,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #else
                 const qpn_u32 s01 = s16[tt].x, s23 = s16[tt].y;
 #endif
-                qpn_u32 a[2][4];  // [rowblock][c step A, c' step A, c step B, c' step B]
+                QpnFragA a;
                 a[0][0] = qpn8_scale_pair<0>(qpn8_pair_bytes02(f[0]), s01);
                 a[0][1] = qpn8_scale_pair<1>(qpn8_pair_bytes02(f[1]), s01);
                 a[0][2] = qpn8_scale_pair<0>(qpn8_pair_bytes13(f[0]), s01);
@@ -157,8 +149,5 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     };
     qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) { qpn8_load_slot(b, u, i, valid, pc); }, compute);
 
-#if QPN_ABLATE
-    if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0][0] += 1.0f;  // keep the ablated loads alive
-#endif
     qpn_reduce_store(red, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
 }

@@ -60,10 +60,10 @@ extern "C" __global__ void qpn8_prepack(
         if (g0 + j < groups) {
             // Each 8-byte half (a = k0..3, b = k4..7) becomes [k0 k2 k4 k6 | k1 k3 k5 k7].
             uint4 o;
-            o.x = __byte_perm(v[j].x, v[j].y, 0x6420);  // a.b0 a.b2 b.b0 b.b2
-            o.y = __byte_perm(v[j].x, v[j].y, 0x7531);  // a.b1 a.b3 b.b1 b.b3
-            o.z = __byte_perm(v[j].z, v[j].w, 0x6420);
-            o.w = __byte_perm(v[j].z, v[j].w, 0x7531);
+            o.x = __byte_perm(v[j].x, v[j].y, QPN_PRMT_EVEN_BYTES);  // a.b0 a.b2 b.b0 b.b2
+            o.y = __byte_perm(v[j].x, v[j].y, QPN_PRMT_ODD_BYTES);   // a.b1 a.b3 b.b1 b.b3
+            o.z = __byte_perm(v[j].z, v[j].w, QPN_PRMT_EVEN_BYTES);
+            o.w = __byte_perm(v[j].z, v[j].w, QPN_PRMT_ODD_BYTES);
             codes[unit + 32 * j] = o;
             nan |= qpn_e4m3x4_nan_mask(v[j].x) | qpn_e4m3x4_nan_mask(v[j].y)
                  | qpn_e4m3x4_nan_mask(v[j].z) | qpn_e4m3x4_nan_mask(v[j].w);

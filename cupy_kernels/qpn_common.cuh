@@ -24,6 +24,33 @@ typedef unsigned long long qpn_u64;
 #define QPN_TILE_N 32  // output columns per tile = lanes per warp
 #define QPN_GROUP_K 16  // k per group (one NVFP4 block scale, one QPN8 16-byte packet)
 
+// Byte-permute selectors (`prmt.b32 d, a, b, sel` = `__byte_perm(a, b, sel)`). The source bytes
+// are a's bytes 0..3 and b's bytes 0..3 as 4..7; nibble i of the selector names the source
+// byte of d's byte i (a nibble's bit 3, sign replication, is never used). QPN_PRMT builds a
+// selector from that list, so each constant is derived from the permutation it performs:
+// d = [byte 0, byte 1, byte 2, byte 3] below, lowest byte first.
+#define QPN_PRMT(s0, s1, s2, s3) ((qpn_u32)(s0) | ((qpn_u32)(s1) << 4) | ((qpn_u32)(s2) << 8) | ((qpn_u32)(s3) << 12))
+#define QPN_PRMT_EVEN_BYTES QPN_PRMT(0, 2, 4, 6)      // 0x6420: [a.b0, a.b2, b.b0, b.b2]
+#define QPN_PRMT_ODD_BYTES QPN_PRMT(1, 3, 5, 7)       // 0x7531: [a.b1, a.b3, b.b1, b.b3]
+#define QPN_PRMT_LOW_HALVES QPN_PRMT(0, 1, 4, 5)      // 0x5410: {a.lo16, b.lo16}
+#define QPN_PRMT_HIGH_HALVES QPN_PRMT(2, 3, 6, 7)     // 0x7632: {a.hi16, b.hi16}
+#define QPN_PRMT_LOW_HALVES_BA QPN_PRMT(4, 5, 0, 1)   // 0x1054: {b.lo16, a.lo16}
+#define QPN_PRMT_HIGH_HALVES_BA QPN_PRMT(6, 7, 2, 3)  // 0x3276: {b.hi16, a.hi16}
+#define QPN_PRMT_A_EVEN_ODD QPN_PRMT(0, 2, 1, 3)      // 0x3120: [a.b0, a.b2, a.b1, a.b3]
+#define QPN_PRMT_B_EVEN_ODD QPN_PRMT(4, 6, 5, 7)      // 0x7564: [b.b0, b.b2, b.b1, b.b3]
+
+// LOP3 truth tables (`lop3.b32 d, a, b, c, lut`): the lut is the wanted function evaluated on
+// the operands' canonical patterns a = 0xF0, b = 0xCC, c = 0xAA (its bit j = the function's
+// output for the input bits (a, b, c) of bit j of those patterns). A literal, not an
+// expression, because it is pasted into the PTX text (QPN_STR); the static_assert derives it.
+#define QPN_LOP3_A 0xF0
+#define QPN_LOP3_B 0xCC
+#define QPN_LOP3_C 0xAA
+#define QPN_LOP3_SELECT 0xE4  // (a & c) | (b & ~c) = (F0 & AA) | (CC & 55) = A0 | 44: a's bits where c is set, else b's
+static_assert(QPN_LOP3_SELECT == ((QPN_LOP3_A & QPN_LOP3_C) | (QPN_LOP3_B & ~QPN_LOP3_C & 0xFF)), "lop3 select table");
+#define QPN_STR_(x) #x
+#define QPN_STR(x) QPN_STR_(x)  // a macro's value as a string literal (for inline PTX)
+
 // Tile column owned by `lane` (lanes 0..31 -> 0,1,2,3, 8..11, 16..19, 24..27, 4..7, ...).
 __device__ __forceinline__ int qpn_column_of_lane(int lane) {
     return 8 * ((lane >> 2) & 3) + (lane & 3) + 4 * ((lane >> 4) & 1);

@@ -47,6 +47,17 @@
 
 #define QPN_HT (QPN_GATED ? 2 : 1)  // tiles per block and warp: gated, the gate tile and the up tile
 
+// The fragments of one lane (the register map above), per group-tile (16 k x 32 columns):
+//   QpnFragA  the weights, two rowblocks of the quad's columns: [rb][0] = a0 and [rb][1] = a1 of
+//             mma step A (k 4t, 4t+1), [rb][2] = a0 and [rb][3] = a1 of step B (k 4t+2, 4t+3);
+//             a0 = row gid = column col(4q + 2rb), a1 = row gid+8 = col(4q + 2rb + 1)
+//   QpnFragB  the activations of one group, per 8-token block j: .x = b of step A, .y = b of step B
+//   QpnFragC  c0..c3 of one mma (fp32);  QpnAcc: a tile's accumulators [8-token block][rowblock]
+typedef qpn_u32 QpnFragA[2][4];
+typedef uint2 QpnFragB[QPN_NB];
+typedef float QpnFragC[4];
+typedef QpnFragC QpnAcc[QPN_NB][2];
+
 __device__ __forceinline__ qpn_u32 qpn_prmt(qpn_u32 a, qpn_u32 b, qpn_u32 sel) {
     qpn_u32 d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -62,22 +73,21 @@ __device__ __forceinline__ qpn_u32 qpn_hfma2_rn(qpn_u32 a, qpn_u32 b, qpn_u32 c)
 // (a & c) | (b & ~c) in one LOP3 (ptxas splits the C++ form into two on sm_90: measured)
 __device__ __forceinline__ qpn_u32 qpn_select_bits(qpn_u32 a, qpn_u32 b, qpn_u32 c) {
     qpn_u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(c));  // 0xE4 = (F0 & AA) | (CC & ~AA)
+    asm("lop3.b32 %0, %1, %2, %3, " QPN_STR(QPN_LOP3_SELECT) ";" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
 
 // fp32 accumulate += A (16x8 fp16) * B (8x8 fp16)
-__device__ __forceinline__ void qpn_mma(float (&c)[4], qpn_u32 a0, qpn_u32 a1, qpn_u32 b) {
+__device__ __forceinline__ void qpn_mma(QpnFragC& c, qpn_u32 a0, qpn_u32 a1, qpn_u32 b) {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(b));
 }
 
-// One group-tile into the accumulators of its tile: a[rb] = the A fragments of rowblock rb
-// ([c step A, c' step A, c step B, c' step B]), 4 mma per 8-token block (the host launches
+// One group-tile into the accumulators of its tile: 4 mma per 8-token block (the host launches
 // QPN_NB = ceil(M / 8): no block is empty).
-__device__ __forceinline__ void qpn_mma_group(float (&acc)[QPN_NB][2][4], const qpn_u32 (&a)[2][4], const uint2 (&xf)[QPN_NB]) {
+__device__ __forceinline__ void qpn_mma_group(QpnAcc& acc, const QpnFragA& a, const QpnFragB& xf) {
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j)
 #pragma unroll
@@ -92,9 +102,8 @@ __device__ __forceinline__ void qpn_mma_group(float (&acc)[QPN_NB][2][4], const 
 //   tile[h]:              the slot's tiles (gated: h = 0 gate tile, 1 up tile)
 //   g_begin, n_local:     the K-slice s = part * split + warp, groups [s * gpw, (s+1) * gpw)
 //                         clipped to K (n_local <= 0: a trailing warp with nothing to do)
-// Sharing x between 2 or 4 tiles of a block (their warps of one K-slice reading the same x
-// through L1) was measured slower at every M on the H200: 28672x8192 M = 1 61.5 -> 69.5 us,
-// M = 32 no gain (results/decode_m32_explore).
+// One tile per slot: tiles sharing x through L1 measured slower at every M (benchmarks/NOTES.md,
+// "Decode kernels: history moved out of the kernel comments").
 struct QpnSlice {
     int tile[QPN_HT];
     int g_begin;
@@ -179,7 +188,7 @@ __device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
 
 // The B fragments of group g0 + u of the slice (from the source's current position) for every
 // 8-token block j; g0 is a per-batch base, u an immediate.
-__device__ __forceinline__ void qpn_load_x_group(uint2 (&xf)[QPN_NB], const QpnX& xs, int g0, int u, bool valid)
+__device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, int g0, int u, bool valid)
 {
 #if QPN_X_FRAG
 #pragma unroll
@@ -207,11 +216,11 @@ __device__ __forceinline__ void qpn_load_x_group(uint2 (&xf)[QPN_NB], const QpnX
 
 // When a batch's x is loaded (QPN_X_BATCH, per format by measurement on the H200, bench_decode.py):
 // 1 = all U groups' fragments as the batch starts computing, 0 = each group's right before it.
-// QPN2 (the longer decode per byte) gains from the early loads: 28672x8192 M = 32 139 -> 122 us,
-// 4096x14336 M = 1 23.8 -> 22.3 us; QPN8 loses: 5120x17408 M = 1 33.8 -> 43.2 us, 28672x8192
-// 61.6 -> 63.7 us.
+// QPN2 (the longer decode per byte) gains from the early loads (28672x8192 M = 32: 12 % faster),
+// QPN8 loses (5120x17408 M = 1: 28 % slower); the runs: benchmarks/NOTES.md, "Decode kernels:
+// history moved out of the kernel comments".
 struct QpnBatchX {
-    uint2 f[QPN_X_BATCH ? QPN_UNROLL : 1][QPN_NB];
+    QpnFragB f[QPN_X_BATCH ? QPN_UNROLL : 1];
 };
 
 __device__ __forceinline__ void qpn_x_batch_start(QpnBatchX& xb, const QpnX& xs, int i, bool full, int n_local)
@@ -223,8 +232,7 @@ __device__ __forceinline__ void qpn_x_batch_start(QpnBatchX& xb, const QpnX& xs,
 }
 
 // group u's fragments (loaded here when QPN_X_BATCH = 0)
-__device__ __forceinline__ const uint2 (&qpn_x_group(
-    QpnBatchX& xb, const QpnX& xs, int i, int u, bool full, int n_local))[QPN_NB]
+__device__ __forceinline__ const QpnFragB& qpn_x_group(QpnBatchX& xb, const QpnX& xs, int i, int u, bool full, int n_local)
 {
 #if QPN_X_BATCH
     return xb.f[u];
@@ -243,15 +251,11 @@ __device__ __forceinline__ const uint2 (&qpn_x_group(
 //                             in the slice (uniform); a pad slot gets code 0 (decodes to zeros).
 //   compute(batch, i, full)   decode and multiply groups i .. i+U-1; full = all lie in the slice
 //                             (pad groups get x = 0: their mma add exactly +0).
-// Chosen by measurement on the H200 (bench_decode.py "variants": results/decode_h200.md, and for the
-// pipelines no longer built results/decode_h200_pipelines.md; M = 1, 28672 x 8192,
-// % of the read ceiling, QPN2 / QPN8): single batches of 4 at 2 blocks/SM 40.1 / 81.6, at 1 block/SM
-// 35.3 / 84.1; double-buffered batches of 2 or 4 (the next batch's loads in flight while one
-// computes) 33.5-37.1 / 70.4-76.1, also no better on 4096 x 4096 (8.5-9.4 us against 8.1-9.1);
-// a rolling pipeline refilling each slot right after use, 4-8 groups in flight, 33.6-41.7 /
-// 70.7-79.8. Per-batch guards and base + immediate addresses: with per-group guards and
-// (base + 256 * group) addressing, ptxas spent ~37 of 115 SASS instructions per group of
-// qpn2_linear on IMAD.WIDE / LEA / ISETP / BSSY (sm_90 SASS of the compute_75 PTX).
+// Chosen by measurement on the H200 (bench_decode.py "variants", results/decode_h200.md): single
+// batches (M = 1, 28672 x 8192: QPN2 47.7 %, QPN8 83.3 % of the read ceiling) beat double-buffered
+// and rolling pipelines; per-batch guards and base + immediate addresses keep the address math
+// out of the loop. The pipelines' and the per-group guards' numbers: benchmarks/NOTES.md,
+// "Decode kernels: history moved out of the kernel comments".
 template <class Batch, class Load, class Compute>
 __device__ __forceinline__ void qpn_run_batches(int n_local, Load&& load, Compute&& compute) {
     for (int i = 0; i < n_local; i += QPN_UNROLL) {
@@ -308,7 +312,7 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT]) {
 // order -- fixed whatever the arrival order, so the result is deterministic and, as the split
 // depends on N, K and the SM count, never on M, batch-invariant -- and stores the outputs.
 __device__ __forceinline__ void qpn_reduce_store(
-    float (*red)[QPN_HT][2][4][32], const float (&acc)[QPN_HT][QPN_NB][2][4],
+    float (*red)[QPN_HT][2][4][32], const QpnAcc (&acc)[QPN_HT],
     qpn_u16* __restrict__ y, int m_rows, int y_cols, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
     __shared__ unsigned last_part;
