@@ -209,41 +209,59 @@ WARP_TARGETS = (4096, 8192)
 def section_variants(ctx: bk.Context) -> bk.Section:
     """Load-pipeline and K-split variants at M = 1, 8 and 32 (correctness-checked, then timed)."""
     from qpn.cupy_kernels import linear as L
+
+    def builds(fmt, m):
+        nb = -(-m // 8)
+        shipped = L.PIPELINE[fmt, nb, False]
+        for pipe in PIPELINE_VARIANTS[nb]:
+            for target in WARP_TARGETS:
+                if target != L.TARGET_WARPS and pipe != shipped:
+                    continue  # the warp target only around the shipped pipeline
+                label = f"unroll {pipe[0]} blocks/SM {pipe[1]} target {target}"
+                if pipe == shipped and target == L.TARGET_WARPS:
+                    label += " (shipped)"
+                yield label, {**shipped_macros(fmt, nb), **dict(L.pipeline_macros(*pipe))}, target
+
+    return _build_rows(ctx, "variants", "Decode kernel variants: load batches (unroll, blocks/SM) and warp target",
+                       ctx.shapes, (1, 8, 32), builds)
+
+
+def _build_rows(ctx: bk.Context, name: str, title: str, shapes, ms, builds) -> bk.Section:
+    """One row per decode-kernel build that builds(fmt, m) yields as (label, macros dict, warp target
+    or None) on every shape and M: checked against the fp32 accumulation bound, then timed; a
+    build that fails is a row saying why; a build equal to an earlier one of the same (fmt, m) is
+    skipped."""
     from qpn.cupy_kernels import qpn2_dequantize, qpn8_dequantize
 
     cp = ctx.cp
     read = ctx.ceiling["read"]
     g_dev = cp.full(1, G, dtype=cp.float32)
-    sec = bk.Section("variants", "Decode kernel variants: load batches (unroll, blocks/SM) and warp target", [
+    sec = bk.Section(name, title, [
         bk.Column("fmt", "format"), bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
         bk.Column("variant", "variant"), bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
     ])
-    for n, k in ctx.shapes:
+    for n, k in shapes:
         slots, bufs = _buffers(ctx, n, k)
         w16 = {"qpn2": qpn2_dequantize(*bufs["qpn2"][0], G, n, k), "qpn8": qpn8_dequantize(*bufs["qpn8"][0], n, k)}
-        for m in (1, 8, 32):
+        for m in ms:
             x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
             y = cp.empty((m, n), cp.float16)
-            nb = -(-m // 8)
             for fmt in ("qpn2", "qpn8"):
-                shipped = L.PIPELINE[fmt, nb, False]
-                for pipe in PIPELINE_VARIANTS[nb]:
-                    for target in WARP_TARGETS:
-                        if target != L.TARGET_WARPS and pipe != shipped:
-                            continue  # the warp target only around the shipped pipeline
-                        macros = shipped_macros(fmt, nb)
-                        macros.update(L.pipeline_macros(*pipe))
-                        label = f"unroll {pipe[0]} blocks/SM {pipe[1]} target {target}"
-                        if pipe == shipped and target == L.TARGET_WARPS:
-                            label += " (shipped)"
-                        try:
-                            t, split = _launch_variant(ctx, fmt, tuple(sorted(macros.items())), n, k, m, bufs[fmt], x, y,
-                                                       slots, g_dev, target, check=w16[fmt])
-                        except Exception as exc:  # noqa: BLE001 - a variant that fails is a row, not a crash
-                            sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label}: {exc}"[:120]})
-                            continue
-                        sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label} split {split}",
-                                         "us": t["us"], "pct": 100.0 * bk.gbps(weight_bytes(fmt, n, k), t["us"]) / read})
+                seen = set()
+                for label, macros, target in builds(fmt, m):
+                    macros = tuple(sorted(macros.items()))
+                    if (macros, target) in seen:
+                        continue
+                    seen.add((macros, target))
+                    row = {"fmt": fmt, "n": n, "k": k, "m": m}
+                    try:
+                        t, split = _launch_variant(ctx, fmt, macros, n, k, m, bufs[fmt], x, y, slots, g_dev, target,
+                                                   check=w16[fmt])
+                    except Exception as exc:  # noqa: BLE001 - a variant that fails is a row, not a crash
+                        sec.rows.append({**row, "variant": f"{label}: {exc}"[:120]})
+                        continue
+                    sec.rows.append({**row, "variant": f"{label} ({split})", "us": t["us"],
+                                     "pct": 100.0 * bk.gbps(weight_bytes(fmt, n, k), t["us"]) / read})
         del bufs, w16
         cp.get_default_memory_pool().free_all_blocks()
     return sec
@@ -296,39 +314,13 @@ MID_SHAPES = ((28672, 8192), (34816, 5120), (5120, 17408))
 
 def section_mid(ctx: bk.Context) -> bk.Section:
     """Decode-kernel builds at M = 1 .. 32 (correctness-checked, then timed): MID_VARIANTS."""
-    from qpn.cupy_kernels import qpn2_dequantize, qpn8_dequantize
 
-    cp = ctx.cp
-    read = ctx.ceiling["read"]
-    g_dev = cp.full(1, G, dtype=cp.float32)
-    sec = bk.Section("mid", "Decode kernels at M = 1-32: x rows or fragments, load batches", [
-        bk.Column("fmt", "format"), bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
-        bk.Column("variant", "variant"), bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
-    ])
-    for n, k in [s for s in MID_SHAPES if s in ctx.shapes] or ctx.shapes:
-        slots, bufs = _buffers(ctx, n, k)
-        w16 = {"qpn2": qpn2_dequantize(*bufs["qpn2"][0], G, n, k), "qpn8": qpn8_dequantize(*bufs["qpn8"][0], n, k)}
-        for m in MID_MS:
-            x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
-            y = cp.empty((m, n), cp.float16)
-            for fmt in ("qpn2", "qpn8"):
-                shipped = shipped_macros(fmt, -(-m // 8))
-                seen = set()
-                for label, extra in MID_VARIANTS:
-                    macros = tuple(sorted({**shipped, **dict(extra)}.items()))
-                    if macros in seen:
-                        continue  # the same build as a row above
-                    seen.add(macros)
-                    try:
-                        t, split = _launch_variant(ctx, fmt, macros, n, k, m, bufs[fmt], x, y, slots, g_dev, check=w16[fmt])
-                    except Exception as exc:  # noqa: BLE001 - a variant that fails is a row, not a crash
-                        sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label}: {exc}"[:120]})
-                        continue
-                    sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "variant": f"{label} ({split})",
-                                     "us": t["us"], "pct": 100.0 * bk.gbps(weight_bytes(fmt, n, k), t["us"]) / read})
-        del bufs, w16
-        cp.get_default_memory_pool().free_all_blocks()
-    return sec
+    def builds(fmt, m):
+        for label, extra in MID_VARIANTS:
+            yield label, {**shipped_macros(fmt, -(-m // 8)), **dict(extra)}, None
+
+    shapes = [s for s in MID_SHAPES if s in ctx.shapes] or ctx.shapes
+    return _build_rows(ctx, "mid", "Decode kernels at M = 1-32: x rows or fragments, load batches", shapes, MID_MS, builds)
 
 
 # (format, label): where the time goes (method: leave one stage out). "full" is the shipped kernel;

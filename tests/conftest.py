@@ -66,3 +66,15 @@ def compute_sanitizer():
         assert clean in output, output[-4000:]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def nvrtc():
+    """NVRTC through cuda-bindings (the compile check's compiler, CPU-only); skips with the fix."""
+    from qpn.cupy_kernels import loader
+
+    try:
+        return loader.CudaBindingsNVRTC()
+    except Exception as exc:  # ImportError, or the library missing behind the bindings
+        pytest.skip(f"NVRTC through cuda-bindings is unavailable ({type(exc).__name__}: {exc}); "
+                    "pip install 'cuda-bindings>=13' 'nvidia-cuda-nvrtc>=13'")

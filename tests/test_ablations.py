@@ -53,15 +53,6 @@ def ablate(bench):
 
 
 @pytest.fixture(scope="module")
-def nvrtc():
-    try:
-        return loader.CudaBindingsNVRTC()
-    except Exception as exc:  # ImportError, or the library missing behind the bindings
-        pytest.skip(f"NVRTC through cuda-bindings is unavailable ({type(exc).__name__}: {exc}); "
-                    "pip install 'cuda-bindings>=13' 'nvidia-cuda-nvrtc>=13'")
-
-
-@pytest.fixture(scope="module")
 def shipped_ptx(nvrtc, bench):
     """format -> PTX of the shipped build the ablations start from (M <= 8, channel scales)."""
     out = {}

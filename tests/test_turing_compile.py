@@ -20,15 +20,6 @@ from qpn.cupy_kernels.variants import WRAPPER_MODULES, KernelVariant, all_varian
 
 
 @pytest.fixture(scope="module")
-def nvrtc():
-    try:
-        return loader.CudaBindingsNVRTC()
-    except Exception as exc:  # ImportError, or the library missing behind the bindings
-        pytest.skip(f"NVRTC through cuda-bindings is unavailable ({type(exc).__name__}: {exc}); "
-                    "pip install 'cuda-bindings>=13' 'nvidia-cuda-nvrtc>=13'")
-
-
-@pytest.fixture(scope="module")
 def cuda12():
     lib = loader.find_cuda12_nvrtc()
     if lib is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qpn.cupy_kernels import linear, loader
+from qpn.cupy_kernels import linear
 from qpn.cupy_kernels import turing_model as tm
 
 RECORD = Path(__file__).parent / "fixtures" / "turing_loop_counts.json"
@@ -175,12 +175,7 @@ def test_grown_loops_flags_stale_records():
 
 
 @pytest.fixture(scope="module")
-def toolchain():
-    try:
-        nvrtc = loader.CudaBindingsNVRTC()
-    except Exception as exc:  # ImportError, or the library missing behind the bindings
-        pytest.skip(f"NVRTC through cuda-bindings is unavailable ({type(exc).__name__}: {exc}); "
-                    "pip install 'cuda-bindings>=13' 'nvidia-cuda-nvrtc>=13'")
+def toolchain(nvrtc):
     nvdisasm = tm.find_nvdisasm()
     if nvdisasm is None:
         pytest.skip("nvdisasm is unavailable; pip install 'nvidia-cuda-nvdisasm>=13,<14' (in the [test] extra)")
