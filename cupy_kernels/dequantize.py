@@ -26,6 +26,7 @@ import numpy as np
 from ..ref.geometry import GROUP_K, TILE_N
 from ..ref.qpn2 import PAD_K_FIX, PAD_N_FIX, QPN2_K_MULTIPLE
 from ._validate import (
+    CupyArray,
     global_scale_on_device,
     launch_blocks,
     output_array,
@@ -67,14 +68,15 @@ QPN8_K_MULTIPLE = GROUP_K
 PAD_K16_FIX = "pad K with zero columns to a multiple of 16"  # == qpn.ref.qpn8.PAD_K16_FIX
 
 
-def _qpn2_dims(n, k) -> tuple[int, int]:
+def _qpn2_dims(n: int, k: int) -> tuple[int, int]:
     n, k = require_int("n", n, "QPN2"), require_int("k", k, "QPN2")
     require_multiple("N", n, TILE_N, "QPN2", PAD_N_FIX)
     require_multiple("K", k, QPN2_K_MULTIPLE, "QPN2", PAD_K_FIX)
     return n, k
 
 
-def prepare_qpn2(codes, scales, global_scale, n, k):
+def prepare_qpn2(codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, n: int, k: int
+                 ) -> tuple[int, int, CupyArray, int]:
     """Validate QPN2 dequantize inputs; returns (n, k, device global scale, its tile stride)."""
     n, k = _qpn2_dims(n, k)
     require_cupy("codes", codes, np.uint8)
@@ -87,7 +89,7 @@ def prepare_qpn2(codes, scales, global_scale, n, k):
     return n, k, g, g_stride
 
 
-def check_qpn2(codes, scales, g, g_stride, n, k, global_scale) -> None:
+def check_qpn2(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int, k: int, global_scale: float | np.ndarray | CupyArray) -> None:
     """The reference's value rules on the GPU; raises the reference's ValueError (one host sync)."""
     import cupy  # noqa: PLC0415
 
@@ -105,7 +107,7 @@ def check_qpn2(codes, scales, g, g_stride, n, k, global_scale) -> None:
         )
 
 
-def launch_qpn2_dequantize(codes, scales, g, g_stride, out, n, k) -> None:
+def launch_qpn2_dequantize(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, out: CupyArray, n: int, k: int) -> None:
     """grid -> launch for validated arguments (no checks, no sync)."""
     n_tiles, groups = n // TILE_N, k // GROUP_K
     # grid: one warp per (tile, GROUPS_PER_THREAD groups)
@@ -115,7 +117,8 @@ def launch_qpn2_dequantize(codes, scales, g, g_stride, out, n, k) -> None:
     kernel(QPN2_DEQUANTIZE)(grid, block, (codes, scales, g, np.int32(g_stride), out, np.int32(n_tiles), np.int32(groups)))
 
 
-def qpn2_dequantize(codes, scales, global_scale, n, k, out=None, check: bool = True):
+def qpn2_dequantize(codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, n: int, k: int, out: CupyArray | None = None,
+                    check: bool = True) -> CupyArray:
     """QPN2 buffers (CuPy) -> fp16 [n, k] under the qpn contract (= qpn.ref.qpn2_dequantize).
 
     codes: uint8 [n, k/2] or flat; scales: uint8 [n, k/16] or flat (as qpn2_prepack returns);
@@ -130,7 +133,7 @@ def qpn2_dequantize(codes, scales, global_scale, n, k, out=None, check: bool = T
     return out
 
 
-def _qpn8_layout(group_scales, n: int, k: int) -> tuple[str, int, int, int]:
+def _qpn8_layout(group_scales: CupyArray, n: int, k: int) -> tuple[str, int, int, int]:
     """(granularity, kb stride, tile stride, column stride) of the fp16 group scales; qpn.ref's shape rule."""
     shape = tuple(group_scales.shape)
     if shape == (1, n):
@@ -146,7 +149,7 @@ def _qpn8_layout(group_scales, n: int, k: int) -> tuple[str, int, int, int]:
     )
 
 
-def prepare_qpn8(codes, group_scales, n, k):
+def prepare_qpn8(codes: CupyArray, group_scales: CupyArray, n: int, k: int) -> tuple[int, int, tuple[int, int, int]]:
     """Validate QPN8 dequantize inputs; returns (n, k, (kb stride, tile stride, column stride))."""
     n, k = require_int("n", n, "QPN8"), require_int("k", k, "QPN8")
     require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
@@ -159,7 +162,7 @@ def prepare_qpn8(codes, group_scales, n, k):
     return n, k, strides
 
 
-def check_qpn8(codes, group_scales, n, k) -> None:
+def check_qpn8(codes: CupyArray, group_scales: CupyArray, n: int, k: int) -> None:
     """The reference's value rules on the GPU; raises the reference's ValueError (one host sync)."""
     import cupy  # noqa: PLC0415
 
@@ -175,7 +178,8 @@ def check_qpn8(codes, group_scales, n, k) -> None:
         raise_reference_error(reference, codes, group_scales, n, k, flagged="a NaN code byte or a bad / overflowing group scale")
 
 
-def launch_qpn8_dequantize(codes, group_scales, strides, out, n, k) -> None:
+def launch_qpn8_dequantize(codes: CupyArray, group_scales: CupyArray, strides: tuple[int, int, int], out: CupyArray, n: int, k: int
+                           ) -> None:
     """grid -> launch for validated arguments (no checks, no sync)."""
     kb_stride, tile_stride, col_stride = strides
     n_tiles, groups = n // TILE_N, k // GROUP_K
@@ -191,7 +195,8 @@ def launch_qpn8_dequantize(codes, group_scales, strides, out, n, k) -> None:
     )
 
 
-def qpn8_dequantize(codes, group_scales, n, k, out=None, check: bool = True):
+def qpn8_dequantize(codes: CupyArray, group_scales: CupyArray, n: int, k: int, out: CupyArray | None = None, check: bool = True
+                    ) -> CupyArray:
     """QPN8 buffers (CuPy) -> fp16 [n, k], W16 = RN16(e4m3 * 2^-8 * S16) (= qpn.ref.qpn8_dequantize).
 
     codes: uint8 [n, k] or flat; group_scales: float16 [1, n] or [k/128, n/32] (as

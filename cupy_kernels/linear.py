@@ -29,9 +29,9 @@ import numpy as np
 
 from ..ref.geometry import GROUP_K, TILE_N
 from ..ref.qpn2 import PAD_K_FIX, PAD_N_FIX, QPN2_K_MULTIPLE
-from ._validate import output_array, require_aligned, require_cupy, require_multiple
+from ._validate import CupyArray, output_array, require_aligned, require_cupy, require_multiple
 from .dequantize import PAD_K16_FIX, prepare_qpn2, prepare_qpn8
-from .loader import kernel
+from .loader import RawKernel, kernel
 from .variants import KernelVariant
 
 MAX_M = 32  # the decode kernels' token limit (4 tensor-core n8 blocks)
@@ -185,7 +185,7 @@ def decode_threshold(fmt: str, n: int, k: int) -> int:
     return MAX_M
 
 
-def _activation(x, k_multiple: int, layout: str, fix: str, dense: str):
+def _activation(x: CupyArray, k_multiple: int, layout: str, fix: str, dense: str) -> tuple[int, int]:
     require_cupy("x", x, np.float16, ndim=2)
     m, k = x.shape
     if not 1 <= m <= MAX_M:
@@ -198,7 +198,7 @@ def _activation(x, k_multiple: int, layout: str, fix: str, dense: str):
     return m, k
 
 
-def _rows_of(codes, k: int, bytes_per_k: float) -> int:
+def _rows_of(codes: CupyArray, k: int, bytes_per_k: float) -> int:
     """N from a prepacked code buffer ([N, K*bytes_per_k] as prepack returns it, or flat)."""
     require_cupy("codes", codes, np.uint8)
     row = int(k * bytes_per_k)
@@ -249,11 +249,9 @@ def _fragment_elements(m: int, k: int) -> int:
     return k // GROUP_K * -(-m // (2 * TOKENS_PER_BLOCK)) * 32 * 4
 
 
-def _workspace_parts(fmt: str, m: int, n: int, k: int, gated: bool) -> tuple[int, int, int]:
-    """fp32 slots of a call's workspace, in order: x fragments, split-K partial sums, N/32 tickets."""
-    parts = decode_split(fmt, n, k)[0]
-    split_k = (_partial_elements(parts, m, n, gated), n // TILE_N) if parts > 1 else (0, 0)
-    return (_fragment_elements(m, k) if X_FRAG[fmt, -(-m // TOKENS_PER_BLOCK)] else 0, *split_k)
+def _split_k_elements(parts: int, m: int, n: int, gated: bool) -> tuple[int, int]:
+    """fp32 slots of a call's split-K state: (partial sums, N/32 arrival tickets); none for one part."""
+    return (_partial_elements(parts, m, n, gated), n // TILE_N) if parts > 1 else (0, 0)
 
 
 def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False) -> int:
@@ -267,10 +265,11 @@ def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False)
     """
     if fmt not in ("qpn2", "qpn8"):
         raise ValueError(f"fmt must be 'qpn2' or 'qpn8', got {fmt!r}")
-    return sum(_workspace_parts(fmt, m, n, k, gated))
+    frag = _fragment_elements(m, k) if X_FRAG[fmt, -(-m // TOKENS_PER_BLOCK)] else 0
+    return frag + sum(_split_k_elements(decode_split(fmt, n, k)[0], m, n, gated))
 
 
-def _zeroed_tickets(tickets):
+def _zeroed_tickets(tickets: CupyArray) -> CupyArray:
     """The split-K arrival tickets, zeroed on the call's stream (module comment above)."""
     import cupy  # noqa: PLC0415
 
@@ -279,7 +278,7 @@ def _zeroed_tickets(tickets):
     return tickets
 
 
-def _x_fragments(x, out):
+def _x_fragments(x: CupyArray, out: CupyArray) -> None:
     """Queue qpn_x_fragments: x [M, K] -> out, the decode kernels' fragment order (x_fragments.cu)."""
     m, k = x.shape
     nb2 = -(-m // (2 * TOKENS_PER_BLOCK))
@@ -287,7 +286,8 @@ def _x_fragments(x, out):
     kernel(X_FRAGMENTS)((min(-(-threads // 256), 1024),), (256,), (x, out, np.int32(m), np.int32(k), np.int32(nb2)))
 
 
-def _launch(fmt: str, fn, weights: tuple, x, y, n: int, gated: bool, workspace, x_frag: bool) -> None:
+def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray, n: int, gated: bool,
+            workspace: CupyArray, x_frag: bool) -> None:
     """Queue one decode call: the x fragments (x_frag: the build reads them), the split-K tickets'
     reset, and the kernel `fn` with the split (decode_split) and its grid; `weights` are the
     format's leading kernel arguments.
@@ -299,7 +299,7 @@ def _launch(fmt: str, fn, weights: tuple, x, y, n: int, gated: bool, workspace, 
 
     m, k = x.shape
     parts, split, groups_per_warp = decode_split(fmt, n, k)
-    _, partial_size, ticket_count = _workspace_parts(fmt, m, n, k, gated)
+    partial_size, ticket_count = _split_k_elements(parts, m, n, gated)
     frag = _fragment_elements(m, k) if x_frag else 0
     size = frag + partial_size + ticket_count
     if size:
@@ -324,7 +324,8 @@ def _launch(fmt: str, fn, weights: tuple, x, y, n: int, gated: bool, workspace, 
     fn(grid, (32 * split,), (*weights, x_arg, y, *tail))
 
 
-def qpn2_linear(x, codes, scales, global_scale, out=None, gated: bool = False, workspace=None):
+def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, out: CupyArray | None = None,
+                gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
     """y = x @ W16^T for a QPN2 (NVFP4) weight, M in [1, 32] (module docstring).
 
     x: fp16 [M, K], K % 64 == 0; codes uint8 [N, K/2] or flat; scales uint8 [N, K/16] or flat;
@@ -344,7 +345,8 @@ def qpn2_linear(x, codes, scales, global_scale, out=None, gated: bool = False, w
     return y
 
 
-def qpn8_linear(x, codes, group_scales, out=None, gated: bool = False, workspace=None):
+def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None, gated: bool = False,
+                workspace: CupyArray | None = None) -> CupyArray:
     """y = x @ W16^T for a QPN8 (FP8) weight, M in [1, 32] (module docstring).
 
     x: fp16 [M, K], K % 16 == 0 (128x128 block scales: K % 128 == 0); codes uint8 [N, K] or flat;

@@ -42,10 +42,13 @@ import os
 import tempfile
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
+
+if TYPE_CHECKING:
+    from .variants import KernelVariant
 
 KERNEL_DIR = Path(__file__).resolve().parent
 CACHE_ENV = "QPN_CACHE_DIR"
@@ -127,7 +130,8 @@ def read_headers() -> tuple[tuple[str, str], ...]:
     return tuple((p.name, p.read_text()) for p in sorted(KERNEL_DIR.glob("*.cuh")))
 
 
-def cache_key(text: str, headers, options, target: Target, nvrtc_version) -> str:
+def cache_key(text: str, headers: Sequence[tuple[str, str]], options: Sequence[str], target: Target,
+              nvrtc_version: Sequence[int]) -> str:
     h = hashlib.sha256()
     for part in (LOADER_VERSION, target.arch, target.image, repr(tuple(nvrtc_version)), *options):
         h.update(part.encode())
@@ -160,16 +164,30 @@ class NVRTCError(RuntimeError):
     """NVRTC rejected a source; the message carries the program log."""
 
 
+class NVRTC(Protocol):
+    """What the loader and the CPU checks need of an NVRTC binding (the three classes below)."""
+
+    version: tuple[int, int]
+
+    def compile(self, text: str, name: str, options: Sequence[str], headers: Sequence[tuple[str, str]],
+                want_cubin: bool) -> CompileResult: ...
+
+
+# cupy.RawKernel: CuPy ships no type information (see _validate.CupyArray)
+RawKernel: TypeAlias = Any
+
+
 class _CupyNVRTC:
     """CuPy's own NVRTC binding (cupy.cuda.nvrtc): the library CuPy itself compiles with."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         from cupy.cuda import nvrtc  # noqa: PLC0415 (lazy: cupy is optional)
 
         self._n = nvrtc
         self.version = tuple(nvrtc.getVersion())
 
-    def compile(self, text, name, options, headers, want_cubin) -> CompileResult:
+    def compile(self, text: str, name: str, options: Sequence[str], headers: Sequence[tuple[str, str]],
+                want_cubin: bool) -> CompileResult:
         n = self._n
         prog = n.createProgram(text, name, [h.encode() for _, h in headers], [i.encode() for i, _ in headers])
         try:
@@ -193,7 +211,7 @@ class _CupyNVRTC:
 class CudaBindingsNVRTC:
     """NVRTC through `cuda.bindings.nvrtc` (cuda-bindings + nvidia-cuda-nvrtc wheels; no GPU)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         from cuda.bindings import nvrtc  # noqa: PLC0415
 
         self._n = nvrtc
@@ -201,18 +219,19 @@ class CudaBindingsNVRTC:
         self._check(err, "nvrtcVersion")
         self.version = (major, minor)
 
-    def _check(self, err, what, prog=None):
+    def _check(self, err: object, what: str, prog: object = None) -> None:
         if err != self._n.nvrtcResult.NVRTC_SUCCESS:
             log = self._log(prog) if prog is not None else ""
             raise NVRTCError(f"{what} failed: {err}\n{log}")
 
-    def _log(self, prog) -> str:
+    def _log(self, prog: Any) -> str:
         err, size = self._n.nvrtcGetProgramLogSize(prog)
         buf = _out_buffer(size)
         self._n.nvrtcGetProgramLog(prog, buf)
         return bytes(buf).rstrip(b"\0").decode(errors="replace")
 
-    def compile(self, text, name, options, headers, want_cubin) -> CompileResult:
+    def compile(self, text: str, name: str, options: Sequence[str], headers: Sequence[tuple[str, str]],
+                want_cubin: bool) -> CompileResult:
         n = self._n
         err, prog = n.nvrtcCreateProgram(
             text.encode(), name.encode(), len(headers), [h.encode() for _, h in headers], [i.encode() for i, _ in headers]
@@ -228,13 +247,13 @@ class CudaBindingsNVRTC:
             self._check(err, "nvrtcGetPTXSize", prog)
             ptx = _out_buffer(size)
             self._check(n.nvrtcGetPTX(prog, ptx)[0], "nvrtcGetPTX", prog)
-            cubin = None
+            cubin: bytes | None = None
             if want_cubin:
                 err, size = n.nvrtcGetCUBINSize(prog)
                 self._check(err, "nvrtcGetCUBINSize", prog)
-                cubin = _out_buffer(size)
-                self._check(n.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN", prog)
-                cubin = bytes(cubin)
+                cubin_buffer = _out_buffer(size)
+                self._check(n.nvrtcGetCUBIN(prog, cubin_buffer)[0], "nvrtcGetCUBIN", prog)
+                cubin = bytes(cubin_buffer)
             return CompileResult(bytes(ptx).rstrip(b"\0"), cubin, log)
         finally:
             n.nvrtcDestroyProgram(prog)
@@ -258,22 +277,23 @@ class CtypesNVRTC:
         self._check(lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
         self.version = (major.value, minor.value)
 
-    def _check(self, code, what, prog=None):
+    def _check(self, code: int, what: str, prog: ctypes.c_void_p | None = None) -> None:
         if code != 0:
             raise NVRTCError(f"{what} failed with NVRTC status {code}\n{self._log(prog) if prog else ''}")
 
-    def _get(self, prog, size_fn, get_fn) -> bytes:
+    def _get(self, prog: ctypes.c_void_p | None, size_fn: Any, get_fn: Any) -> bytes:
         size = ctypes.c_size_t()
         self._check(size_fn(prog, ctypes.byref(size)), "size query", None)
         buf = ctypes.create_string_buffer(size.value)
         self._check(get_fn(prog, buf), "get", None)
         return buf.raw[: size.value]
 
-    def _log(self, prog) -> str:
+    def _log(self, prog: Any) -> str:
         lib = self._lib
         return self._get(prog, lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog).rstrip(b"\0").decode(errors="replace")
 
-    def compile(self, text, name, options, headers, want_cubin) -> CompileResult:
+    def compile(self, text: str, name: str, options: Sequence[str], headers: Sequence[tuple[str, str]],
+                want_cubin: bool) -> CompileResult:
         lib = self._lib
         prog = ctypes.c_void_p()
         n_headers = len(headers)
@@ -307,13 +327,15 @@ def find_cuda12_nvrtc() -> Path | None:
     return None
 
 
-def compile_source(nvrtc, source, arch: str, defines=(), extra_options=()) -> CompileResult:
+def compile_source(nvrtc: NVRTC, source: str | os.PathLike, arch: str, defines: Mapping[str, object] | tuple = (),
+                   extra_options: Sequence[str] = ()) -> CompileResult:
     """Compile one kernel file (name in this folder, or absolute path) with the project options."""
     name, text = read_source(source)
     return compile_text(nvrtc, text, name, arch, defines, extra_options)
 
 
-def compile_text(nvrtc, text: str, name: str, arch: str, defines=(), extra_options=()) -> CompileResult:
+def compile_text(nvrtc: NVRTC, text: str, name: str, arch: str, defines: Mapping[str, object] | tuple = (),
+                 extra_options: Sequence[str] = ()) -> CompileResult:
     """Compile source text with the project options plus `extra_options` (the compile check adds
     `--ptxas-options=-v`); a cubin is produced for sm_XX, PTX only for compute_XX."""
     options = [*nvrtc_options(arch, defines), *extra_options]
@@ -326,12 +348,12 @@ _LOCK = threading.RLock()
 _KERNELS: dict = {}  # (device id, source, macros, name) -> cupy.RawKernel
 _VARIANT_KERNELS: dict = {}  # (device id, KernelVariant) -> cupy.RawKernel
 _MODULES: dict = {}  # (device id, source, macros) -> (cupy.RawModule, Target)
-_NVRTC = None
+_NVRTC: NVRTC | None = None
 _BUILD_NOTES: dict = {}  # device id -> how its kernels were built
 _PTX_ERRORS = ("CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_INVALID_PTX", "CUDA_ERROR_NO_BINARY_FOR_GPU")
 
 
-def _runtime_nvrtc():
+def _runtime_nvrtc() -> NVRTC:
     global _NVRTC
     if _NVRTC is None:
         try:
@@ -341,14 +363,14 @@ def _runtime_nvrtc():
     return _NVRTC
 
 
-def _macros(defines) -> tuple:
+def _macros(defines: Mapping[str, object] | tuple | None) -> tuple[tuple[str, str], ...]:
     if defines is None:
         return ()
     items = defines.items() if isinstance(defines, Mapping) else defines
     return tuple(sorted((str(k), str(v)) for k, v in items))
 
 
-def _build_image(source, macros, target: Target) -> Path:
+def _build_image(source: str | os.PathLike, macros: tuple[tuple[str, str], ...], target: Target) -> Path:
     """Compile (or find in the disk cache) one module image; returns its file."""
     nvrtc = _runtime_nvrtc()
     name, text = read_source(source)
@@ -361,6 +383,7 @@ def _build_image(source, macros, target: Target) -> Path:
         return path
     result = nvrtc.compile(text, name, options, headers, target.image == "cubin")
     data = result.cubin if target.image == "cubin" else result.ptx + b"\0"
+    assert data is not None  # compiled with want_cubin for a cubin image: every binding returns it
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix="." + target.image)
     try:
@@ -374,7 +397,7 @@ def _build_image(source, macros, target: Target) -> Path:
     return path
 
 
-def _load(source, macros, name, device_id):
+def _load(source: str | os.PathLike, macros: tuple[tuple[str, str], ...], name: str, device_id: int) -> RawKernel:
     import cupy  # noqa: PLC0415
 
     module_key = (device_id, str(source), macros)
@@ -404,7 +427,7 @@ def _load(source, macros, name, device_id):
     return entry[0].get_function(name)
 
 
-def get_function(source: str, name: str, defines: Mapping[str, object] | tuple | None = None):
+def get_function(source: str, name: str, defines: Mapping[str, object] | tuple | None = None) -> RawKernel:
     """The `cupy.RawKernel` `name` of kernel file `source` built with `defines`, for the current device.
 
     source: a file name in this package's folder (e.g. "qpn2_dequantize.cu") or an absolute
@@ -425,7 +448,7 @@ def get_function(source: str, name: str, defines: Mapping[str, object] | tuple |
     return fn
 
 
-def kernel(variant):
+def kernel(variant: KernelVariant) -> RawKernel:
     """`get_function` for a registered `KernelVariant` (see variants.py); the wrappers' fast path
     (one dict lookup keyed by device and variant, no macro sorting)."""
     import cupy  # noqa: PLC0415

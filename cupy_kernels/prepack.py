@@ -24,6 +24,7 @@ import numpy as np
 from ..ref.geometry import GROUP_K, TILE_N
 from ..ref.qpn2 import PAD_K_FIX, PAD_N_FIX, QPN2_K_MULTIPLE
 from ._validate import (
+    CupyArray,
     launch_blocks,
     raise_reference_error,
     require_aligned,
@@ -53,7 +54,7 @@ FLAG_BAD_SCALE = 2
 FLAG_OVERFLOW = 4
 
 
-def qpn2_prepack(weight_packed, weight_scale):
+def qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray) -> tuple[CupyArray, CupyArray]:
     """ModelOpt NVFP4 tensors on the GPU -> QPN2 (codes uint8 [N, K/2], scales uint8 [N, K/16]).
 
     weight_packed: cupy uint8 [N, K/2] (element 2j in the low nibble); weight_scale: cupy uint8
@@ -85,7 +86,7 @@ def qpn2_prepack(weight_packed, weight_scale):
     return codes, scales
 
 
-def launch_qpn2_prepack(weight_packed, weight_scale, codes, scales, flags) -> None:
+def launch_qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray, codes: CupyArray, scales: CupyArray, flags: CupyArray) -> None:
     """grid -> launch for validated arguments (no sync; the benchmark times this directly)."""
     n, half_k = weight_packed.shape
     n_tiles, groups = n // TILE_N, 2 * half_k // GROUP_K
@@ -96,7 +97,7 @@ def launch_qpn2_prepack(weight_packed, weight_scale, codes, scales, flags) -> No
     kernel(QPN2_PREPACK)(grid, block, (weight_packed, weight_scale, codes, scales, np.int32(n_tiles), np.int32(groups), flags))
 
 
-def qpn8_prepack(weight, weight_scale, granularity: str | None = None):
+def qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str | None = None) -> tuple[CupyArray, CupyArray]:
     """FP8 tensors on the GPU -> QPN8 (codes uint8 [N, K], group_scales float16).
 
     weight: cupy uint8 e4m3 bits [N, K]; weight_scale: float32 (cupy or numpy) per tensor
@@ -135,7 +136,8 @@ def qpn8_prepack(weight, weight_scale, granularity: str | None = None):
     return codes, group_scales
 
 
-def launch_qpn8_prepack(weight, weight_scale, granularity: str, codes, group_scales, flags) -> None:
+def launch_qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str, codes: CupyArray, group_scales: CupyArray,
+                        flags: CupyArray) -> None:
     """grid -> launch for validated arguments (no sync; the benchmark times this directly)."""
     n, k = weight.shape
     groups = k // GROUP_K

@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -185,7 +186,8 @@ def parse_sass(text: str) -> dict[str, list[Instr]]:
     """`nvdisasm -c` output -> instructions per function, branch labels resolved to addresses."""
     raw: dict[str, list] = {}
     labels: dict[str, dict[str, int]] = {}
-    fn, pending = None, []
+    fn: str | None = None
+    pending: list[str] = []
     for line in text.splitlines():
         if m := _SECTION.match(line):
             fn, pending = m.group(1), []
@@ -234,8 +236,8 @@ def _successors(ins: list[Instr], i: int, index: dict[int, int]) -> list[int]:
     return nxt
 
 
-def _bfs(ins, start, index, stop=None):
-    parent = {start: None}
+def _bfs(ins: list[Instr], start: int, index: dict[int, int], stop: int | None = None) -> dict[int, int | None]:
+    parent: dict[int, int | None] = {start: None}
     queue = deque([start])
     while queue:
         i = queue.popleft()
@@ -263,7 +265,8 @@ def steady_loop(ins: list[Instr]) -> list[Instr]:
         raise ValueError("no backward branch around HMMA instructions: not a decode kernel's K loop")
     _, head, back = max(loops)
     parent = _bfs(ins, head, index, stop=back)
-    path, i = [], back
+    path: list[Instr] = []
+    i: int | None = back
     while i is not None:
         path.append(ins[i])
         i = parent[i]
@@ -329,10 +332,12 @@ def _macro(variant: KernelVariant, name: str, default: int) -> int:
     return int(dict(variant.defines).get(name, default))
 
 
-def measure(variant: KernelVariant, arch: str, nvrtc, nvdisasm: Path) -> LoopStats:
+def measure(variant: KernelVariant, arch: str, nvrtc: loader.NVRTC, nvdisasm: Path) -> LoopStats:
     """Compile (as the compile check does), disassemble, find the loop, count it."""
     name, text = loader.read_source(variant.source)
     cubin = loader.compile_text(nvrtc, text, name, arch, variant.defines).cubin
+    if cubin is None:  # compute_XX targets give PTX only
+        raise ValueError(f"arch must be a real sm_XX target to disassemble, got {arch!r}")
     functions = parse_sass(disassemble(cubin, nvdisasm))
     if variant.kernel not in functions:
         raise ValueError(f"{variant.kernel} not in the {arch} SASS of {variant.source} (found {sorted(functions)})")
@@ -363,7 +368,7 @@ class Projection:
 
     @property
     def limit(self) -> str:
-        return max(self.ns, key=self.ns.get)
+        return max(self.ns, key=lambda name: self.ns[name])
 
     @property
     def pct(self) -> float:
@@ -406,7 +411,7 @@ def headroom(p: Projection) -> float:
     return p.ns["dram"] / max(v for k, v in p.ns.items() if k not in ("dram", "l2"))
 
 
-def _families(variants):
+def _families(variants: Iterable[KernelVariant]) -> dict[str, dict[int, KernelVariant]]:
     """(family name, {nb: variant}) of the decode kernels: one family per kernel and non-M macros."""
     fams: dict[str, dict[int, KernelVariant]] = {}
     for v in variants:
@@ -425,7 +430,8 @@ def _fmt(x: float) -> str:
     return f"{x:.2f}".rstrip("0").rstrip(".")
 
 
-def run_model(variants=None, nvrtc=None, nvdisasm=None, h200_results: Path | None = None) -> dict:
+def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVRTC | None = None,
+              nvdisasm: Path | None = None, h200_results: Path | None = None) -> dict:
     """Measure every variant on sm_75 (and sm_90 for the H200 check); returns everything the
     report and the record need."""
     from . import linear  # noqa: PLC0415 (the wrapper module registers the decode variants)
@@ -445,7 +451,7 @@ def run_model(variants=None, nvrtc=None, nvdisasm=None, h200_results: Path | Non
             "h200": replace(H200, dram_gbps=h200_ceiling)}
 
 
-def measure_all(jobs, nvrtc, nvdisasm: Path) -> dict[str, dict[KernelVariant, LoopStats]]:
+def measure_all(jobs: list[tuple[KernelVariant, str]], nvrtc: loader.NVRTC, nvdisasm: Path) -> dict[str, dict[KernelVariant, LoopStats]]:
     """`measure` for every (variant, arch) job, in parallel; {arch: {variant: stats}}."""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # NVRTC and nvdisasm run outside the GIL
         stats = list(pool.map(lambda job: measure(job[0], job[1], nvrtc, nvdisasm), jobs))

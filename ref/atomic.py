@@ -72,7 +72,7 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def write_json(path: str, value) -> None:
+def write_json(path: str, value: object) -> None:
     """Deterministic JSON (sorted keys, 2-space indent, trailing newline), fsynced."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
@@ -229,7 +229,7 @@ def recover_interrupted(parent: str, report: Callable[[str], None] = _say) -> li
 def _write_error(exc: OSError, target: str) -> OSError:
     """`exc` reworded to name `target` (never the hidden temporary path) and the fix."""
     reason = exc.strerror or str(exc)
-    fixes = {errno.ENOSPC: "free space on that disk or write elsewhere",
+    fixes: dict[int | None, str] = {errno.ENOSPC: "free space on that disk or write elsewhere",
              errno.EACCES: "choose a folder you can write to", errno.EPERM: "choose a folder you can write to",
              errno.EROFS: "choose a folder on a writable disk"}
     if hasattr(errno, "EDQUOT"):
@@ -260,7 +260,7 @@ def _signals_blocked() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_folder(path, *, overwrite: bool = False, flag: str = "overwrite=True", ours: Ours | None = None,
+def atomic_folder(path: str | os.PathLike[str], *, overwrite: bool = False, flag: str = "overwrite=True", ours: Ours | None = None,
                   protected: Sequence[str] = (), what: str = "output") -> Iterator[str]:
     """Yield a temporary sibling folder to fill; on a normal exit it becomes `path` (module docstring).
 

@@ -93,9 +93,9 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, overload
 
 import numpy as np
 
@@ -154,7 +154,13 @@ class _FieldError(ValueError):
 # data model
 
 
-def _scalar_f32(value, owner: str, role: str, *, positive: bool, optional: bool = False):
+@overload
+def _scalar_f32(value: object, owner: str, role: str, *, positive: bool, optional: Literal[False] = False
+                ) -> np.ndarray: ...
+@overload
+def _scalar_f32(value: object, owner: str, role: str, *, positive: bool, optional: bool) -> np.ndarray | None: ...
+def _scalar_f32(value: object, owner: str, role: str, *, positive: bool, optional: bool = False
+                ) -> np.ndarray | None:
     """0-d float32 from a float32 array / numpy scalar of size 1 (nothing is cast)."""
     if value is None:
         if optional:
@@ -175,7 +181,7 @@ def _scalar_f32(value, owner: str, role: str, *, positive: bool, optional: bool 
     return array
 
 
-def _uint8_matrix(value, owner: str, role: str, what: str) -> np.ndarray:
+def _uint8_matrix(value: object, owner: str, role: str, what: str) -> np.ndarray:
     if not isinstance(value, np.ndarray) or value.dtype != np.uint8 or value.ndim != 2:
         got = f"dtype {value.dtype}, shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
         raise _FieldError(role, f"{owner}: {role} must be a 2-D uint8 array ({what}), got {got}; "
@@ -185,14 +191,14 @@ def _uint8_matrix(value, owner: str, role: str, what: str) -> np.ndarray:
     return value
 
 
-def _checked_e4m3(rule, bits: np.ndarray, owner: str, role: str) -> None:
+def _checked_e4m3(rule: Callable[[str, np.ndarray], None], bits: np.ndarray, owner: str, role: str) -> None:
     try:
         rule(f"{owner}: {role}", bits)
     except ValueError as exc:
         raise _FieldError(role, str(exc)) from None
 
 
-def _check_name(name) -> None:
+def _check_name(name: object) -> None:
     if not isinstance(name, str) or not name:
         raise _FieldError("name", f"a linear's name must be a non-empty string (its module prefix), got {name!r}")
 
@@ -207,7 +213,7 @@ class NVFP4Linear:
     global_scale: np.ndarray
     input_scale: np.ndarray | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_name(self.name)
         owner = f"NVFP4 layer {self.name!r}"
         wp = _uint8_matrix(self.weight_packed, owner, "weight_packed", "[N, K/2], two e2m1 codes per byte")
@@ -248,7 +254,7 @@ class FP8Linear:
     input_scale: np.ndarray | None = None
     scale_name: str = "weight_scale"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_name(self.name)
         owner = f"FP8 layer {self.name!r}"
         w = _uint8_matrix(self.weight, owner, "weight", "[N, K] e4m3 bit patterns")
@@ -269,7 +275,8 @@ class FP8Linear:
             s = _scalar_f32(s, owner, "weight_scale", positive=True)
         else:
             if self.granularity == "channel":
-                expected, accepted = (n,), ((n,), (n, 1))
+                expected: tuple[int, ...] = (n,)
+                accepted: tuple[tuple[int, ...], ...] = ((n,), (n, 1))
                 rule = "one scale per output channel, shape (N,) or (N, 1)"
             else:
                 expected = fp8_block_scale_shape(n, k)
@@ -305,6 +312,9 @@ class FP8Linear:
         return int(self.weight.shape[1])
 
 
+_LinearT = TypeVar("_LinearT", NVFP4Linear, FP8Linear)  # one quantized linear of either format
+
+
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
     """A loaded (or to-be-saved) checkpoint; see the module docstring. Treat the dicts as read-only."""
@@ -316,7 +326,7 @@ class Checkpoint:
     config: Mapping
     hf_quant_config: Mapping | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.format not in CHECKPOINT_FORMATS:
             raise ValueError(f"format must be one of {CHECKPOINT_FORMATS}, got {self.format!r}")
         if not isinstance(self.quant_algo, str) or not self.quant_algo:
@@ -354,7 +364,7 @@ class FusedFP8(NamedTuple):
     granularity: str  # "channel" or "block"
 
 
-def _same_k(linears: Sequence, cls, name: str) -> int:
+def _same_k(linears: Sequence[NVFP4Linear | FP8Linear], cls: type, name: str) -> int:
     if isinstance(linears, (str, bytes)) or not isinstance(linears, Sequence) or len(linears) == 0:
         raise ValueError(f"linears for fused layer {name!r} must be a non-empty list of {cls.__name__}")
     for shard in linears:
@@ -485,7 +495,7 @@ def _config_error(source: str, entry: str | None, message: str) -> CheckpointErr
     return CheckpointError(source, entry, message, kind="config entry")
 
 
-def _str_list(value, source: str, key: str) -> list[str]:
+def _str_list(value: object, source: str, key: str) -> list[str]:
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -493,7 +503,7 @@ def _str_list(value, source: str, key: str) -> list[str]:
     return list(value)
 
 
-def _check_group_size(value, expected: int, source: str, entry: str, what: str) -> None:
+def _check_group_size(value: object, expected: int, source: str, entry: str, what: str) -> None:
     if value is not None and value != expected:
         raise _config_error(source, entry, f"group_size must be {expected} for {what}, got {value!r}; "
                                            "qpn reads NVFP4 with 16-element groups and FP8 blocks of 128x128")
@@ -617,7 +627,7 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
               config: Mapping, hf_quant_config: Mapping | None) -> Checkpoint:
     """Group tensors into linears, validate everything against the plan, return the Checkpoint."""
 
-    def fail(tensor: str, message: str):
+    def fail(tensor: str, message: str) -> NoReturn:
         raise CheckpointError(file_of[tensor], tensor, message)
 
     def require(prefix: str, suffix: str, dtype: str, present: str) -> str:
@@ -629,7 +639,7 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
             fail(name, f"must have dtype {dtype}, got {stored[name].dtype}")
         return name
 
-    def stray(prefix: str, suffix: str, kind: str):
+    def stray(prefix: str, suffix: str, kind: str) -> None:
         name = f"{prefix}.{suffix}"
         if name in stored:
             fail(name, f"does not belong to a {kind} layer in a {plan.format} checkpoint; the layer's tensors "
@@ -644,7 +654,7 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
             fail(weight_name, f"layer {prefix!r} is stored as {kind} but {plan.source} says {algo}")
         return algo
 
-    def build(cls, prefix: str, names: dict[str, str], **fields):
+    def build(cls: type[_LinearT], prefix: str, names: dict[str, str], **fields: Any) -> _LinearT:
         try:
             return cls(name=prefix, **fields)
         except _FieldError as exc:
@@ -680,7 +690,7 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
             if f"{prefix}.weight" in stored:
                 fail(f"{prefix}.weight", f"layer {prefix!r} has both weight and compressed tensors ({present}); "
                                          f"{CT_NVFP4_FORMAT} stores weight_packed only")
-            layout = _CT_NVFP4
+            layout: dict[str, str] | None = _CT_NVFP4
         else:
             weight_name = f"{prefix}.weight"
             if weight_name not in stored:
@@ -739,9 +749,9 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
     for name, tensor in sorted(tensors.items()):
         prefix, _, suffix = name.rpartition(".")
         if prefix and suffix == "weight" and len(tensor.shape) == 2:
-            algo, explicit = plan.algo_for(prefix)
-            if algo is not None and explicit:
-                fail(name, f"{plan.source} says layer {prefix!r} is quantized ({algo}) but it is stored unquantized "
+            planned, explicit = plan.algo_for(prefix)
+            if planned is not None and explicit:
+                fail(name, f"{plan.source} says layer {prefix!r} is quantized ({planned}) but it is stored unquantized "
                            f"({tensor.dtype}); fix the config or re-export the weights")
     for entry in plan.explicit_entries():
         if entry not in plan.used:
@@ -755,7 +765,7 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
 # load
 
 
-def _read_json(path: str):
+def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
@@ -785,7 +795,7 @@ def _weight_files(folder: str) -> tuple[list[str], dict[str, str] | None, str | 
     raise CheckpointError(folder, None, f"holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def load_checkpoint(path, *, mmap: bool = True) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True) -> Checkpoint:
     """Load and validate the checkpoint folder `path` (see the module docstring for the rules).
 
     mmap=True (default) keeps arrays as read-only views of memory-mapped files.
@@ -865,7 +875,7 @@ def _default_quantization_config(checkpoint: Checkpoint) -> dict:
     if checkpoint.format == "compressed-tensors":
         weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": GROUP_K,
                    "symmetric": True, "dynamic": False}
-        groups = {}
+        groups: dict[str, dict[str, object]] = {}
         for with_input in (True, False):
             targets = sorted(n for n, lin in checkpoint.linears.items() if (lin.input_scale is not None) == with_input)
             if targets:
@@ -875,7 +885,7 @@ def _default_quantization_config(checkpoint: Checkpoint) -> dict:
                 }
         return {"quant_method": "compressed-tensors", "format": CT_NVFP4_FORMAT, "quantization_status": "compressed",
                 "config_groups": groups, "ignore": unquantized}
-    config = {"quant_method": "modelopt", "quant_algo": checkpoint.quant_algo, "ignore": unquantized,
+    config: dict[str, object] = {"quant_method": "modelopt", "quant_algo": checkpoint.quant_algo, "ignore": unquantized,
               "producer": producer}
     if checkpoint.quant_algo in NVFP4_ALGOS:
         config["group_size"] = GROUP_K
@@ -934,7 +944,7 @@ def _not_saved_by_qpn(folder: str) -> str | None:
     return None if weights else "it holds no safetensors file"
 
 
-def save_checkpoint(path, checkpoint: Checkpoint, *, overwrite: bool = False,
+def save_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint, *, overwrite: bool = False,
                     max_shard_bytes: int | None = None) -> None:
     """Write `checkpoint` as a folder at `path` in its own format (ModelOpt or compressed-tensors).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import numpy.typing as npt
 
 
 class FileError(ValueError):
@@ -16,14 +17,14 @@ class FileError(ValueError):
     `kind` what that is ("tensor", "config entry"); the message starts with both, so the user sees
     where to look."""
 
-    def __init__(self, path, tensor: str | None, message: str, *, kind: str = "tensor"):
+    def __init__(self, path: str | os.PathLike[str], tensor: str | None, message: str, *, kind: str = "tensor") -> None:
         self.path = os.fspath(path)
         self.tensor = tensor
         where = f"{self.path}: {kind} {tensor!r}: " if tensor is not None else f"{self.path}: "
         super().__init__(where + message)
 
 
-def require_array(name: str, value, dtype, ndim: int | None = None) -> np.ndarray:
+def require_array(name: str, value: object, dtype: npt.DTypeLike, ndim: int | None = None) -> np.ndarray:
     """`value` must be a numpy array of exactly `dtype` (no silent casts) and `ndim` dims."""
     if not isinstance(value, np.ndarray):
         raise ValueError(
@@ -105,7 +106,7 @@ def require_finite(name: str, value: np.ndarray) -> None:
 QUANTIZE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 
 
-def require_weight_to_quantize(w) -> np.ndarray:
+def require_weight_to_quantize(w: np.ndarray) -> np.ndarray:
     """A weight to quantize: numpy float32/float16 [N, K] (N, K >= 1), finite -> a float32 copy.
 
     float16 converts to float32 exactly; the copy means the caller's array is never touched.

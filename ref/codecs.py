@@ -22,6 +22,7 @@ float64) and rounds once with np.rint (round half to even).
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 E2M1_MAX = 6.0
@@ -54,7 +55,7 @@ def _build_e4m3_table() -> np.ndarray:
 _E4M3_TABLE = _build_e4m3_table()
 
 
-def decode_e2m1(codes) -> np.ndarray:
+def decode_e2m1(codes: npt.ArrayLike) -> np.ndarray:
     """uint8 codes (0..15, any shape) -> float32 values. Code 8 is -0.0."""
     codes = np.asarray(codes)
     if codes.dtype != np.uint8:
@@ -67,7 +68,7 @@ def decode_e2m1(codes) -> np.ndarray:
     return _E2M1_TABLE[codes]
 
 
-def encode_e2m1(x) -> np.ndarray:
+def encode_e2m1(x: npt.ArrayLike) -> np.ndarray:
     """float values (any shape) -> uint8 e2m1 codes, round half to even, saturating at 6."""
     x = np.asarray(x)
     if not np.issubdtype(x.dtype, np.floating):
@@ -82,7 +83,7 @@ def encode_e2m1(x) -> np.ndarray:
     return magnitude_code | (np.signbit(x).astype(np.uint8) << 3)
 
 
-def decode_e4m3(bits) -> np.ndarray:
+def decode_e4m3(bits: npt.ArrayLike) -> np.ndarray:
     """uint8 e4m3fn bit patterns (any shape) -> float32 values; 0x7F/0xFF -> NaN."""
     bits = np.asarray(bits)
     if bits.dtype != np.uint8:
@@ -92,7 +93,7 @@ def decode_e4m3(bits) -> np.ndarray:
     return _E4M3_TABLE[bits]
 
 
-def encode_e4m3(x) -> np.ndarray:
+def encode_e4m3(x: npt.ArrayLike) -> np.ndarray:
     """float values (any shape) -> uint8 e4m3fn bits, round half to even, saturating to +-448."""
     x = np.asarray(x)
     if not np.issubdtype(x.dtype, np.floating):

@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from .checks import require_array, require_no_nan_e4m3, require_positive_scale, require_weight_to_quantize
 from .codecs import E4M3_MAX, decode_e4m3, encode_e4m3
@@ -64,7 +65,7 @@ def _ceil_div(a: int, b: int) -> int:
 # ----------------------------------------------------------------------------- quantize
 
 
-def fp8_quantize(w, granularity: str) -> FP8Weight:
+def fp8_quantize(w: np.ndarray, granularity: str) -> FP8Weight:
     """float32/float16 weight [N, K] -> FP8Weight with scale RN32(amax/448) per group.
 
     granularity: "tensor" (scale shape ()), "channel" (one per row, [N]) or "block" (one per
@@ -119,7 +120,7 @@ def fp8_block_grid_4d(n: int, k: int) -> tuple[int, int, int, int]:
     return (rows, 1, cols, 1)
 
 
-def fp8_scale_granularity(weight_scale, n: int, k: int) -> str:
+def fp8_scale_granularity(weight_scale: npt.ArrayLike, n: int, k: int) -> str:
     """Granularity of an fp32 FP8 scale for an [n, k] weight, from its shape alone.
 
     () or (1,) -> "tensor"; (n,) or (n, 1) -> "channel"; (ceil(n/128), ceil(k/128)) or ModelOpt's
@@ -143,7 +144,7 @@ def fp8_scale_granularity(weight_scale, n: int, k: int) -> str:
     )
 
 
-def fp8_scale_map(weight_scale, n: int, k: int) -> np.ndarray:
+def fp8_scale_map(weight_scale: np.ndarray, n: int, k: int) -> np.ndarray:
     """float32 FP8 scale (any granularity, see `fp8_scale_granularity`) -> float32 [n, k], one per element.
 
     Validates the shape and that every scale is finite and > 0. Values are copied, never rounded.
@@ -152,7 +153,7 @@ def fp8_scale_map(weight_scale, n: int, k: int) -> np.ndarray:
     return _expand_scale(scale, granularity, n, k)
 
 
-def _validated_scale(weight_scale, n: int, k: int) -> tuple[str, np.ndarray]:
+def _validated_scale(weight_scale: np.ndarray, n: int, k: int) -> tuple[str, np.ndarray]:
     granularity = fp8_scale_granularity(weight_scale, n, k)
     scale = _as_float32_scale(weight_scale)
     require_positive_scale("weight_scale", scale)
@@ -163,7 +164,7 @@ def _validated_scale(weight_scale, n: int, k: int) -> tuple[str, np.ndarray]:
     return granularity, scale
 
 
-def _as_float32_scale(weight_scale) -> np.ndarray:
+def _as_float32_scale(weight_scale: np.ndarray) -> np.ndarray:
     if isinstance(weight_scale, np.float32):
         weight_scale = np.asarray(weight_scale)
     return require_array("weight_scale", weight_scale, np.float32)
@@ -181,7 +182,7 @@ def _expand_scale(scale: np.ndarray, granularity: str, n: int, k: int) -> np.nda
 # ----------------------------------------------------------------------------- dequantize
 
 
-def fp8_dequantize(weight, weight_scale) -> np.ndarray:
+def fp8_dequantize(weight: np.ndarray, weight_scale: np.ndarray) -> np.ndarray:
     """FP8 checkpoint tensors -> float16 [N, K] = RN16(RN32(e4m3(weight) * scale)).
 
     weight: uint8 e4m3 bits [N, K]; weight_scale: float32, granularity inferred from its shape

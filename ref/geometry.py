@@ -14,31 +14,32 @@ Every function here is a pure integer map, vectorized over numpy integer arrays.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 TILE_N = 32  # output columns per tile (one warp, one column per lane)
 GROUP_K = 16  # k per group (one NVFP4 block scale, one QPN8 packet)
 LANES = 32
 
 
-def column_of_lane(lane):
+def column_of_lane(lane: npt.ArrayLike) -> np.ndarray:
     """Column inside a 32-wide tile owned by `lane` (0..31)."""
     lane = np.asarray(lane)
     return 8 * ((lane >> 2) & 3) + (lane & 3) + 4 * ((lane >> 4) & 1)
 
 
-def lane_of_column(col):
+def lane_of_column(col: npt.ArrayLike) -> np.ndarray:
     """Inverse of `column_of_lane`: the lane that owns tile column `col` (0..31)."""
     col = np.asarray(col)
     return (col & 3) | (((col >> 3) & 3) << 2) | (((col >> 2) & 1) << 4)
 
 
-def k_of_position(p):
+def k_of_position(p: npt.ArrayLike) -> np.ndarray:
     """k (0..15) stored at position p (0..15) of a group: the KORDER table."""
     p = np.asarray(p)
     return (p & 8) + 2 * (p & 3) + ((p & 7) >> 2)
 
 
-def position_of_k(k):
+def position_of_k(k: npt.ArrayLike) -> np.ndarray:
     """Inverse of `k_of_position`: the position (0..15) that holds k inside its group."""
     k = np.asarray(k)
     return (k & 8) + ((k & 7) >> 1) + 4 * (k & 1)

@@ -13,7 +13,7 @@ import numpy as np
 from .geometry import TILE_N
 
 
-def global_scale_per_row(global_scale, n: int, name: str = "global_scale") -> np.ndarray:
+def global_scale_per_row(global_scale: float | np.ndarray, n: int, name: str = "global_scale") -> np.ndarray:
     """Expand a scalar or per-tile global scale to float32 [n], one value per output row.
 
     global_scale: float32 scalar (shape () or (1,)) or float32 [n // 32]. Python floats are

@@ -52,6 +52,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .checks import require_array, require_finite
@@ -61,7 +63,7 @@ FP32_TRUNCATING_UNIT_ROUNDOFF = 2.0**-23  # fp32 addition that truncates (tensor
 FP64_UNIT_ROUNDOFF = 2.0**-53
 
 
-def _validate_linear_inputs(x, w16, *, check_w16_values: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def _validate_linear_inputs(x: np.ndarray, w16: np.ndarray, *, check_w16_values: bool = True) -> tuple[np.ndarray, np.ndarray]:
     x = require_array("x", x, np.float16, ndim=2)
     w16 = require_array("w16", w16, np.float16, ndim=2)
     if x.shape[1] != w16.shape[1]:
@@ -82,7 +84,7 @@ def _float64_sums(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) @ w16.astype(np.float64).T
 
 
-def linear(x, w16) -> np.ndarray:
+def linear(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
     """x float16 [M, K], w16 float16 [N, K] -> float16 [M, N] = RN16(float64 sum of exact products).
 
     Rejects non-finite inputs and mismatched K (ValueError).
@@ -98,7 +100,7 @@ def _gamma(k: int, u: float) -> float:
     return k * u / (1.0 - k * u)
 
 
-def linear_bounds(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
+def linear_bounds(x: np.ndarray, w16: np.ndarray, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N] each: every fp32-or-wider accumulation of x @ w16.T, in any order,
     rounded once to fp16, lies in [lo, hi] (module docstring for the derivation).
 
@@ -120,7 +122,12 @@ def linear_bounds(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) 
     return lo, hi
 
 
-def linear_bounds_fp32(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF, *, fp32_sums=None
+# (w16 [N, K], x32 [M + 1, K], M) -> (S32, A32): the fp32 matmuls of `linear_bounds_fp32`
+Fp32Sums = Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+
+
+def linear_bounds_fp32(x: np.ndarray, w16: np.ndarray, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF, *,
+                       fp32_sums: Fp32Sums | None = None
                        ) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N]: as `linear_bounds`, but from fp32 matmuls (module docstring for the
     derivation): a true bound, slightly wider, at about a quarter of the cost for large layers.
@@ -155,7 +162,7 @@ def numpy_fp32_sums(w16: np.ndarray, x32: np.ndarray, m: int) -> tuple[np.ndarra
     return s32, w32 @ np.abs(x32).T
 
 
-def linear_bounds_of_fp32_sums(s32, a32, k: int, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF
+def linear_bounds_of_fp32_sums(s32: np.ndarray, a32: np.ndarray, k: int, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF
                                ) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N], from S32 = sum x*w and A32 = sum |x*w| [M, N] accumulated in fp32 by
     any BLAS (any order, FMA or not; values in float32 or float64) over K exact fp16 products: the
@@ -173,7 +180,7 @@ def linear_bounds_of_fp32_sums(s32, a32, k: int, unit_roundoff: float = FP32_TRU
     return lo, hi
 
 
-def linear_error_bound(x, w16, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> np.ndarray:
+def linear_error_bound(x: np.ndarray, w16: np.ndarray, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> np.ndarray:
     """float64 [M, N]: |y - linear(x, w16)| may not exceed this for any y that `linear_bounds` admits.
 
     = max(hi - ref, ref - lo) with ref = linear(x, w16); 0 where lo == hi == ref (also at +-inf),
@@ -194,7 +201,7 @@ def _expf(v: np.ndarray) -> np.ndarray:
         return np.exp(v.astype(np.float64)).astype(np.float32)
 
 
-def silu_and_mul(gate16, up16) -> np.ndarray:
+def silu_and_mul(gate16: np.ndarray, up16: np.ndarray) -> np.ndarray:
     """vLLM's silu_and_mul on fp16 tensors of one shape: RN16(RN16(silu32(gate)) * up) (module docstring)."""
     gate16 = require_array("gate16", gate16, np.float16)
     up16 = require_array("up16", up16, np.float16)
@@ -208,7 +215,7 @@ def silu_and_mul(gate16, up16) -> np.ndarray:
         return (silu16.astype(np.float32) * up16.astype(np.float32)).astype(np.float16)
 
 
-def linear_gated(x, w16) -> np.ndarray:
+def linear_gated(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
     """x float16 [M, K], fused w16 float16 [N, K] (gate rows [0, N/2), up rows [N/2, N)) ->
     float16 [M, N/2] = silu_and_mul(linear(x, gate), linear(x, up)). N must be even."""
     x, w16 = _validate_linear_inputs(x, w16)

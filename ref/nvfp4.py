@@ -43,6 +43,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape, require_weight_to_quantize
 from .codecs import E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3
@@ -59,7 +60,7 @@ FP16_OVERFLOW_THRESHOLD = np.float32(65520.0)
 _LOW_NIBBLE = 0x0F  # 0000_1111
 # A packed byte holds two weights, so the decode looks up (scale byte << 8 | weight byte) -> both
 # values at once, as one unit of two fp16 (uint32) or two fp32 (uint64): 64 K entries, 256/512 KiB.
-_PAIR_UNIT = {np.dtype(np.float16): np.dtype(np.uint32), np.dtype(np.float32): np.dtype(np.uint64)}
+_PAIR_UNIT: dict[np.dtype, np.dtype] = {np.dtype(np.float16): np.dtype(np.uint32), np.dtype(np.float32): np.dtype(np.uint64)}
 # Rows per lookup call: the uint16 index of 64 rows of K = 4096 is 256 KiB, so it stays in L2
 # between being built and being read (whole-layer indexes measured 1.5x slower).
 _ROWS_PER_LOOKUP = 64
@@ -81,7 +82,7 @@ class NVFP4Weight(NamedTuple):
 # ----------------------------------------------------------------------------- nibbles
 
 
-def pack_nibbles(codes) -> np.ndarray:
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """uint8 4-bit codes [..., K] -> uint8 bytes [..., K/2]; element 2j -> LOW nibble, 2j+1 -> HIGH.
 
     K must be even. Exact inverse: `unpack_nibbles`.
@@ -100,7 +101,7 @@ def pack_nibbles(codes) -> np.ndarray:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def unpack_nibbles(packed) -> np.ndarray:
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     """uint8 bytes [..., K/2] -> uint8 4-bit codes [..., K]; LOW nibble -> element 2j, HIGH -> 2j+1.
 
     Exact inverse of `pack_nibbles`.
@@ -117,7 +118,7 @@ def unpack_nibbles(packed) -> np.ndarray:
 # ----------------------------------------------------------------------------- quantize
 
 
-def nvfp4_quantize(w) -> NVFP4Weight:
+def nvfp4_quantize(w: np.ndarray) -> NVFP4Weight:
     """float32/float16 weight [N, K] (K % 16 == 0) -> NVFP4Weight, ModelOpt's bytes bit for bit.
 
     float16 input is converted to float32 exactly first (ModelOpt's arithmetic then runs in fp32
@@ -172,7 +173,7 @@ def nvfp4_quantize(w) -> NVFP4Weight:
     )
 
 
-def _validate_weight_to_quantize(w) -> np.ndarray:
+def _validate_weight_to_quantize(w: np.ndarray) -> np.ndarray:
     w32 = require_weight_to_quantize(w)
     require_multiple("K", w32.shape[1], NVFP4_BLOCK, "NVFP4 (one e4m3 scale per 16 consecutive k)",
                      "pad the input features")
@@ -182,7 +183,7 @@ def _validate_weight_to_quantize(w) -> np.ndarray:
 # ----------------------------------------------------------------------------- dequantize
 
 
-def nvfp4_block_overflows(weight_scale, g_rows) -> np.ndarray:
+def nvfp4_block_overflows(weight_scale: np.ndarray, g_rows: np.ndarray) -> np.ndarray:
     """bool [N, K/16]: True where the block's largest possible fp16 weight is inf.
 
     weight_scale: uint8 e4m3 bits [N, K/16]; g_rows: float32 [N], one global scale per row (see
@@ -200,7 +201,7 @@ def nvfp4_block_overflows(weight_scale, g_rows) -> np.ndarray:
     return largest >= FP16_OVERFLOW_THRESHOLD
 
 
-def require_nvfp4_fits_fp16(weight_scale, g_rows, name: str = "weight_scale") -> None:
+def require_nvfp4_fits_fp16(weight_scale: np.ndarray, g_rows: np.ndarray, name: str = "weight_scale") -> None:
     """ValueError naming the first block whose largest fp16 weight would be inf (`nvfp4_block_overflows`)."""
     over = nvfp4_block_overflows(weight_scale, g_rows)
     if over.any():
@@ -215,7 +216,8 @@ def require_nvfp4_fits_fp16(weight_scale, g_rows, name: str = "weight_scale") ->
         )
 
 
-def nvfp4_dequantize(weight_packed, weight_scale, global_scale) -> np.ndarray:
+def nvfp4_dequantize(weight_packed: np.ndarray, weight_scale: np.ndarray, global_scale: float | np.ndarray
+                     ) -> np.ndarray:
     """NVFP4 checkpoint tensors -> float16 [N, K], W16 = RN16(RN32(e2m1 * RN32(e4m3 * g(n)))).
 
     weight_packed: uint8 [N, K/2] (element 2j in the low nibble); weight_scale: uint8 e4m3 bits
@@ -228,7 +230,8 @@ def nvfp4_dequantize(weight_packed, weight_scale, global_scale) -> np.ndarray:
     return _dequantize_by_table(weight_packed, weight_scale, g_rows, np.float16)
 
 
-def nvfp4_dequantize_fp32(weight_packed, weight_scale, global_scale) -> np.ndarray:
+def nvfp4_dequantize_fp32(weight_packed: np.ndarray, weight_scale: np.ndarray, global_scale: float | np.ndarray
+                          ) -> np.ndarray:
     """NVFP4 checkpoint tensors -> float32 [N, K] = RN32(e2m1 * RN32(e4m3 * g(n))).
 
     ModelOpt's own fp32 dequantization (before its final cast); for notebooks comparing variants.
@@ -239,7 +242,7 @@ def nvfp4_dequantize_fp32(weight_packed, weight_scale, global_scale) -> np.ndarr
     return _dequantize_by_table(weight_packed, weight_scale, g_rows, np.float32)
 
 
-def nvfp4_value_table(g, dtype=np.float16) -> np.ndarray:
+def nvfp4_value_table(g: float | np.floating, dtype: npt.DTypeLike = np.float16) -> np.ndarray:
     """[256 scale bytes, 16 codes] of `dtype`: RN(RN32(e2m1(code) * RN32(e4m3(scale) * g))).
 
     The dequantization formula evaluated on every input for one fp32 global scale g (RN = RN16
@@ -258,7 +261,7 @@ def _pair_table(values: np.ndarray) -> np.ndarray:
 
 
 def _dequantize_by_table(weight_packed: np.ndarray, weight_scale: np.ndarray, g_rows: np.ndarray,
-                         dtype) -> np.ndarray:
+                         dtype: npt.DTypeLike) -> np.ndarray:
     """W[n, 2j], W[n, 2j+1] = pair table of g(n) [scale[n, j/8] << 8 | weight_packed[n, j]] (validated inputs)."""
     dtype = np.dtype(dtype)
     n, half_k = weight_packed.shape
@@ -279,7 +282,8 @@ def _dequantize_by_table(weight_packed: np.ndarray, weight_scale: np.ndarray, g_
     return out.view(dtype).reshape(n, 2 * half_k)
 
 
-def _validate_dequantize_inputs(weight_packed, weight_scale, global_scale) -> np.ndarray:
+def _validate_dequantize_inputs(weight_packed: np.ndarray, weight_scale: np.ndarray,
+                                global_scale: float | np.ndarray) -> np.ndarray:
     weight_packed = require_array("weight_packed", weight_packed, np.uint8, ndim=2)
     weight_scale = require_array("weight_scale", weight_scale, np.uint8, ndim=2)
     n, half_k = weight_packed.shape

@@ -47,6 +47,7 @@ Weight semantics
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape
 from .codecs import decode_e2m1, decode_e4m3
@@ -154,7 +155,7 @@ def _check_korder_swaps() -> None:
 _check_korder_swaps()
 
 
-def _require_dims(n, k, layout: str = "QPN2") -> tuple[int, int]:
+def _require_dims(n: int, k: int, layout: str = "QPN2") -> tuple[int, int]:
     for name, value in (("n", n), ("k", k)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name} must be an int (the {layout} weight's dimension), got {type(value).__name__}")
@@ -164,7 +165,7 @@ def _require_dims(n, k, layout: str = "QPN2") -> tuple[int, int]:
     return n, k
 
 
-def _require_buffer(name: str, value, dtype, rows: int, cols: int) -> np.ndarray:
+def _require_buffer(name: str, value: object, dtype: npt.DTypeLike, rows: int, cols: int) -> np.ndarray:
     """A prepacked buffer: shape [rows, cols] (as prepack returns it) or flat [rows * cols]."""
     value = require_array(name, value, dtype)
     if tuple(value.shape) not in ((rows, cols), (rows * cols,)):
@@ -178,7 +179,7 @@ def _require_buffer(name: str, value, dtype, rows: int, cols: int) -> np.ndarray
 # ----------------------------------------------------------------------------- layout
 
 
-def qpn2_prepack(weight_packed, weight_scale) -> tuple[np.ndarray, np.ndarray]:
+def qpn2_prepack(weight_packed: np.ndarray, weight_scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ModelOpt NVFP4 tensors -> QPN2 (codes, scales).
 
     weight_packed: uint8 [N, K/2] (element 2j in the low nibble); weight_scale: uint8 e4m3 bits
@@ -203,7 +204,7 @@ def qpn2_prepack(weight_packed, weight_scale) -> tuple[np.ndarray, np.ndarray]:
     return codes.view(np.uint8).reshape(n, half_k), scales.reshape(n, groups)
 
 
-def qpn2_unpack(codes, scales, n, k) -> tuple[np.ndarray, np.ndarray]:
+def qpn2_unpack(codes: np.ndarray, scales: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """QPN2 (codes, scales) of an [n, k] weight -> ModelOpt (weight_packed, weight_scale).
 
     codes: uint8 [n, k/2] or flat [n*k/2]; scales: uint8 [n, k/16] or flat [n*k/16].
@@ -226,7 +227,8 @@ def qpn2_unpack(codes, scales, n, k) -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- weights
 
 
-def qpn2_dequantize(codes, scales, global_scale, n, k) -> np.ndarray:
+def qpn2_dequantize(codes: np.ndarray, scales: np.ndarray, global_scale: float | np.ndarray, n: int, k: int
+                    ) -> np.ndarray:
     """QPN2 buffers -> float16 [n, k] under the qpn contract (= nvfp4_dequantize of the originals).
 
     W16 = RN16(RN32(e2m1 * RN32(e4m3 * g(n)))); global_scale: float32 scalar or one value per
@@ -237,7 +239,8 @@ def qpn2_dequantize(codes, scales, global_scale, n, k) -> np.ndarray:
     return nvfp4_dequantize(*qpn2_unpack(codes, scales, n, k), global_scale)
 
 
-def _variant_inputs(codes, scales, global_scale, n, k):
+def _variant_inputs(codes: np.ndarray, scales: np.ndarray, global_scale: float | np.ndarray, n: int, k: int
+                    ) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:
     n, k = _require_dims(n, k)
     g_rows = global_scale_per_row(global_scale, n)
     weight_packed, weight_scale = qpn2_unpack(codes, scales, n, k)
@@ -247,7 +250,8 @@ def _variant_inputs(codes, scales, global_scale, n, k):
     return n, k, g_rows, e2m1, e4m3
 
 
-def qpn2_dequantize_variant_p(codes, scales, global_scale, n, k) -> np.ndarray:
+def qpn2_dequantize_variant_p(codes: np.ndarray, scales: np.ndarray, global_scale: float | np.ndarray, n: int,
+                              k: int) -> np.ndarray:
     """Upstream's Turing-route decode rounding (variant P), for measurement: float16 [n, k].
 
     Gs = RN16(g * 2^14) once per tile (or once for a scalar g), S = RN16(e4m3 * Gs),
@@ -268,7 +272,8 @@ def qpn2_dequantize_variant_p(codes, scales, global_scale, n, k) -> np.ndarray:
         return weight.astype(np.float16).reshape(n, k)
 
 
-def qpn2_dequantize_variant_e(codes, scales, global_scale, n, k) -> np.ndarray:
+def qpn2_dequantize_variant_e(codes: np.ndarray, scales: np.ndarray, global_scale: float | np.ndarray, n: int,
+                              k: int) -> np.ndarray:
     """Upstream's later decode rounding (variant E), for measurement: float16 [n, k].
 
     E = RN16(RN32(e4m3 * g)), weight = RN16(e2m1 * E). e4m3 * g is exact in float64 (4 x 24

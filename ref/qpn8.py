@@ -45,6 +45,7 @@ Numerics policy
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from .checks import require_array, require_multiple, require_no_nan_e4m3, require_positive_scale
 from .codecs import E4M3_MAX, decode_e4m3
@@ -63,7 +64,7 @@ _UNIT = np.dtype("V16")  # one lane's 16 bytes of one group, moved as raw bytes
 _U64 = np.dtype("<u8")
 
 
-def qpn8_scale_granularity(weight_scale, n: int, k: int, granularity: str | None = None) -> str:
+def qpn8_scale_granularity(weight_scale: npt.ArrayLike, n: int, k: int, granularity: str | None = None) -> str:
     """The granularity QPN8 reads from a float32 scale of an [n, k] weight (module docstring).
 
     The shape decides (`fp8_scale_granularity`), except that a size-1 scale reads as per tensor
@@ -121,7 +122,7 @@ def _require_s16_fits_fp16(name: str, s16: np.ndarray, scale: np.ndarray | None 
         )
 
 
-def require_qpn8_fits_fp16(weight_scale, name: str = "weight_scale") -> None:
+def require_qpn8_fits_fp16(weight_scale: np.ndarray, name: str = "weight_scale") -> None:
     """ValueError when a float32 FP8 scale gives S16 = RN16(256 * s), or a weight, beyond fp16.
 
     The scale-only overflow rule of `qpn8_prepack` (codes never matter), for callers that check
@@ -140,7 +141,7 @@ def _group_scales_of_s16(s16: np.ndarray, granularity: str, n: int) -> np.ndarra
     return np.broadcast_to(s16.reshape(-1), (n,)).reshape(1, n).copy()  # [1, N]
 
 
-def qpn8_group_scales(weight_scale, n: int, k: int, granularity: str | None = None) -> np.ndarray:
+def qpn8_group_scales(weight_scale: np.ndarray, n: int, k: int, granularity: str | None = None) -> np.ndarray:
     """The group_scales `qpn8_prepack` returns for this scale, without touching a weight (cheap:
     for checking a packed layer's scales against its fp32 scale). Same rules and errors."""
     if isinstance(weight_scale, np.float32):
@@ -155,7 +156,7 @@ def qpn8_group_scales(weight_scale, n: int, k: int, granularity: str | None = No
     return _group_scales_of_s16(s16, granularity, n)
 
 
-def qpn8_prepack(weight, weight_scale, granularity: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def qpn8_prepack(weight: np.ndarray, weight_scale: np.ndarray, granularity: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """FP8 checkpoint tensors -> QPN8 (codes, group_scales).
 
     weight: uint8 e4m3 bits [N, K]; weight_scale: float32, per tensor (size 1), per channel
@@ -176,7 +177,7 @@ def qpn8_prepack(weight, weight_scale, granularity: str | None = None) -> tuple[
     return codes.reshape(n, k), np.ascontiguousarray(group_scales)
 
 
-def _group_scales_granularity(group_scales, n: int, k: int) -> str:
+def _group_scales_granularity(group_scales: np.ndarray, n: int, k: int) -> str:
     group_scales = require_array("group_scales", group_scales, np.float16, ndim=2)
     if tuple(group_scales.shape) == (1, n):
         require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
@@ -191,7 +192,7 @@ def _group_scales_granularity(group_scales, n: int, k: int) -> str:
     )
 
 
-def _require_dims(n, k) -> tuple[int, int]:
+def _require_dims(n: int, k: int) -> tuple[int, int]:
     for name, value in (("n", n), ("k", k)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name} must be an int (the QPN8 weight's dimension), got {type(value).__name__}")
@@ -201,7 +202,7 @@ def _require_dims(n, k) -> tuple[int, int]:
     return n, k
 
 
-def _require_codes(codes, n: int, k: int) -> np.ndarray:
+def _require_codes(codes: np.ndarray, n: int, k: int) -> np.ndarray:
     codes = require_array("codes", codes, np.uint8)
     if tuple(codes.shape) not in ((n, k), (n * k,)):
         raise ValueError(
@@ -220,7 +221,7 @@ def _s16_map(group_scales: np.ndarray, granularity: str, n: int, k: int) -> np.n
     return np.repeat(rows, QPN8_BLOCK // GROUP_K, axis=1)  # [N, G]
 
 
-def qpn8_unpack(codes, group_scales, n, k) -> tuple[np.ndarray, np.ndarray]:
+def qpn8_unpack(codes: np.ndarray, group_scales: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """QPN8 (codes, group_scales) of an [n, k] weight -> (weight, s16_map).
 
     codes: uint8 [n, k] or flat [n*k]; group_scales: float16 [1, n] or [k/128, n/32].
@@ -250,7 +251,7 @@ def _require_group_scale_values(s16: np.ndarray) -> None:
     _require_s16_fits_fp16("group_scales", s16)
 
 
-def qpn8_dequantize(codes, group_scales, n, k) -> np.ndarray:
+def qpn8_dequantize(codes: np.ndarray, group_scales: np.ndarray, n: int, k: int) -> np.ndarray:
     """QPN8 buffers -> float16 [n, k] under the contract W16 = RN16(e4m3 * 2^-8 * S16).
 
     Rejects NaN code bytes (0x7F / 0xFF), negative or non-finite S16 and S16 whose largest
@@ -265,7 +266,7 @@ def qpn8_dequantize(codes, group_scales, n, k) -> np.ndarray:
     return _contract_lookup(weight, group_scales, n, k)
 
 
-def qpn8_dequantize_unpacked(weight, group_scales, n, k) -> np.ndarray:
+def qpn8_dequantize_unpacked(weight: np.ndarray, group_scales: np.ndarray, n: int, k: int) -> np.ndarray:
     """`qpn8_dequantize` of the bytes `qpn8_unpack` gave back, without permuting them again.
 
     weight: uint8 e4m3 bits [rows, k], rows <= n, row r = the unpacked weight's row r (`qpn verify`

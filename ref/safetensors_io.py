@@ -52,7 +52,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -116,7 +116,7 @@ class StoredTensor:
     array: np.ndarray
     dtype: str
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.array, np.ndarray):
             raise ValueError(
                 f"StoredTensor.array must be a numpy.ndarray, got {type(self.array).__name__}; "
@@ -163,7 +163,7 @@ class SafetensorsContents(NamedTuple):
     metadata: dict[str, str] | None
 
 
-def as_stored_tensor(value, name: str = "tensor") -> StoredTensor:
+def as_stored_tensor(value: object, name: str = "tensor") -> StoredTensor:
     """A StoredTensor unchanged, or a numpy array tagged by its dtype (see the docstring table).
 
     uint8 becomes U8 and uint16 becomes U16: e4m3 / bf16 bit patterns need an explicit
@@ -198,7 +198,7 @@ def _nbytes(tag: str, shape: tuple[int, ...]) -> int:
     return DTYPE_OF_TAG[tag].itemsize * math.prod(shape)
 
 
-def _no_duplicate_keys(path, pairs):
+def _no_duplicate_keys(path: str, pairs: list[tuple[str, object]]) -> dict[str, object]:
     out = {}
     for key, value in pairs:
         if key in out:
@@ -207,11 +207,11 @@ def _no_duplicate_keys(path, pairs):
     return out
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def read_safetensors_header(path) -> SafetensorsHeader:
+def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """Parse and fully validate the header of `path` (no tensor data is read)."""
     path = os.fspath(path)
     file_size = os.path.getsize(path)
@@ -309,7 +309,7 @@ def read_safetensors_header(path) -> SafetensorsHeader:
     return SafetensorsHeader(tensors, metadata, 8 + n, file_size)
 
 
-def read_safetensors(path, *, mmap: bool = True) -> SafetensorsContents:
+def read_safetensors(path: str | os.PathLike[str], *, mmap: bool = True) -> SafetensorsContents:
     """Read every tensor of `path` -> SafetensorsContents(tensors: {name: StoredTensor}, metadata).
 
     mmap=True: arrays are read-only views of one np.memmap (zero copy, lazy paging).
@@ -359,14 +359,14 @@ def serialize_header(tensors: Mapping[str, StoredTensor], metadata: Mapping[str,
     return len(text).to_bytes(8, "little") + text, order
 
 
-def _write_tensor_bytes(f, tensor: StoredTensor) -> None:
+def _write_tensor_bytes(f: BinaryIO, tensor: StoredTensor) -> None:
     """Write one tensor's little-endian bytes without an extra copy when it is C-contiguous."""
     array = np.ascontiguousarray(tensor.array).reshape(-1)
     if array.size:
-        f.write(memoryview(array.view(np.uint8)))
+        f.write(array.view(np.uint8).data)  # a memoryview of the bytes: no copy
 
 
-def write_safetensors(path, tensors: Mapping[str, object], metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, object], metadata: Mapping[str, str] | None = None) -> None:
     """Atomically write `tensors` ({name: StoredTensor | np.ndarray}) to `path`.
 
     Validates everything first (names, dtypes, metadata), then tmp file -> fsync -> os.replace.

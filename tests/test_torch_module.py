@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qpn import ref
-from qpn.torch_bridge import QPNLinear, pack_fp8, pack_nvfp4
+from qpn.torch_bridge import PackedWeight, QPNLinear, pack_fp8, pack_nvfp4
 
 # (out_features N, in_features K): aligned, N needing padding (40 -> 64, 100 -> 128), real MiniLM shapes
 NVFP4_LAYERS = [(64, 128), (40, 64), (100, 192), (384, 384), (1536, 384)]
@@ -279,3 +279,13 @@ def test_negative_block_scale_bytes_are_refused():
     zero = q.weight_scale.copy()
     zero[3, 2] = 0x00  # +0: an all-zero block, still valid
     QPNLinear.from_modelopt_nvfp4(q.weight_packed, zero, q.weight_scale_2)
+
+
+def test_from_packed_nvfp4_without_global_scale_is_a_value_error():
+    """A hand-built PackedWeight("nvfp4", ..., global_scale=None) used to fail inside copy_ with a
+    TypeError (found by mypy: PackedWeight.global_scale is Optional); bad input is a ValueError."""
+    q = nvfp4_tensors(32, 64)
+    packed = pack_nvfp4(q.weight_packed, q.weight_scale, q.weight_scale_2)
+    broken = PackedWeight("nvfp4", packed.codes, packed.scales, None, packed.in_features, packed.out_features)
+    with pytest.raises(ValueError, match=r"global_scale.*pack_nvfp4"):
+        QPNLinear.from_packed(broken)

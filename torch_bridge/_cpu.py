@@ -44,11 +44,24 @@ from __future__ import annotations
 
 import functools
 import types as pytypes
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from qpn.ref import decode_e4m3
 from qpn.ref.geometry import COLUMN_OF_LANE, GROUP_K, KORDER, TILE_N, position_of_k
+
+# llvmlite and numba ship no type information (mypy reads them as Any: pyproject.toml, [tool.mypy]);
+# these aliases name what a value is in the IR code below, mypy checks nothing more.
+IRBuilder: TypeAlias = Any  # llvmlite.ir.IRBuilder
+IRValue: TypeAlias = Any  # llvmlite.ir.Value (a vector, a pointer, a constant)
+IRType: TypeAlias = Any  # llvmlite.ir.Type
+IRContext: TypeAlias = Any  # numba's BaseContext
+Kernel: TypeAlias = Callable[..., None]  # a jitted kernel body: writes its output arguments
+Codegen: TypeAlias = Callable[[IRContext, IRBuilder, Any, list[IRValue]], IRValue]  # an intrinsic's codegen
+# a group decoder: (w16(builder, raw bytes, scale) -> <16 x float> W16, bytes per group)
+Decoder: TypeAlias = tuple[Callable[[IRBuilder, IRValue, IRValue], IRValue], int]
 
 # Largest M served by the fused kernels; above it, decode once then torch's fp32 matmul.
 # Measured (benchmarks/bench_cpu.py --crossover, 4096 x 4096, 2 threads pinned to 2 cores of a
@@ -107,7 +120,10 @@ def _build() -> pytypes.SimpleNamespace:
         _qpn2_lut_dot16=intrinsic(_lut_dot16_typer),
         _tile_sums=njit(inline="always")(_tile_sums_py),
     )
-    jit = functools.partial(njit, parallel=True, cache=True)
+
+    def jit(body: Kernel) -> Kernel:  # every kernel body: parallel (prange) and cached
+        return njit(body, parallel=True, cache=True)
+
     built = pytypes.SimpleNamespace(
         numba=numba,
         qpn2_w16_rows=jit(_qpn2_w16_rows),
@@ -121,7 +137,8 @@ def _build() -> pytypes.SimpleNamespace:
     return built
 
 
-def _qpn2_fused_through_tables(tables_kernel, fused_lut_kernel, codes, scales, g_tiles, xp, y) -> None:
+def _qpn2_fused_through_tables(tables_kernel: Kernel, fused_lut_kernel: Kernel, codes: np.ndarray,
+                               scales: np.ndarray, g_tiles: np.ndarray, xp: np.ndarray, y: np.ndarray) -> None:
     """_qpn2_linear_fused through 16-entry W16 tables (one set per distinct g): two loads and a
     vpermps per 16 weights instead of the arithmetic decode."""
     tables, g_index = _qpn2_tables_of(tables_kernel, g_tiles.tobytes())
@@ -129,7 +146,7 @@ def _qpn2_fused_through_tables(tables_kernel, fused_lut_kernel, codes, scales, g
 
 
 @functools.lru_cache(maxsize=64)
-def _qpn2_tables_of(tables_kernel, g_tiles_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:
+def _qpn2_tables_of(tables_kernel: Kernel, g_tiles_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:
     """(tables float32 [G * 4096], g_index int64 [N/32]) for the global scales g_tiles: a layer's
     are the same on every call, so the 16 KiB per distinct g and np.unique are paid once
     (about 10 us a call at 256 x 256, where the whole op takes about 90 us)."""
@@ -140,7 +157,7 @@ def _qpn2_tables_of(tables_kernel, g_tiles_bytes: bytes) -> tuple[np.ndarray, np
     return tables, g_index.astype(np.int64)
 
 
-def _target_features(numba) -> tuple[bool, bool]:
+def _target_features(numba: pytypes.ModuleType) -> tuple[bool, bool]:
     """(half conversions in hardware, AVX-512F) of the CPU numba compiles for.
 
     Half conversions: x86 with F16C, or aarch64. Elsewhere LLVM would lower fptrunc / fpext to
@@ -172,19 +189,19 @@ def kernels(threads: int) -> pytypes.SimpleNamespace:
 # ----------------------------------------------------------------------------- LLVM IR
 
 
-def _vector(element, lanes):
+def _vector(element: IRType, lanes: int) -> IRType:
     from llvmlite import ir
 
     return ir.VectorType(element, lanes)
 
 
-def _splat_constant(element, lanes, value):
+def _splat_constant(element: IRType, lanes: int, value: float) -> IRValue:
     from llvmlite import ir
 
     return ir.Constant(_vector(element, lanes), [value] * lanes)
 
 
-def _splat_value(builder, value, lanes):
+def _splat_value(builder: IRBuilder, value: IRValue, lanes: int) -> IRValue:
     from llvmlite import ir
 
     i32 = ir.IntType(32)
@@ -192,7 +209,7 @@ def _splat_value(builder, value, lanes):
     return builder.shuffle_vector(one, one, ir.Constant(_vector(i32, lanes), [0] * lanes))
 
 
-def _f16_bits_to_f32(builder, bits16):
+def _f16_bits_to_f32(builder: IRBuilder, bits16: IRValue) -> IRValue:
     """<16 x i16> fp16 bit patterns -> <16 x float> (exact). Only finite values reach it."""
     from llvmlite import ir
 
@@ -201,7 +218,7 @@ def _f16_bits_to_f32(builder, bits16):
         return builder.fpext(builder.bitcast(bits16, _vector(ir.HalfType(), GROUP_K)), f32)
     i32 = _vector(ir.IntType(32), GROUP_K)
 
-    def splat(value, vector_type=i32):
+    def splat(value: float, vector_type: IRType = i32) -> IRValue:
         return ir.Constant(vector_type, [value] * GROUP_K)
 
     bits = builder.zext(bits16, i32)
@@ -214,7 +231,7 @@ def _f16_bits_to_f32(builder, bits16):
     return builder.bitcast(builder.or_(sign, builder.select(is_subnormal, subnormal, normal)), f32)
 
 
-def _rn16(builder, v):
+def _rn16(builder: IRBuilder, v: IRValue) -> IRValue:
     """<16 x float> -> RN16 of each, as float: IEEE round-to-nearest-even, subnormals kept,
     |v| >= 65520 -> +-inf, NaN stays NaN."""
     from llvmlite import ir
@@ -224,7 +241,7 @@ def _rn16(builder, v):
         return builder.fpext(builder.fptrunc(v, _vector(ir.HalfType(), GROUP_K)), f32)
     i32 = _vector(ir.IntType(32), GROUP_K)
 
-    def splat(value):
+    def splat(value: int) -> IRValue:
         return ir.Constant(i32, [value] * GROUP_K)
 
     bits = builder.bitcast(v, i32)
@@ -242,7 +259,7 @@ def _rn16(builder, v):
     return builder.bitcast(builder.or_(sign, rounded), f32)
 
 
-def _qpn2_w16(builder, raw, block_2e14):
+def _qpn2_w16(builder: IRBuilder, raw: IRValue, block_2e14: IRValue) -> IRValue:
     """8 QPN2 bytes (<8 x i8>) -> W16 in position order; byte b: low nibble p = 2b, high p = 2b + 1."""
     from llvmlite import ir
 
@@ -258,7 +275,7 @@ def _qpn2_w16(builder, raw, block_2e14):
     return _rn16(builder, builder.fmul(e2m1_2em14, _splat_value(builder, block_2e14, GROUP_K)))
 
 
-def _qpn8_w16(builder, raw, s16):
+def _qpn8_w16(builder: IRBuilder, raw: IRValue, s16: IRValue) -> IRValue:
     """16 QPN8 bytes (<16 x i8>) -> W16 in position order.
 
     With hardware half conversions, one `fmul <16 x half>` (S16 is an fp16 value, so the fptrunc
@@ -280,16 +297,18 @@ def _qpn8_w16(builder, raw, s16):
     return _rn16(builder, builder.fmul(e4m3_2em8, _splat_value(builder, s16, GROUP_K)))  # exact product
 
 
-_DECODERS = {"qpn2": (_qpn2_w16, _QPN2_BYTES), "qpn8": (_qpn8_w16, _QPN8_BYTES)}
+_DECODERS: dict[str, Decoder] = {"qpn2": (_qpn2_w16, _QPN2_BYTES), "qpn8": (_qpn8_w16, _QPN8_BYTES)}
 
 
-def _vector_pointer(context, builder, array_type, array, index, element, lanes):
+def _vector_pointer(context: IRContext, builder: IRBuilder, array_type: IRType, array: IRValue, index: IRValue,
+                    element: IRType, lanes: int) -> IRValue:
     """Pointer to `lanes` elements of a C-contiguous 1-D numba array starting at `index`."""
     data = context.make_array(array_type)(context, builder, array).data
     return builder.bitcast(builder.gep(data, [index]), _vector(element, lanes).as_pointer())
 
 
-def _load_group(context, builder, decode, array_type, codes, base, scale):
+def _load_group(context: IRContext, builder: IRBuilder, decode: Decoder, array_type: IRType, codes: IRValue,
+                base: IRValue, scale: IRValue) -> IRValue:
     from llvmlite import ir
 
     w16, nbytes = decode
@@ -297,7 +316,8 @@ def _load_group(context, builder, decode, array_type, codes, base, scale):
     return w16(builder, raw, scale)
 
 
-def _accumulate(context, builder, signature, args, first, w16) -> None:
+def _accumulate(context: IRContext, builder: IRBuilder, signature: Any, args: list[IRValue], first: int,
+                w16: IRValue) -> None:
     """for m < m_rows: acc[acc_offset + m * acc_stride + p] += W16[p] * x[x_offset + m * x_stride + p],
     p < 16, from args[first:] = (x, x_offset, acc, acc_offset, m_rows, x_stride, acc_stride)."""
     from llvmlite import ir
@@ -315,14 +335,15 @@ def _accumulate(context, builder, signature, args, first, w16) -> None:
         builder.store(builder.fadd(builder.load(acc_ptr, align=4), product), acc_ptr, align=4)
 
 
-def _dot16_typer(decode):
+def _dot16_typer(decode: Decoder) -> Callable[..., tuple[Any, Codegen]]:
     """dot16(codes, base, scale, x, x_offset, acc, acc_offset, m_rows, x_stride, acc_stride): decode
     the group at codes[base:] into W16 (position order) and _accumulate it."""
 
-    def typer(typingctx, codes, base, scale, x, x_offset, acc, acc_offset, m_rows, x_stride, acc_stride):
+    def typer(typingctx: Any, codes: Any, base: Any, scale: Any, x: Any, x_offset: Any, acc: Any, acc_offset: Any,
+              m_rows: Any, x_stride: Any, acc_stride: Any) -> tuple[Any, Codegen]:
         from numba import types
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: IRContext, builder: IRBuilder, signature: Any, args: list[IRValue]) -> IRValue:
             w16 = _load_group(context, builder, decode, signature.args[0], args[0], args[1], args[2])
             _accumulate(context, builder, signature, args, 3, w16)
             return context.get_dummy_value()
@@ -333,8 +354,8 @@ def _dot16_typer(decode):
     return typer
 
 
-def _lut_dot16_typer(typingctx, codes, base, tables, table_offset, x, x_offset, acc, acc_offset, m_rows, x_stride,
-                     acc_stride):
+def _lut_dot16_typer(typingctx: Any, codes: Any, base: Any, tables: Any, table_offset: Any, x: Any, x_offset: Any,
+                     acc: Any, acc_offset: Any, m_rows: Any, x_stride: Any, acc_stride: Any) -> tuple[Any, Codegen]:
     """lut_dot16(codes, base, tables, table_offset, x, ...): QPN2 W16 of the group at codes[base:]
     looked up in the 16-entry table row tables[table_offset:] (W16 of codes 0..15 for the group's
     scale byte and g) with one AVX-512 vpermps, then _accumulate'd like dot16."""
@@ -342,7 +363,7 @@ def _lut_dot16_typer(typingctx, codes, base, tables, table_offset, x, x_offset, 
     from numba import types
     from numba.core import cgutils
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: IRContext, builder: IRBuilder, signature: Any, args: list[IRValue]) -> IRValue:
         i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
         raw = builder.load(_vector_pointer(context, builder, signature.args[0], args[0], args[1], i8, 8), align=1)
         # byte b -> dword (low nibble) | (high nibble << 16) = the two 16-bit indices p = 2b, 2b + 1
@@ -361,15 +382,15 @@ def _lut_dot16_typer(typingctx, codes, base, tables, table_offset, x, x_offset, 
     return types.void(*args), codegen
 
 
-def _store16_typer(decode, k_order=True):
+def _store16_typer(decode: Decoder, k_order: bool = True) -> Callable[..., tuple[Any, Codegen]]:
     """store16(codes, base, scale, out, out_offset): decode the group at codes[base:] and write
     W16 in k order, out[out_offset + KORDER[p]] = W16[p] (or in position order: out[out_offset + p])."""
 
-    def typer(typingctx, codes, base, scale, out, out_offset):
+    def typer(typingctx: Any, codes: Any, base: Any, scale: Any, out: Any, out_offset: Any) -> tuple[Any, Codegen]:
         from llvmlite import ir
         from numba import types
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: IRContext, builder: IRBuilder, signature: Any, args: list[IRValue]) -> IRValue:
             codes_v, base_v, scale_v, out_v, out_off = args
             w16 = _load_group(context, builder, decode, signature.args[0], codes_v, base_v, scale_v)
             to_k_order = ir.Constant(_vector(ir.IntType(32), GROUP_K), [int(p) for p in _POSITION_OF_K])
@@ -387,11 +408,17 @@ def _store16_typer(decode, k_order=True):
 # Plain Python functions, jitted by _build. numba resolves their globals when it compiles them:
 # _build has by then replaced these placeholders with numba.prange and the intrinsics.
 prange = range
-_qpn2_dot16 = _qpn8_dot16 = _qpn2_store16 = _qpn8_store16 = _qpn2_store16_positions = _qpn2_lut_dot16 = None
-_tile_sums = None
+# (numba intrinsics: untyped, hence Any)
+_qpn2_dot16: Any = None
+_qpn8_dot16: Any = None
+_qpn2_store16: Any = None
+_qpn8_store16: Any = None
+_qpn2_store16_positions: Any = None
+_qpn2_lut_dot16: Any = None
+_tile_sums: Any = None
 
 
-def _tile_sums_py(acc, y, t, m_rows):
+def _tile_sums_py(acc: np.ndarray, y: np.ndarray, t: int, m_rows: int) -> None:
     """y[m, 32t + column(lane)] = the sum of the lane's 16 partial sums (fp32, in order p = 0..15)."""
     for m in range(m_rows):
         for lane in range(TILE_N):
@@ -401,7 +428,7 @@ def _tile_sums_py(acc, y, t, m_rows):
             y[m, t * TILE_N + _COLUMN[lane]] = total
 
 
-def _qpn2_w16_rows(codes, scales, g_tiles, out, row0):
+def _qpn2_w16_rows(codes: np.ndarray, scales: np.ndarray, g_tiles: np.ndarray, out: np.ndarray, row0: int) -> None:
     """QPN2 rows [row0, row0 + R) -> out float32 [R, K] holding W16 (k order); row0 and R
     multiples of 32. codes uint8 [N*K/2], scales uint8 [N*K/16] (flat, QPN2 order), g_tiles
     float32 [N/32]. Tile-major: codes are read in storage order, each group's 16 weights
@@ -420,7 +447,7 @@ def _qpn2_w16_rows(codes, scales, g_tiles, out, row0):
                 _qpn2_store16(codes, slot * _QPN2_BYTES, block * _E2M1_BIT_TRICK_UNDO, flat, r * k + g * GROUP_K)
 
 
-def _qpn8_w16_rows(codes, group_scales, channel, out, row0):
+def _qpn8_w16_rows(codes: np.ndarray, group_scales: np.ndarray, channel: bool, out: np.ndarray, row0: int) -> None:
     """QPN8 rows [row0, row0 + R) -> out float32 [R, K] holding W16 (k order); row0 and R
     multiples of 32. codes uint8 [N*K] (flat, QPN8 order); group_scales float32 S16,
     [1, N] if channel else [K/128, N/32]. Tile-major like _qpn2_w16_rows."""
@@ -437,7 +464,7 @@ def _qpn8_w16_rows(codes, group_scales, channel, out, row0):
                 _qpn8_store16(codes, slot * _QPN8_BYTES, s16, flat, r * k + g * GROUP_K)
 
 
-def _qpn2_linear_fused(codes, scales, g_tiles, xp, y):
+def _qpn2_linear_fused(codes: np.ndarray, scales: np.ndarray, g_tiles: np.ndarray, xp: np.ndarray, y: np.ndarray) -> None:
     """y float32 [M, N] = x @ W16^T, fp32 accumulation. xp float32 [M, K]: x in position
     order (x_position_index); codes / scales / g_tiles as in _qpn2_w16_rows."""
     m_rows, k = xp.shape
@@ -455,7 +482,7 @@ def _qpn2_linear_fused(codes, scales, g_tiles, xp, y):
         _tile_sums(acc, y, t, m_rows)
 
 
-def _qpn2_tables(g_values, tables):
+def _qpn2_tables(g_values: np.ndarray, tables: np.ndarray) -> None:
     """tables float32 [G * 256 * 16]: entry ((i * 256 + s) * 16 + c) = W16 of code c under scale
     byte s and g = g_values[i], decoded by the same IR as every other W16."""
     for i in range(g_values.size):
@@ -465,7 +492,8 @@ def _qpn2_tables(g_values, tables):
             _qpn2_store16_positions(_CODES_0_TO_15, 0, block * _E2M1_BIT_TRICK_UNDO, tables, offset)
 
 
-def _qpn2_linear_fused_lut(codes, scales, g_index, tables, xp, y):
+def _qpn2_linear_fused_lut(codes: np.ndarray, scales: np.ndarray, g_index: np.ndarray, tables: np.ndarray,
+                           xp: np.ndarray, y: np.ndarray) -> None:
     """_qpn2_linear_fused with each group's W16 looked up: tile t uses the tables of g_index[t]."""
     m_rows, k = xp.shape
     groups = k // GROUP_K
@@ -481,7 +509,7 @@ def _qpn2_linear_fused_lut(codes, scales, g_index, tables, xp, y):
         _tile_sums(acc, y, t, m_rows)
 
 
-def _qpn8_linear_fused(codes, group_scales, channel, xp, y):
+def _qpn8_linear_fused(codes: np.ndarray, group_scales: np.ndarray, channel: bool, xp: np.ndarray, y: np.ndarray) -> None:
     """y float32 [M, N] = x @ W16^T, fp32 accumulation. xp as in qpn2_linear_fused; codes /
     group_scales / channel as in _qpn8_w16_rows."""
     m_rows, k = xp.shape

@@ -40,14 +40,25 @@ is fp32. The gated epilogue is ops.silu_and_mul (torch fp32 expf, as the decode 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:  # annotations only: importing qpn.cupy_kernels at run time waits for the first CUDA call
+    from typing import TypeAlias
+
+    from qpn.cupy_kernels._validate import CupyArray
+
+    # as_cupy: a torch tensor -> its zero-copy CuPy view on torch's current stream (_on_torch_stream)
+    AsCupy: TypeAlias = Callable[[Tensor], CupyArray]
+
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # aten::mm.dtype (torch >= 2.8)
 
 
-def _kernels():
+def _kernels() -> ModuleType:
     import qpn.cupy_kernels as kernels  # imports CuPy
 
     return kernels
@@ -60,7 +71,7 @@ def decode_threshold(fmt: str, n: int, k: int) -> int:
 
 
 @contextlib.contextmanager
-def _on_torch_stream(device: torch.device):
+def _on_torch_stream(device: torch.device) -> Iterator[AsCupy]:
     """torch's and CuPy's current device = `device`; CuPy's current stream = torch's current stream.
 
     Yields `as_cupy(tensor)`, the zero-copy CuPy view of a torch tensor on that stream.
@@ -80,13 +91,13 @@ class _SameStream:
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor: Tensor):
+    def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
 
-    def __dlpack_device__(self):
+    def __dlpack_device__(self) -> tuple[int, int]:
         return self.tensor.__dlpack_device__()
 
-    def __dlpack__(self, *, stream=None, **kwargs):
+    def __dlpack__(self, *, stream: object = None, **kwargs: Any) -> Any:
         return self.tensor.__dlpack__(stream=-1, **kwargs)
 
 
@@ -154,7 +165,8 @@ def fp8_dequantize(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tenso
 # ----------------------------------------------------------------------------- linear
 
 
-def _decode(fmt: str, x: Tensor, n: int, k: int, n_out: int, gated: bool, launch) -> Tensor:
+def _decode(fmt: str, x: Tensor, n: int, k: int, n_out: int, gated: bool,
+            launch: Callable[..., None]) -> Tensor:
     """The decode kernel's call: output and split-K workspace from torch's allocator (graph-safe)."""
     kernels = _kernels()
     m = x.shape[0]

@@ -19,7 +19,7 @@ import copy
 import fnmatch
 import os
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 import torch
@@ -28,6 +28,11 @@ from torch import Tensor, nn
 from qpn import packed, ref
 
 from .module import FORMATS, PackedWeight, QPNLinear
+
+# what load_quantized reads: a folder, or a checkpoint already loaded by qpn.ref or qpn.packed
+Loaded: TypeAlias = ref.Checkpoint | packed.PackedCheckpoint
+CheckpointIn: TypeAlias = str | os.PathLike[str] | Loaded
+Device: TypeAlias = torch.device | str | None
 
 _TORCH_DTYPE_OF_TAG = {
     "BF16": torch.bfloat16,  # carried as uint16 bit patterns
@@ -99,13 +104,13 @@ class _Slot(NamedTuple):
     kind: str  # "_parameters" | "_buffers"
 
 
-def _stored_to_torch(stored) -> torch.Tensor:
+def _stored_to_torch(stored: ref.StoredTensor) -> torch.Tensor:
     tensor = torch.from_numpy(np.array(stored.array))  # writable copy of the (read-only, mmapped) data
     dtype = _TORCH_DTYPE_OF_TAG.get(stored.dtype)
     return tensor.view(dtype) if dtype is not None else tensor
 
 
-def _qpn_linear_of(linear, bias) -> QPNLinear:
+def _qpn_linear_of(linear: ref.NVFP4Linear | ref.FP8Linear | packed.PackedLayer, bias: Tensor | None) -> QPNLinear:
     """QPNLinear from a qpn.ref NVFP4Linear / FP8Linear (prepacked here) or a qpn.packed.PackedLayer (as packed)."""
     if not isinstance(linear, packed.PackedLayer):
         return QPNLinear.from_checkpoint(linear, bias=bias)
@@ -115,7 +120,7 @@ def _qpn_linear_of(linear, bias) -> QPNLinear:
     return QPNLinear.from_packed(weight, bias, fp8_granularity="block" if linear.granularity == "block" else "channel")
 
 
-def _read_checkpoint(checkpoint):
+def _read_checkpoint(checkpoint: object) -> Loaded:
     if isinstance(checkpoint, (str, os.PathLike)):
         return packed.load_packed(checkpoint) if packed.is_packed(checkpoint) else ref.load_checkpoint(checkpoint)
     if not isinstance(checkpoint, (ref.Checkpoint, packed.PackedCheckpoint)):
@@ -124,7 +129,7 @@ def _read_checkpoint(checkpoint):
     return checkpoint
 
 
-def _new_linears(model: nn.Module, checkpoint, device) -> tuple[dict[str, QPNLinear], set[str]]:
+def _new_linears(model: nn.Module, checkpoint: Loaded, device: Device) -> tuple[dict[str, QPNLinear], set[str]]:
     """{layer name: new QPNLinear} and the checkpoint tensors they took (biases). The model is not touched."""
     layers = checkpoint.layers if isinstance(checkpoint, packed.PackedCheckpoint) else checkpoint.linears
     new, consumed = {}, set()
@@ -174,7 +179,8 @@ def _tensor(slot: _Slot) -> torch.Tensor:
     return getattr(slot.module, slot.kind)[slot.attr]
 
 
-def _recomputed_buffers(model: nn.Module, names: list[str], slots: dict[str, _Slot], device) -> dict[str, Tensor]:
+def _recomputed_buffers(model: nn.Module, names: list[str], slots: dict[str, _Slot],
+                        device: Device) -> dict[str, Tensor]:
     """Values for non-persistent meta buffers (rotary inv_freq): computed, never stored in a checkpoint.
 
     transformers' PreTrainedModel._init_weights(module) computes them (it is what from_pretrained
@@ -199,7 +205,7 @@ def _recomputed_buffers(model: nn.Module, names: list[str], slots: dict[str, _Sl
                 init(clone)
         for name in owner_names:
             value = clone._buffers[slots[name].attr]
-            if not callable(init) or not value.is_floating_point() or torch.isnan(value).any():
+            if value is None or not callable(init) or not value.is_floating_point() or torch.isnan(value).any():
                 raise ValueError(
                     f"buffer {name!r} is on the meta device, is not stored in checkpoints (non-persistent) and "
                     f"{'the model has no _init_weights' if not callable(init) else '_init_weights did not compute it'}"
@@ -209,7 +215,8 @@ def _recomputed_buffers(model: nn.Module, names: list[str], slots: dict[str, _Sl
     return values
 
 
-def load_quantized(model: nn.Module, checkpoint, *, strict: bool = False, device=None) -> LoadReport:
+def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool = False,
+                   device: Device = None) -> LoadReport:
     """Fill `model` from a quantized checkpoint, in place; all or nothing.
 
     checkpoint: a folder path (read with qpn.ref.load_checkpoint, or qpn.packed.load_packed for a
@@ -285,8 +292,8 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = False, device
             new = nn.Parameter(new, requires_grad=target.requires_grad)
         materialized[id(target)] = new
     for name, slot in slots.items():
-        new = materialized.get(id(_tensor(slot)))
-        if new is not None:
-            getattr(slot.module, slot.kind)[slot.attr] = new
+        moved = materialized.get(id(_tensor(slot)))
+        if moved is not None:
+            getattr(slot.module, slot.kind)[slot.attr] = moved
 
     return report

@@ -26,7 +26,9 @@ one more RN16 / RN-bf16 otherwise).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -44,12 +46,17 @@ FP8_GRANULARITIES = ("tensor", "channel", "block")
 NVFP4_PAD_SCALE_BYTE = 0x00  # e4m3 +0: a pad weight is +0 whatever its code
 FP8_PAD_SCALE = 1.0
 
+# What the packers take: a checkpoint tensor as torch or numpy (qpn.ref's carriers); scales may be a
+# Python float too (read as fp32, _float32).
+ArrayIn: TypeAlias = Tensor | np.ndarray | np.generic
+ScaleIn: TypeAlias = Tensor | np.ndarray | np.generic | float
+
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _as_tensor(name: str, value, device=None) -> Tensor:
+def _as_tensor(name: str, value: object, device: torch.device | None = None) -> Tensor:
     """torch.Tensor or numpy array (numpy carriers as qpn.ref uses them) -> torch.Tensor, no casts."""
     if isinstance(value, Tensor):
         tensor = value.detach()
@@ -60,7 +67,7 @@ def _as_tensor(name: str, value, device=None) -> Tensor:
     return tensor if device is None else tensor.to(device)
 
 
-def _e4m3_bits(name: str, value, device=None) -> Tensor:
+def _e4m3_bits(name: str, value: object, device: torch.device | None = None) -> Tensor:
     tensor = _as_tensor(name, value, device)
     if tensor.dtype == torch.float8_e4m3fn:
         return tensor.view(torch.uint8)
@@ -70,7 +77,7 @@ def _e4m3_bits(name: str, value, device=None) -> Tensor:
     return tensor
 
 
-def _float32(name: str, value, device=None) -> Tensor:
+def _float32(name: str, value: object, device: torch.device | None = None) -> Tensor:
     if type(value) is float:  # a Python float is taken as fp32; numpy float64 is refused below
         value = np.float32(value)
     tensor = _as_tensor(name, value, device)
@@ -80,7 +87,7 @@ def _float32(name: str, value, device=None) -> Tensor:
     return tensor
 
 
-def _pad_rows(t: Tensor, rows: int, fill) -> Tensor:
+def _pad_rows(t: Tensor, rows: int, fill: float) -> Tensor:
     if t.shape[0] == rows:
         return t.contiguous()
     pad = torch.full((rows - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
@@ -104,7 +111,7 @@ class PackedWeight:
         return int(self.codes.shape[0])
 
 
-def pack_nvfp4(weight_packed, weight_scale, global_scale) -> PackedWeight:
+def pack_nvfp4(weight_packed: ArrayIn, weight_scale: ArrayIn, global_scale: ScaleIn) -> PackedWeight:
     """ModelOpt-semantics NVFP4 -> PackedWeight on weight_packed's device.
 
     weight_packed uint8 [N, K/2] (element 2j low nibble); weight_scale e4m3 [N, K/16]
@@ -137,7 +144,7 @@ def pack_nvfp4(weight_packed, weight_scale, global_scale) -> PackedWeight:
     return PackedWeight("nvfp4", codes, scales, g_tiles.contiguous().clone(), k, n)
 
 
-def pack_fp8(weight, weight_scale, granularity: str | None = None) -> PackedWeight:
+def pack_fp8(weight: ArrayIn, weight_scale: ScaleIn, granularity: str | None = None) -> PackedWeight:
     """FP8 (e4m3 weight [N, K], float32 MULTIPLIER scale per tensor / channel / 128x128 block)
     -> PackedWeight on weight's device. granularity: None reads it from the scale's shape
     (qpn.ref.qpn8_scale_granularity; a (1, 1) grid is read as per tensor - same weights)."""
@@ -226,8 +233,15 @@ class QPNLinear(nn.Module):
     their dtypes; device moves apply.
     """
 
+    # the buffers register_buffer creates (declared for the type checker only: no class attributes)
+    codes: Tensor
+    scales: Tensor  # nvfp4
+    global_scale: Tensor  # nvfp4
+    group_scales: Tensor  # fp8
+    bias: Tensor | None
+
     def __init__(self, in_features: int, out_features: int, format: str = "nvfp4", bias: bool = False, *,
-                 fp8_granularity: str = "channel", device=None):
+                 fp8_granularity: str = "channel", device: torch.device | str | None = None) -> None:
         super().__init__()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -263,13 +277,17 @@ class QPNLinear(nn.Module):
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def from_packed(cls, packed: PackedWeight, bias=None, *, fp8_granularity: str = "channel") -> QPNLinear:
+    def from_packed(cls, packed: PackedWeight, bias: ArrayIn | None = None, *,
+                    fp8_granularity: str = "channel") -> QPNLinear:
         device = packed.codes.device
         module = cls(packed.in_features, packed.out_features, packed.format, bias=bias is not None,
                      fp8_granularity=fp8_granularity, device=device)
         with torch.no_grad():
             module.codes.copy_(packed.codes)
             if packed.format == "nvfp4":
+                if packed.global_scale is None:
+                    raise ValueError("packed.global_scale must be float32 [N_pad/32] for an nvfp4 PackedWeight, got "
+                                     "None; build the PackedWeight with pack_nvfp4")
                 module.scales.copy_(packed.scales)
                 module.global_scale.copy_(packed.global_scale)
             else:
@@ -279,17 +297,20 @@ class QPNLinear(nn.Module):
                 if tuple(b.shape) != (packed.out_features,) or not b.is_floating_point():
                     raise ValueError(f"bias must be a float tensor of shape ({packed.out_features},), got "
                                      f"{b.dtype} of shape {tuple(b.shape)}")
+                assert module.bias is not None  # registered above: bias=bias is not None
                 module.bias.copy_(b.float())
         return module
 
     @classmethod
-    def from_modelopt_nvfp4(cls, weight_packed, weight_scale, weight_scale_2, bias=None) -> QPNLinear:
+    def from_modelopt_nvfp4(cls, weight_packed: ArrayIn, weight_scale: ArrayIn, weight_scale_2: ScaleIn,
+                            bias: ArrayIn | None = None) -> QPNLinear:
         """ModelOpt NVFP4 tensors: weight (uint8 [N, K/2]), weight_scale (e4m3 [N, K/16]),
         weight_scale_2 (float32 multiplier, scalar or per 32-row tile)."""
         return cls.from_packed(pack_nvfp4(weight_packed, weight_scale, weight_scale_2), bias)
 
     @classmethod
-    def from_compressed_tensors_nvfp4(cls, weight_packed, weight_scale, weight_global_scale, bias=None) -> QPNLinear:
+    def from_compressed_tensors_nvfp4(cls, weight_packed: ArrayIn, weight_scale: ArrayIn, weight_global_scale: ScaleIn,
+                                      bias: ArrayIn | None = None) -> QPNLinear:
         """compressed-tensors nvfp4-pack-quantized tensors. Their weight_global_scale is the
         RECIPROCAL of the multiplier (2688 / amax); it becomes g = RN32(1 / weight_global_scale),
         one correctly rounded fp32 division, as qpn.ref.load_checkpoint and vLLM do."""
@@ -301,7 +322,8 @@ class QPNLinear(nn.Module):
         return cls.from_modelopt_nvfp4(weight_packed, weight_scale, multiplier, bias)
 
     @classmethod
-    def from_modelopt_fp8(cls, weight, weight_scale, bias=None, granularity: str | None = None) -> QPNLinear:
+    def from_modelopt_fp8(cls, weight: ArrayIn, weight_scale: ScaleIn, bias: ArrayIn | None = None,
+                          granularity: str | None = None) -> QPNLinear:
         """ModelOpt / DeepSeek FP8: weight (e4m3 [N, K]) and a float32 multiplier scale per tensor
         (()), channel ((N,) / (N, 1)) or 128x128 block ((ceil(N/128), ceil(K/128)))."""
         packed = pack_fp8(weight, weight_scale, granularity)
@@ -309,7 +331,7 @@ class QPNLinear(nn.Module):
         return cls.from_packed(packed, bias, fp8_granularity="block" if block else "channel")
 
     @classmethod
-    def from_checkpoint(cls, linear, bias=None) -> QPNLinear:
+    def from_checkpoint(cls, linear: ref.NVFP4Linear | ref.FP8Linear, bias: ArrayIn | None = None) -> QPNLinear:
         """From a qpn.ref.checkpoint NVFP4Linear / FP8Linear (global scales already multipliers)."""
         if isinstance(linear, ref.NVFP4Linear):
             return cls.from_modelopt_nvfp4(linear.weight_packed, linear.weight_scale, linear.global_scale, bias)
@@ -334,17 +356,17 @@ class QPNLinear(nn.Module):
         device = linear.weight.device
         w = linear.weight.detach().to("cpu", torch.float32).numpy()
         if format == "nvfp4":
-            q = ref.nvfp4_quantize(w)
-            packed = pack_nvfp4(q.weight_packed, q.weight_scale, q.weight_scale_2)
+            q4 = ref.nvfp4_quantize(w)
+            packed = pack_nvfp4(q4.weight_packed, q4.weight_scale, q4.weight_scale_2)
         else:
-            q = ref.fp8_quantize(w, fp8_granularity)
-            packed = pack_fp8(q.weight, q.weight_scale, fp8_granularity)
+            q8 = ref.fp8_quantize(w, fp8_granularity)
+            packed = pack_fp8(q8.weight, q8.weight_scale, fp8_granularity)
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls.from_packed(packed, bias, fp8_granularity=fp8_granularity).to(device)
 
     # ------------------------------------------------------------------ use
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QPNLinear:
         """Device moves apply to the buffers; dtype casts do not. `model.half()` or
         `model.to(torch.bfloat16)` would otherwise round the float32 global scales and bias
         (and the ops would refuse them): each buffer keeps its dtype, only its device follows."""

@@ -40,7 +40,11 @@ QPNLinear constructors, not on every call.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from types import ModuleType, SimpleNamespace
+from typing import NoReturn
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,14 +61,18 @@ FP8_BLOCK = 128  # 128x128 block scales need N % 128 and K % 128
 
 _E4M3_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 
+# decode_rows(out, row0): W16 rows [row0, row0 + R) into out float32 [R, K] (the numba *_w16_rows kernels)
+DecodeRows = Callable[[np.ndarray, int], None]
+
 # ----------------------------------------------------------------------------- validation
 
 
-def _fail(message: str):
+def _fail(message: str) -> NoReturn:
     raise ValueError(message)
 
 
-def _require_tensor(name: str, t, dtypes, ndim=None, contiguous: bool = True) -> None:
+def _require_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int | tuple[int, ...] | None = None,
+                    contiguous: bool = True) -> None:
     if not isinstance(t, Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -77,7 +85,7 @@ def _require_tensor(name: str, t, dtypes, ndim=None, contiguous: bool = True) ->
               f"call .contiguous() on it")
 
 
-def _dtype_fix(name: str, dtypes) -> str:
+def _dtype_fix(name: str, dtypes: tuple[torch.dtype, ...]) -> str:
     if torch.float16 in dtypes and name == "x":
         return "cast the activations with x.to(torch.float16) (QPNLinear does this for you)"
     if torch.uint8 in dtypes:
@@ -182,7 +190,7 @@ def _linear_out_features(x: Tensor, n: int, k: int, gated: bool) -> int:
 # ----------------------------------------------------------------------------- CPU helpers
 
 
-def _cpu_kernels():
+def _cpu_kernels() -> SimpleNamespace:
     """The numba kernels (built on first use: numba is not imported before), running on as many
     threads as torch uses (torch.get_num_threads()).
 
@@ -197,26 +205,28 @@ def _cpu_kernels():
     return kernels
 
 
-def _cpu_nvfp4_operands(codes: Tensor, scales: Tensor, global_scale: Tensor, n: int) -> tuple:
+def _cpu_nvfp4_operands(codes: Tensor, scales: Tensor, global_scale: Tensor,
+                        n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """numpy views (codes, scales, g_tiles) for the QPN2 kernels; a scalar g is repeated per tile."""
     g_tiles = global_scale.reshape(-1).expand(n // TILE_N).contiguous() if global_scale.numel() == 1 \
         else global_scale.contiguous()
     return codes.reshape(-1).numpy(), scales.reshape(-1).numpy(), g_tiles.numpy()
 
 
-def _cpu_fp8_operands(codes: Tensor, group_scales: Tensor, n: int) -> tuple:
+def _cpu_fp8_operands(codes: Tensor, group_scales: Tensor, n: int) -> tuple[np.ndarray, np.ndarray, bool]:
     """numpy (codes, S16 as float32, channel?) for the QPN8 kernels ([1, N] = channel, else block)."""
     return codes.reshape(-1).numpy(), group_scales.float().numpy(), tuple(group_scales.shape) == (1, n)
 
 
-def _cpu_w16_f32(decode_rows, n: int, k: int) -> Tensor:
+def _cpu_w16_f32(decode_rows: DecodeRows, n: int, k: int) -> Tensor:
     """float32 [N, K] holding W16 (every value an fp16 value), decoded by `decode_rows(out, row0)`."""
     out = torch.empty((n, k), dtype=torch.float32)
     decode_rows(out.numpy(), 0)
     return out
 
 
-def _cpu_linear_rn16(x: Tensor, n: int, fused, decode_rows) -> Tensor:
+def _cpu_linear_rn16(x: Tensor, n: int, fused: Callable[[np.ndarray, np.ndarray], None],
+                     decode_rows: DecodeRows) -> Tensor:
     """RN16(x @ W16^T) with fp32 (or, under reduced matmul precision settings, fp64) accumulation.
 
     M <= _cpu.FUSED_MAX_M: `fused(x_positions, y)`, the decode fused into the dot products.
@@ -269,7 +279,7 @@ def silu_and_mul(y: Tensor) -> Tensor:
     return (silu16.float() * up).to(torch.float16)
 
 
-def _cuda():
+def _cuda() -> ModuleType:
     from . import _cuda as cuda_backend  # imports no CuPy until a function there is called
 
     return cuda_backend
@@ -296,7 +306,7 @@ def _nvfp4_prepack_cuda(weight_packed: Tensor, weight_scale: Tensor) -> tuple[Te
 
 
 @nvfp4_prepack.register_fake
-def _nvfp4_prepack_fake(weight_packed, weight_scale):
+def _nvfp4_prepack_fake(weight_packed: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
     n, k = _nvfp4_dims_of_checkpoint(weight_packed, weight_scale)
     return (weight_packed.new_empty((n, k // 2), dtype=torch.uint8),
             weight_packed.new_empty((n, k // GROUP_K), dtype=torch.uint8))
@@ -323,7 +333,7 @@ def _fp8_prepack_cuda(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, Ten
 
 
 @fp8_prepack.register_fake
-def _fp8_prepack_fake(weight, weight_scale):
+def _fp8_prepack_fake(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
     n, k, granularity = _fp8_dims_of_checkpoint(weight, weight_scale)
     return (weight.new_empty((n, k), dtype=torch.uint8),
             weight.new_empty(_fp8_group_scales_shape(n, k, granularity), dtype=torch.float16))
@@ -351,7 +361,7 @@ def _nvfp4_dequantize_cuda(codes: Tensor, scales: Tensor, global_scale: Tensor) 
 
 
 @nvfp4_dequantize.register_fake
-def _nvfp4_dequantize_fake(codes, scales, global_scale):
+def _nvfp4_dequantize_fake(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Tensor:
     n, k = _nvfp4_dims(codes, scales, global_scale)
     return codes.new_empty((n, k), dtype=torch.float16)
 
@@ -373,7 +383,7 @@ def _fp8_dequantize_cuda(codes: Tensor, group_scales: Tensor) -> Tensor:
 
 
 @fp8_dequantize.register_fake
-def _fp8_dequantize_fake(codes, group_scales):
+def _fp8_dequantize_fake(codes: Tensor, group_scales: Tensor) -> Tensor:
     n, k = _fp8_dims(codes, group_scales)
     return codes.new_empty((n, k), dtype=torch.float16)
 
@@ -407,7 +417,7 @@ def _nvfp4_linear_cuda(x: Tensor, codes: Tensor, scales: Tensor, global_scale: T
 
 
 @nvfp4_linear.register_fake
-def _nvfp4_linear_fake(x, codes, scales, global_scale, gated=False):
+def _nvfp4_linear_fake(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, gated: bool = False) -> Tensor:
     n, k = _nvfp4_dims(codes, scales, global_scale)
     n_out = _linear_out_features(x, n, k, gated)
     return x.new_empty((x.shape[0], n_out))
@@ -436,7 +446,7 @@ def _fp8_linear_cuda(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool
 
 
 @fp8_linear.register_fake
-def _fp8_linear_fake(x, codes, group_scales, gated=False):
+def _fp8_linear_fake(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = False) -> Tensor:
     n, k = _fp8_dims(codes, group_scales)
     n_out = _linear_out_features(x, n, k, gated)
     return x.new_empty((x.shape[0], n_out))
