@@ -20,12 +20,12 @@ returns None: vLLM's unquantized embedding); vLLM gives them the same `output_pa
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ._compat import VLLM_AVAILABLE, QuantizationConfig, _VllmLinearBase
+from ._compat import VLLM_AVAILABLE, QuantizationConfig, QuantizeMethod, _VllmLinearBase
 from .methods import (
     NVFP4_GROUP_SIZE,
     QPNFP8LinearMethod,
@@ -50,11 +50,11 @@ DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_p
 # ----------------------------------------------------------------------------- layer classes
 
 
-def _class_names(obj) -> set[str]:
+def _class_names(obj: object) -> set[str]:
     return {cls.__name__ for cls in type(obj).__mro__}
 
 
-def is_linear_layer(layer) -> bool:
+def is_linear_layer(layer: object) -> bool:
     """vLLM's LinearBase, or anything shaped like it (the stand-in): `output_partition_sizes` is set
     by every vLLM linear layer before it asks the config for a method. vLLM's embeddings and lm_head
     set the same two attributes, so they are excluded by class first: claiming one made vLLM call
@@ -69,7 +69,7 @@ def is_linear_layer(layer) -> bool:
 # ----------------------------------------------------------------------------- config
 
 
-def _modelopt_section(config: Mapping) -> tuple[Mapping, str]:
+def _modelopt_section(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
     """(section holding quant_algo, form): hf_quant_config.json {"quantization": {...}} or config.json
     quantization_config {"quant_method": "modelopt", "quant_algo": ...}."""
     if not isinstance(config, Mapping):
@@ -95,8 +95,9 @@ class QPNConfig(QuantizationConfig):
     checkpoint config itself to pick the fp8 KV cache; QPNKVCacheMethod loads the scales).
     """
 
-    def __init__(self, quant_algo: str, exclude_modules=None, quantized_layers: Mapping[str, str] | None = None,
-                 group_size: int | None = None, kv_cache_quant_algo: str | None = None):
+    def __init__(self, quant_algo: str, exclude_modules: Sequence[str] | None = None,
+                 quantized_layers: Mapping[str, str] | None = None, group_size: int | None = None,
+                 kv_cache_quant_algo: str | None = None) -> None:
         super().__init__()
         algo = str(quant_algo).upper()
         if algo not in QUANT_ALGOS:
@@ -177,7 +178,8 @@ class QPNConfig(QuantizationConfig):
         return cls(algo, exclude, per_layer, section.get("group_size"), kv)
 
     @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
+    def override_quantization_method(cls, hf_quant_cfg: object, user_quant: str | None,
+                                     hf_config: object = None) -> str | None:
         """Claim a ModelOpt checkpoint only when the user asked for quantization="qpn".
 
         Asked for "qpn" on a checkpoint qpn cannot run, raise a ValueError that says why (vLLM would
@@ -198,14 +200,14 @@ class QPNConfig(QuantizationConfig):
                              "path)")
         return QUANT_NAME
 
-    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: object) -> None:
         """Rename checkpoint layer names to the vLLM model's (models with an hf_to_vllm_mapper)."""
         if self.exclude_modules and hasattr(hf_to_vllm_mapper, "apply_list"):
             self.exclude_modules = list(hf_to_vllm_mapper.apply_list(self.exclude_modules))
         if self.quantized_layers and hasattr(hf_to_vllm_mapper, "apply_dict"):
             self.quantized_layers = dict(hf_to_vllm_mapper.apply_dict(self.quantized_layers))
 
-    def get_quant_method(self, layer, prefix: str):
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethod | None:
         names = _class_names(layer)
         if is_linear_layer(layer):
             algo = self.layer_algo(prefix)

@@ -42,17 +42,18 @@ from the same config. Activations stay fp16: only the cache is fp8.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import types
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from qpn.ref.geometry import GROUP_K, TILE_N
-
+from ...ref.geometry import GROUP_K, TILE_N
 from .. import ops  # registers torch.ops.qpn.*
 from ..module import PackedWeight, pack_fp8, pack_nvfp4
-from ._compat import LinearMethodBase, _VllmKVCacheMethod, _VllmUnquantizedLinearMethod
+from ._compat import LinearMethodBase, QPNLayer, QuantizeMethod, _VllmKVCacheMethod, _VllmUnquantizedLinearMethod
 from .sharding import (
     _BLOCK_GRID,
     _PER_SHARD,
@@ -74,7 +75,8 @@ FP8_K_MULTIPLE = ops.FP8_K_MULTIPLE  # 16 (QPN8, channel scales)
 _UNLOADED = float("nan")  # initial value of per-shard slots (the loaded-slot bookkeeping is what counts)
 
 
-def _begin_create(layer, input_size_per_partition, output_partition_sizes, k_multiple: int, fmt: str):
+def _begin_create(layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: Sequence[int],
+                  k_multiple: int, fmt: str) -> ShardGeometry:
     geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes)
     k = geom.k_partition
     if k <= 0 or k % k_multiple != 0:
@@ -91,7 +93,7 @@ def _begin_create(layer, input_size_per_partition, output_partition_sizes, k_mul
     return geom
 
 
-def _finish(layer, fmt: str, packed, deleted: tuple[str, ...]) -> None:
+def _finish(layer: QPNLayer, fmt: str, packed: PackedWeight, deleted: tuple[str, ...]) -> None:
     for name in deleted:
         if hasattr(layer, name):
             delattr(layer, name)
@@ -103,7 +105,7 @@ def _finish(layer, fmt: str, packed, deleted: tuple[str, ...]) -> None:
     layer.qpn_out_features = packed.out_features
 
 
-def _apply(layer, x: Tensor, bias: Tensor | None, gated: bool = False) -> Tensor:
+def _apply(layer: QPNLayer, x: Tensor, bias: Tensor | None, gated: bool = False) -> Tensor:
     k = layer.input_size_per_partition
     n = layer.qpn_out_features
     if x.shape[-1] != k:
@@ -133,10 +135,10 @@ class _QPNLinearMethodBase(LinearMethodBase):
     def __init__(self, quant_config: QPNConfig | None = None):
         self.quant_config = quant_config
 
-    def apply(self, layer, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    def apply(self, layer: QPNLayer, x: Tensor, bias: Tensor | None = None) -> Tensor:
         return _apply(layer, x, bias)
 
-    def apply_gated(self, layer, x: Tensor) -> Tensor:
+    def apply_gated(self, layer: QPNLayer, x: Tensor) -> Tensor:
         """Fused gate_up (MergedColumnParallelLinear with two equal shards) + SiLU-and-mul inside the op:
         equals vLLM's silu_and_mul applied to apply(layer, x). x [..., K_part] -> [..., N_part/2]."""
         geom = layer.qpn_geometry
@@ -150,7 +152,7 @@ class _QPNLinearMethodBase(LinearMethodBase):
                              "linear directly); use apply() and a separate silu_and_mul")
         return _apply(layer, x, None, gated=True)
 
-    def dequantized_weight(self, layer) -> Tensor:
+    def dequantized_weight(self, layer: QPNLayer) -> Tensor:
         """float16 [N_part, K_part]: the W16 this rank computes with (padding cropped)."""
         if layer.qpn_format == "nvfp4":
             w16 = torch.ops.qpn.nvfp4_dequantize(layer.qpn_codes, layer.qpn_scales, layer.qpn_global_scale)
@@ -164,8 +166,9 @@ class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
 
     fmt = "nvfp4"
 
-    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+    def create_weights(self, layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
         del input_size, output_size, params_dtype
         geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, NVFP4_K_MULTIPLE,
                              "NVFP4 (QPN2 layout)")
@@ -178,7 +181,7 @@ class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
         _register(layer, geom, "input_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
                   extra_weight_attrs)
 
-    def process_weights_after_loading(self, layer) -> None:
+    def process_weights_after_loading(self, layer: QPNLayer) -> None:
         geom: ShardGeometry = layer.qpn_geometry
         _require_loaded(layer, geom, ("weight", "weight_scale", "weight_scale_2"))
         global_scale = _nvfp4_global_scale(geom, layer.weight_scale_2.data)
@@ -199,8 +202,9 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
                              f"FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO), got {granularity!r}")
         self.granularity = granularity
 
-    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+    def create_weights(self, layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
         del input_size, output_size, params_dtype
         block = self.granularity == "block"
         geom = _begin_create(layer, input_size_per_partition, output_partition_sizes,
@@ -219,7 +223,7 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
         _register(layer, geom, "input_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
                   extra_weight_attrs)
 
-    def process_weights_after_loading(self, layer) -> None:
+    def process_weights_after_loading(self, layer: QPNLayer) -> None:
         geom: ShardGeometry = layer.qpn_geometry
         _require_loaded(layer, geom, ("weight", "weight_scale"))
         s = layer.weight_scale.data
@@ -285,34 +289,43 @@ class QPNUnquantizedLinearMethod(LinearMethodBase):
     def __init__(self, quant_config: QPNConfig | None = None):
         self.quant_config = quant_config
 
-    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
-                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+    def create_weights(self, layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
         del input_size, output_size
         geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes)
         layer.qpn_geometry = geom
         _register(layer, geom, "weight", torch.empty((geom.n_partition, geom.k_partition), dtype=params_dtype),
                   _ROWS, extra_weight_attrs, cast_ok=True)
 
-    def process_weights_after_loading(self, layer) -> None:
+    def process_weights_after_loading(self, layer: QPNLayer) -> None:
         _require_loaded(layer, layer.qpn_geometry, ("weight",))
 
-    def apply(self, layer, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    def apply(self, layer: QPNLayer, x: Tensor, bias: Tensor | None = None) -> Tensor:
         y = torch.matmul(x.float(), layer.weight.float().t()).to(x.dtype)
         if bias is not None:
             y = (y.float() + bias.float()).to(y.dtype)
         return y
 
 
-if _VllmKVCacheMethod is not None:
-    class QPNKVCacheMethod(_VllmKVCacheMethod):
-        """vLLM's BaseKVCacheMethod for attention layers: creates k_scale / v_scale (and q / prob scales) so
+def _kv_cache_method_class(base: type[Any]) -> type[Any]:
+    """QPNKVCacheMethod: `base` (vLLM's BaseKVCacheMethod) under qpn's name. Built by types.new_class,
+    which a class statement equals (same name, module, metaclass), so that the one public name can
+    be this class or None: mypy refuses a class statement's name set to None in the other branch."""
+    doc = """vLLM's BaseKVCacheMethod for attention layers: creates k_scale / v_scale (and q / prob scales) so
         the checkpoint's ModelOpt FP8 KV-cache scales load, and hands them to vLLM's fp8 KV cache after
         loading (module docstring). qpn adds nothing: the name only says which config made it."""
-else:
-    QPNKVCacheMethod = None  # KV-cache scales need vLLM's attention layers; nothing to do without vLLM
+    return types.new_class("QPNKVCacheMethod", (base,),
+                           exec_body=lambda ns: ns.update(__doc__=doc, __module__=__name__))
 
 
-def _unquantized_method(config):
+# None without vLLM: KV-cache scales need vLLM's attention layers, so there is nothing to do
+QPNKVCacheMethod: type[Any] | None = None
+if _VllmKVCacheMethod is not None:
+    QPNKVCacheMethod = _kv_cache_method_class(_VllmKVCacheMethod)
+
+
+def _unquantized_method(config: QPNConfig) -> QuantizeMethod:
     if _VllmUnquantizedLinearMethod is not None:
         return _VllmUnquantizedLinearMethod()
     return QPNUnquantizedLinearMethod(config)

@@ -24,21 +24,35 @@ e4m3 tensors may come as torch.float8_e4m3fn or as uint8 bit patterns; nothing e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from qpn.ref.fp8 import fp8_block_grid, fp8_block_grid_4d
-
+from ...ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from .. import ops
+
+if TYPE_CHECKING:
+    from ._compat import QPNLayer
 
 FP8_BLOCK = ops.FP8_BLOCK  # 128: FP8_PB_WO scales one 128x128 block each
 QKV_SHARD_IDS = ("q", "k", "v")
 
 _ROWS = "rows"  # parameter role: rows follow the output partition (weight, block scales, channel scales)
 _PER_SHARD = "per_shard"  # parameter role: one fp32 value per logical shard
+
+ShardId = int | str  # one logical shard: 0, 1, ... (MergedColumnParallelLinear) or "q"/"k"/"v"
+# what vLLM passes as loaded_shard_id: one id, a tuple of consecutive ids, or None (module docstring)
+LoadedShardId = ShardId | tuple[ShardId, ...] | None
+
+
+class WeightLoader(Protocol):
+    """`param.weight_loader`, the call vLLM's model load_weights makes for each checkpoint tensor."""
+
+    def __call__(self, param: Parameter, loaded_weight: Tensor, loaded_shard_id: LoadedShardId = None) -> None: ...
 
 
 # ----------------------------------------------------------------------------- layer geometry
@@ -61,14 +75,14 @@ class ShardGeometry:
     offsets: tuple[int, ...]
     disk_rows: tuple[int, ...]
     source_ranks: tuple[int, ...]
-    shard_ids: tuple
+    shard_ids: tuple[ShardId | None, ...]  # (None,): a layer of one shard, loaded without an id
     k_partition: int
 
     @property
     def n_partition(self) -> int:
         return sum(self.partitions)
 
-    def shard_index(self, shard_id) -> int:
+    def shard_index(self, shard_id: object) -> int:
         """vLLM shard id ("q"/"k"/"v" or 0, 1, ...) -> position in partitions."""
         if self.kind == "qkv":
             if shard_id in QKV_SHARD_IDS:
@@ -81,7 +95,7 @@ class ShardGeometry:
                              f"{shard_id!r}; load its tensor without a shard id")
         raise ValueError(f"layer {self.prefix!r} ({self.kind}) has shard ids {self.shard_ids}, got {shard_id!r}")
 
-    def shard_indices(self, shard_id) -> list[int]:
+    def shard_indices(self, shard_id: object) -> list[int]:
         """None -> every shard; a tuple of consecutive ids -> those; one id -> [its index]."""
         if shard_id is None:
             return list(range(len(self.partitions)))
@@ -94,7 +108,7 @@ class ShardGeometry:
         return [self.shard_index(shard_id)]
 
 
-def _int_attr(layer, name: str, default=None) -> int:
+def _int_attr(layer: object, name: str, default: int | None = None) -> int:
     value = getattr(layer, name, default)
     if value is None:
         raise ValueError(f"layer {getattr(layer, 'prefix', '?')!r} ({type(layer).__name__}) has no attribute "
@@ -102,7 +116,7 @@ def _int_attr(layer, name: str, default=None) -> int:
     return int(value)
 
 
-def _layer_kind(layer) -> str:
+def _layer_kind(layer: object) -> str:
     """Which of vLLM's linear layers `layer` is, from the attributes each sets (layer_geometry)."""
     if hasattr(layer, "num_kv_head_replicas") and hasattr(layer, "total_num_heads"):
         return "qkv"
@@ -113,12 +127,13 @@ def _layer_kind(layer) -> str:
     return "replicated"
 
 
-def _shard_sources(layer, kind: str, partitions: tuple[int, ...], tp_rank: int,
-                   tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
+def _shard_sources(layer: object, kind: str, partitions: tuple[int, ...], tp_rank: int,
+                   tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[ShardId | None, ...]]:
     """(disk_rows, source_ranks, shard_ids) of the logical shards of `layer` (ShardGeometry)."""
     prefix = str(getattr(layer, "prefix", ""))
-    shard_ids: tuple = (None,)
-    source_ranks = (tp_rank,) * len(partitions)
+    shard_ids: tuple[ShardId | None, ...] = (None,)
+    disk_rows: tuple[int, ...]
+    source_ranks: tuple[int, ...] = (tp_rank,) * len(partitions)
     if kind == "qkv":
         if len(partitions) != 3:
             raise ValueError(f"layer {prefix!r}: a QKV layer must have 3 output partitions (q, k, v), got "
@@ -131,7 +146,7 @@ def _shard_sources(layer, kind: str, partitions: tuple[int, ...], tp_rank: int,
         source_ranks = (tp_rank, tp_rank // replicas, tp_rank // replicas)
         shard_ids = QKV_SHARD_IDS
     elif kind == "merged" or (kind == "replicated" and hasattr(layer, "output_sizes")):
-        disk_rows = tuple(int(s) for s in layer.output_sizes)
+        disk_rows = tuple(int(s) for s in getattr(layer, "output_sizes"))
         shard_ids = tuple(range(len(disk_rows)))
     elif kind == "row":
         disk_rows = partitions
@@ -143,7 +158,8 @@ def _shard_sources(layer, kind: str, partitions: tuple[int, ...], tp_rank: int,
     return disk_rows, source_ranks, shard_ids
 
 
-def layer_geometry(layer, input_size_per_partition: int, output_partition_sizes) -> ShardGeometry:
+def layer_geometry(layer: object, input_size_per_partition: int,
+                   output_partition_sizes: Sequence[int]) -> ShardGeometry:
     """Read the sharding of `layer` from the attributes vLLM's linear layers set before create_weights.
 
     QKVParallelLinear: num_kv_head_replicas, total_num_heads, total_num_kv_heads, head_size
@@ -192,7 +208,22 @@ def _as_param_dtype(geom: ShardGeometry, name: str, param: Tensor, loaded: Tenso
     return loaded
 
 
-def _load_rows(geom: ShardGeometry, name: str, param: Tensor, loaded: Tensor, shard_id) -> None:
+def _set_param_attrs(param: Parameter, /, **attrs: object) -> None:
+    """vLLM reads a parameter's loading metadata as plain attributes (weight_loader, output_dim,
+    input_dim, and whatever the layer passes in extra_weight_attrs), and qpn adds its own (qpn_role,
+    qpn_loaded, qpn_cast_ok); torch's Parameter type declares none of them, so they are set by name,
+    here only."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+def _loaded_slots(param: Tensor) -> set[int]:
+    """The shard slots of `param` loaded so far: its qpn_loaded set (_register)."""
+    slots: set[int] = getattr(param, "qpn_loaded")
+    return slots
+
+
+def _load_rows(geom: ShardGeometry, name: str, param: Tensor, loaded: Tensor, shard_id: object) -> None:
     indices = geom.shard_indices(shard_id)
     if len(indices) > 1:  # several shards in one tensor (fused on disk): split by unsharded sizes
         expected = sum(geom.disk_rows[i] for i in indices)
@@ -226,25 +257,25 @@ def _load_rows(geom: ShardGeometry, name: str, param: Tensor, loaded: Tensor, sh
         raise ValueError(f"layer {geom.prefix!r}: {name} must have trailing shape {tuple(param.shape[1:])}, got "
                          f"{tuple(loaded.shape)}")
     param.data.narrow(0, geom.offsets[i], rows).copy_(source)
-    param.qpn_loaded.add(i)
+    _loaded_slots(param).add(i)
 
 
-def _load_per_shard(geom: ShardGeometry, name: str, param: Tensor, loaded: Tensor, shard_id) -> None:
+def _load_per_shard(geom: ShardGeometry, name: str, param: Tensor, loaded: Tensor, shard_id: object) -> None:
     if loaded.numel() != 1 or loaded.dim() > 1:
         raise ValueError(f"layer {geom.prefix!r}: {name} is one float32 per logical shard (shape () or (1,) in "
                          f"the checkpoint), got shape {tuple(loaded.shape)}")
     for i in geom.shard_indices(shard_id):
         param.data[i].copy_(loaded.reshape(()))
-        param.qpn_loaded.add(i)
+        _loaded_slots(param).add(i)
 
 
-def _block_rows(partitions) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _block_rows(partitions: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """FP8 block scales: (block rows of each shard on this rank, their first row in the parameter)."""
     counts = tuple(fp8_block_grid(p, FP8_BLOCK)[0] for p in partitions)  # block rows only: any k will do
     return counts, tuple(sum(counts[:i]) for i in range(len(counts)))
 
 
-def _load_block_grid(geom: ShardGeometry, name: str, param: Tensor, loaded: Tensor, shard_id) -> None:
+def _load_block_grid(geom: ShardGeometry, name: str, param: Tensor, loaded: Tensor, shard_id: object) -> None:
     """One shard's 128x128 block-scale grid: its rank's block rows (and, row-parallel, block columns).
 
     ModelOpt 0.47 writes the grid [ceil(N/128), 1, ceil(K/128), 1], or [] for a layer of one block; both
@@ -274,14 +305,14 @@ def _load_block_grid(geom: ShardGeometry, name: str, param: Tensor, loaded: Tens
     if geom.kind == "row":
         source = source.narrow(1, geom.tp_rank * param.shape[1], param.shape[1])
     param.data.narrow(0, starts[i], counts[i]).copy_(source)
-    param.qpn_loaded.add(i)
+    _loaded_slots(param).add(i)
 
 
 _BLOCK_GRID = "block_grid"  # parameter role: per-shard FP8 128x128 block-scale grids (_load_block_grid)
 
 
-def _make_loader(geom: ShardGeometry, name: str, role: str):
-    def weight_loader(param: Parameter, loaded_weight: Tensor, loaded_shard_id=None) -> None:
+def _make_loader(geom: ShardGeometry, name: str, role: str) -> WeightLoader:
+    def weight_loader(param: Parameter, loaded_weight: Tensor, loaded_shard_id: LoadedShardId = None) -> None:
         loaded = _as_param_dtype(geom, name, param, loaded_weight)
         if role == _BLOCK_GRID:
             _load_block_grid(geom, name, param, loaded, loaded_shard_id)
@@ -294,30 +325,28 @@ def _make_loader(geom: ShardGeometry, name: str, role: str):
     return weight_loader
 
 
-def _register(layer, geom: ShardGeometry, name: str, data: Tensor, role: str, extra_weight_attrs: dict,
-              cast_ok: bool = False) -> Parameter:
+def _register(layer: QPNLayer, geom: ShardGeometry, name: str, data: Tensor, role: str,
+              extra_weight_attrs: dict[str, object], cast_ok: bool = False) -> Parameter:
     param = Parameter(data, requires_grad=False)
-    for key, value in extra_weight_attrs.items():
-        if key != "weight_loader":  # ours replaces the layer's
-            setattr(param, key, value)
-    param.weight_loader = _make_loader(geom, name, role)
-    param.qpn_role = role
-    param.qpn_loaded = set()
-    param.qpn_cast_ok = cast_ok
+    # the layer's attributes first; its weight_loader is replaced by ours
+    _set_param_attrs(param, **{key: value for key, value in extra_weight_attrs.items() if key != "weight_loader"})
+    loaded: set[int] = set()
+    _set_param_attrs(param, weight_loader=_make_loader(geom, name, role), qpn_role=role, qpn_loaded=loaded,
+                     qpn_cast_ok=cast_ok)
     if role == _ROWS:
-        param.output_dim = 0
+        _set_param_attrs(param, output_dim=0)
         if data.dim() == 2:
-            param.input_dim = 1
+            _set_param_attrs(param, input_dim=1)
     layer.register_parameter(name, param)
     return param
 
 
-def _require_loaded(layer, geom: ShardGeometry, names: tuple[str, ...]) -> None:
+def _require_loaded(layer: QPNLayer, geom: ShardGeometry, names: tuple[str, ...]) -> None:
     missing = []
     for name in names:
         param = getattr(layer, name)
         slots = set(range(len(geom.partitions)))
-        absent = sorted(slots - param.qpn_loaded)
+        absent = sorted(slots - _loaded_slots(param))
         if absent:
             ids = [geom.shard_ids[i] for i in absent] if geom.shard_ids != (None,) else ["(whole layer)"]
             missing.append(f"{name} {ids}")
