@@ -1,8 +1,8 @@
-"""`python -m qpn` runs the `qpn` command line (qpn/cli.py); `python -m qpn --help` lists the commands."""
+"""`python -m qpn` runs the `qpn` command line (apps/cli.py); `python -m qpn --help` lists the commands."""
 
 import sys
 
-from qpn.cli import main
+from .apps.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -64,8 +64,9 @@ def folder_bytes(path: str) -> int:
 
 
 def measure(fmt: str, blocks: int, root: str, profile: bool) -> dict:
-    from qpn import cli, ref
-    from qpn import packed as packing
+    from qpn import ref
+    from qpn.apps import cli
+    from qpn.checkpoints import packed as packing
 
     original, packed_dir = os.path.join(root, f"{fmt}"), os.path.join(root, f"{fmt}-qpn")
     ref.save_checkpoint(original, synthetic_checkpoint(fmt, blocks))

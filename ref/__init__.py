@@ -1,21 +1,16 @@
 """qpn.ref: the pure-numpy, bit-exact reference of NVFP4/FP8 decoding and the QPN2/QPN8 layouts.
 
-This package is the specification that the CUDA kernels and the CPU backend must match byte
-for byte. It imports numpy only (its own safetensors reader and writer: safetensors_io.py), never torch
-or cupy.
-e4m3 values travel as uint8 bit patterns.
+This package is the executable specification -- codecs, quantizers, the QPN2/QPN8 layouts and
+their exact inverses, the linear contract with its error bounds -- that the CUDA kernels and the
+CPU backend must match byte for byte. It imports numpy only, never torch or cupy, and nothing of
+qpn outside itself. e4m3 values travel as uint8 bit patterns.
+
+Reading and writing checkpoints is not reference: it lives in qpn.checkpoints (docs/ARCHITECTURE.md).
+The checkpoint names this package exported before that split (load_checkpoint, Checkpoint,
+read_safetensors, ...) still resolve here, lazily (`__getattr__` below), so that importing the
+reference never imports file handling.
 """
 
-from .checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    FP8Linear,
-    NVFP4Linear,
-    fuse_fp8_shards,
-    fuse_nvfp4_shards,
-    load_checkpoint,
-    save_checkpoint,
-)
 from .codecs import decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3
 from .fp8 import FP8Weight, fp8_dequantize, fp8_quantize, fp8_scale_granularity, fp8_scale_map
 from .geometry import KORDER, column_of_lane, k_of_position, lane_of_column, position_of_k
@@ -42,4 +37,21 @@ from .nvfp4 import (
 )
 from .qpn2 import qpn2_dequantize, qpn2_dequantize_variant_e, qpn2_dequantize_variant_p, qpn2_prepack, qpn2_unpack
 from .qpn8 import qpn8_dequantize, qpn8_prepack, qpn8_scale_granularity, qpn8_unpack, require_qpn8_fits_fp16
-from .safetensors_io import SafetensorsError, StoredTensor, read_safetensors, read_safetensors_header, write_safetensors
+
+# the public checkpoint names of qpn.ref before qpn.checkpoints existed -> their module there
+_CHECKPOINT_NAMES = {
+    **dict.fromkeys(("Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear", "fuse_fp8_shards", "fuse_nvfp4_shards",
+                     "load_checkpoint", "save_checkpoint"), "quantized"),
+    **dict.fromkeys(("SafetensorsError", "StoredTensor", "read_safetensors", "read_safetensors_header",
+                     "write_safetensors"), "safetensors_io"),
+}
+
+
+def __getattr__(name: str) -> object:
+    """qpn.ref.load_checkpoint and the other checkpoint names: qpn.checkpoints', imported on first use."""
+    module = _CHECKPOINT_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'qpn.ref' has no attribute {name!r}")
+    import importlib  # noqa: PLC0415
+
+    return getattr(importlib.import_module(f"..checkpoints.{module}", __name__), name)

@@ -21,6 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qpn.checkpoints import quantized as checkpoint_module
+from qpn.checkpoints import safetensors_io
 from qpn.ref import (
     Checkpoint,
     CheckpointError,
@@ -38,11 +40,9 @@ from qpn.ref import (
     nvfp4_quantize,
     read_safetensors,
     read_safetensors_header,
-    safetensors_io,
     save_checkpoint,
     write_safetensors,
 )
-from qpn.ref import checkpoint as checkpoint_module
 
 SEED = 20240611
 ONE = np.float32(1)

@@ -19,7 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from qpn import cli, packed, ref
+from qpn import ref
+from qpn.apps import cli
+from qpn.checkpoints import packed, safetensors_io
 from qpn.ref import Checkpoint, FP8Linear, NVFP4Linear, StoredTensor
 from qpn.torch_bridge import QPNLinear, load_quantized
 
@@ -208,8 +210,8 @@ def test_a_failed_write_leaves_no_partial_folder_and_keeps_the_old_one(tmp_path,
             raise OSError(28, "No space left on device (simulated)")
         return real_write(path, tensors, metadata)
 
-    real_write = ref.write_safetensors
-    monkeypatch.setattr(ref, "write_safetensors", fail_on_second_file)
+    real_write = safetensors_io.write_safetensors
+    monkeypatch.setattr(safetensors_io, "write_safetensors", fail_on_second_file)  # the writer qpn pack calls
     code, _, err = run(["pack", original, out, "--overwrite"], capsys)
     assert code == 2 and "No space left" in err and "Traceback" not in err
     assert file_hashes(out) == before

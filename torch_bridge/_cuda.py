@@ -50,7 +50,7 @@ from torch import Tensor
 if TYPE_CHECKING:  # annotations only: importing qpn.cupy_kernels at run time waits for the first CUDA call
     from typing import TypeAlias
 
-    from qpn.cupy_kernels._validate import CupyArray
+    from ..cupy_kernels._validate import CupyArray
 
     # as_cupy: a torch tensor -> its zero-copy CuPy view on torch's current stream (_on_torch_stream)
     AsCupy: TypeAlias = Callable[[Tensor], CupyArray]
@@ -59,7 +59,7 @@ _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # aten::mm.dtype (torch
 
 
 def _kernels() -> ModuleType:
-    import qpn.cupy_kernels as kernels  # imports CuPy
+    from .. import cupy_kernels as kernels  # imports CuPy
 
     return kernels
 

@@ -9,7 +9,7 @@
   compressed-tensors checkpoint (read and validated by qpn.ref.load_checkpoint) into the model
   as QPNLinear layers - checkpoint layer names are module paths - and copies every other
   checkpoint tensor into the parameter or buffer of the same name. A folder written by
-  `qpn pack` (qpn/packed.py) is read with qpn.packed.load_packed and its QPN2 / QPN8 buffers go
+  `qpn pack` (checkpoints/packed.py) is read with qpn.checkpoints.packed.load_packed and its QPN2 / QPN8 buffers go
   into the QPNLinear layers as they are, without a second prepack.
 """
 
@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qpn import packed, ref
-
+from .. import checkpoints
+from ..checkpoints import packed
 from .module import FORMATS, PackedWeight, QPNLinear
 
-# what load_quantized reads: a folder, or a checkpoint already loaded by qpn.ref or qpn.packed
-Loaded: TypeAlias = ref.Checkpoint | packed.PackedCheckpoint
+# what load_quantized reads: a folder, or a checkpoint already loaded by qpn.ref or qpn.checkpoints.packed
+Loaded: TypeAlias = checkpoints.Checkpoint | packed.PackedCheckpoint
 CheckpointIn: TypeAlias = str | os.PathLike[str] | Loaded
 Device: TypeAlias = torch.device | str | None
 
@@ -104,14 +104,14 @@ class _Slot(NamedTuple):
     kind: str  # "_parameters" | "_buffers"
 
 
-def _stored_to_torch(stored: ref.StoredTensor) -> torch.Tensor:
+def _stored_to_torch(stored: checkpoints.StoredTensor) -> torch.Tensor:
     tensor = torch.from_numpy(np.array(stored.array))  # writable copy of the (read-only, mmapped) data
     dtype = _TORCH_DTYPE_OF_TAG.get(stored.dtype)
     return tensor.view(dtype) if dtype is not None else tensor
 
 
-def _qpn_linear_of(linear: ref.NVFP4Linear | ref.FP8Linear | packed.PackedLayer, bias: Tensor | None) -> QPNLinear:
-    """QPNLinear from a qpn.ref NVFP4Linear / FP8Linear (prepacked here) or a qpn.packed.PackedLayer (as packed)."""
+def _qpn_linear_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear | packed.PackedLayer, bias: Tensor | None) -> QPNLinear:
+    """QPNLinear from a qpn.ref NVFP4Linear / FP8Linear (prepacked here) or a qpn.checkpoints.packed.PackedLayer (as packed)."""
     if not isinstance(linear, packed.PackedLayer):
         return QPNLinear.from_checkpoint(linear, bias=bias)
     global_scale = torch.from_numpy(np.array(linear.global_scale)) if linear.global_scale is not None else None
@@ -122,9 +122,9 @@ def _qpn_linear_of(linear: ref.NVFP4Linear | ref.FP8Linear | packed.PackedLayer,
 
 def _read_checkpoint(checkpoint: object) -> Loaded:
     if isinstance(checkpoint, (str, os.PathLike)):
-        return packed.load_packed(checkpoint) if packed.is_packed(checkpoint) else ref.load_checkpoint(checkpoint)
-    if not isinstance(checkpoint, (ref.Checkpoint, packed.PackedCheckpoint)):
-        raise ValueError(f"checkpoint must be a folder path, a qpn.ref.Checkpoint or a qpn.packed.PackedCheckpoint, "
+        return packed.load_packed(checkpoint) if packed.is_packed(checkpoint) else checkpoints.load_checkpoint(checkpoint)
+    if not isinstance(checkpoint, (checkpoints.Checkpoint, packed.PackedCheckpoint)):
+        raise ValueError(f"checkpoint must be a folder path, a qpn.ref.Checkpoint or a qpn.checkpoints.packed.PackedCheckpoint, "
                          f"got {type(checkpoint).__name__}")
     return checkpoint
 
@@ -219,8 +219,8 @@ def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool =
                    device: Device = None) -> LoadReport:
     """Fill `model` from a quantized checkpoint, in place; all or nothing.
 
-    checkpoint: a folder path (read with qpn.ref.load_checkpoint, or qpn.packed.load_packed for a
-    `qpn pack` folder), a qpn.ref.Checkpoint or a qpn.packed.PackedCheckpoint.
+    checkpoint: a folder path (read with qpn.ref.load_checkpoint, or qpn.checkpoints.packed.load_packed for a
+    `qpn pack` folder), a qpn.ref.Checkpoint or a qpn.checkpoints.packed.PackedCheckpoint.
     Every quantized linear `name` must be an nn.Linear (or QPNLinear) at module path `name`
     with the same [N, K]; it becomes a QPNLinear taking the bias from checkpoint tensor
     `name.bias`, else from the old module. Every other checkpoint tensor is copied (cast to the

@@ -34,10 +34,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qpn import ref
-from qpn.ref.checks import require_nvfp4_block_scales
-from qpn.ref.fp8 import fp8_block_grid
-
+from .. import checkpoints, ref
+from ..ref.checks import require_nvfp4_block_scales
+from ..ref.fp8 import fp8_block_grid
 from . import ops  # registers the torch.ops.qpn.* ops
 from .ops import FP8_BLOCK, GROUP_K, TILE_N
 
@@ -331,11 +330,11 @@ class QPNLinear(nn.Module):
         return cls.from_packed(packed, bias, fp8_granularity="block" if block else "channel")
 
     @classmethod
-    def from_checkpoint(cls, linear: ref.NVFP4Linear | ref.FP8Linear, bias: ArrayIn | None = None) -> QPNLinear:
-        """From a qpn.ref.checkpoint NVFP4Linear / FP8Linear (global scales already multipliers)."""
-        if isinstance(linear, ref.NVFP4Linear):
+    def from_checkpoint(cls, linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear, bias: ArrayIn | None = None) -> QPNLinear:
+        """From a qpn.checkpoints.quantized NVFP4Linear / FP8Linear (global scales already multipliers)."""
+        if isinstance(linear, checkpoints.NVFP4Linear):
             return cls.from_modelopt_nvfp4(linear.weight_packed, linear.weight_scale, linear.global_scale, bias)
-        if isinstance(linear, ref.FP8Linear):
+        if isinstance(linear, checkpoints.FP8Linear):
             return cls.from_modelopt_fp8(linear.weight, linear.weight_scale, bias, granularity=linear.granularity)
         raise ValueError(f"linear must be a qpn.ref NVFP4Linear or FP8Linear, got {type(linear).__name__}")
 

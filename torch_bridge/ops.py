@@ -48,9 +48,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from qpn import ref
-from qpn.ref.geometry import GROUP_K, TILE_N
-
+from .. import ref
+from ..ref.geometry import GROUP_K, TILE_N
 from . import _cpu
 
 NVFP4_N_MULTIPLE = TILE_N  # 32

@@ -56,8 +56,8 @@ from typing import BinaryIO, NamedTuple
 
 import numpy as np
 
+from ..ref.checks import FileError
 from .atomic import fsync_dir, plain_file_mode
-from .checks import FileError
 
 # tag -> numpy carrier dtype (little-endian). Order of the table is irrelevant.
 DTYPE_OF_TAG: dict[str, np.dtype] = {

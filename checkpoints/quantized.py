@@ -80,7 +80,7 @@ Saving (`save_checkpoint`) serializes, then runs the complete load-side validati
 in-memory result before writing a byte; it writes the whole folder into a temporary sibling
 folder and renames it into place (an existing non-empty folder is refused unless
 overwrite=True, which moves the old folder aside, renames the new one into place and only then
-deletes the old one; recoverably, see qpn.ref.atomic). overwrite=True replaces only a folder
+deletes the old one; recoverably, see qpn.checkpoints.atomic). overwrite=True replaces only a folder
 save_checkpoint wrote: nothing but its file names, every safetensors file carrying the metadata
 "writer": "qpn" (SAVED_METADATA); a user's own checkpoint folder is refused. On any failure the temporary folder is removed and the target is
 untouched. Output bytes are deterministic (sorted JSON, sorted tensors, fixed shard names).
@@ -99,10 +99,10 @@ from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, overload
 
 import numpy as np
 
+from ..ref.checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
+from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d
+from ..ref.geometry import GROUP_K, TILE_N
 from .atomic import atomic_folder, require_writable_target, write_json
-from .checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
-from .fp8 import fp8_block_grid, fp8_block_grid_4d
-from .geometry import GROUP_K, TILE_N
 from .safetensors_io import StoredTensor, as_stored_tensor, read_safetensors, read_safetensors_header, write_safetensors
 
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")

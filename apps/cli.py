@@ -1,0 +1,832 @@
+"""`qpn`: the command line (console script `qpn`, also `python -m qpn`).
+
+    qpn pack CHECKPOINT_DIR OUT_DIR [--overwrite]   prepack a ModelOpt / compressed-tensors checkpoint
+    qpn verify PATH [--upstream] [--m 1,40]         check every layer on every backend present
+    qpn inspect PATH                                per-layer table: format, shape, scales, bytes, packability
+    qpn bench [kernels|decode|model] [ARGS...]      the kernel / model benchmarks (GPU only)
+    qpn demo [--device auto|cpu|cuda] [--keep DIR]  all-MiniLM-L6-v2 end to end
+
+PATH is an original checkpoint folder or a packed one (`qpn pack` output, see checkpoints/packed.py).
+Every command takes -q/--quiet (no progress bars; bars are also off when stderr is not a terminal).
+
+Exit codes: 0 success; 1 a check failed (verify found a mismatch, the demo's parity is off);
+2 bad input (wrong arguments, a missing folder, a folder that is not a checkpoint, a layer that
+cannot be packed, an output folder qpn may not replace) - reported as one clear message, never a
+traceback; 3 the machine lacks what the command needs (`qpn bench` without a CUDA GPU, `qpn demo
+--device cuda` without one, the demo's model package missing); 128 + the signal when stopped:
+130 Ctrl-C (SIGINT), 143 SIGTERM, 129 SIGHUP - each removes the temporary folder of a write in
+progress first; 141 when the reader of stdout went away (`qpn verify ... | head`: stops at the
+next line, quietly, as a CLI killed by SIGPIPE would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import signal
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
+
+import numpy as np
+
+from .. import __version__, checkpoints, ref
+from ..checkpoints import packed as packing
+from ..checkpoints.atomic import TargetError
+from ..checkpoints.packed import PackError
+
+if TYPE_CHECKING:  # annotations only: torch is imported where a command needs it (the reference runs without)
+    import torch
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NO_HARDWARE = 0, 1, 2, 3
+EXIT_SIGNAL_BASE = 128  # a command stopped by signal S exits 128 + S, as a shell reports it
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))  # + SIGINT
+DEFAULT_MS = (1, 40)  # activation rows for the linear check: a decode M and one past the decode/prefill split (32)
+DEFAULT_SEED = 0
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "decode": "bench_decode.py",  # `qpn bench [WHICH] [ARGS...]`
+                 "model": "bench_model.py"}
+
+# what `main` turns into "qpn CMD: error: ..." and exit 2 (bad input, never a traceback)
+INPUT_ERRORS = (checkpoints.CheckpointError, checkpoints.SafetensorsError, PackError, TargetError, OSError)
+
+
+class UsageError(Exception):
+    """Bad input found by a command (exit 2)."""
+
+
+class Stopped(BaseException):
+    """SIGTERM / SIGHUP arrived: unwinds like KeyboardInterrupt, so `finally` blocks clean up."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def plural(count: int, noun: str) -> str:
+    """"1 layer", "2 layers" (every noun here takes an s)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+# ----------------------------------------------------------------------------------------------
+# output helpers
+
+
+def progress_bars(enabled: bool) -> Callable:
+    """progress(iterable, desc=, total=, unit=) -> iterable: tqdm bars on stderr, or the iterable itself."""
+    if enabled:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # bars are a nicety: run without them
+            enabled = False
+    if not enabled:
+        return lambda iterable, **_: iterable
+
+    def bar(iterable: Iterable, desc: str | None = None, total: int | None = None, unit: str = "it") -> Iterable:
+        return tqdm(iterable, desc=desc, total=total, unit=unit, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+    return bar
+
+
+def _progress_of(args: argparse.Namespace) -> Callable:
+    return progress_bars(not args.quiet and sys.stderr.isatty())
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in (headers, *rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+# ----------------------------------------------------------------------------------------------
+# backends
+
+
+def cuda_status(need_torch: bool = True) -> tuple[bool, str]:
+    """(usable, description): a CUDA device that CuPy (and, if need_torch, torch) can use."""
+    if need_torch:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False, f"torch.cuda.is_available() is False (torch {torch.__version__})"
+    try:
+        import cupy
+    except ImportError as exc:
+        return False, (f"CuPy is not importable ({exc}; install the extra: "
+                       "pip install -e \".[cuda12]\" or \".[cuda13]\")")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver / no device
+        return False, f"CuPy sees no CUDA device ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return False, "CuPy sees no CUDA device"
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+    return True, name.decode() if isinstance(name, bytes) else str(name)
+
+
+@dataclass
+class Backends:
+    """The dequantize / linear backends present: "cpu" (numba, torch.ops.qpn) and "cuda" (CuPy kernels)."""
+
+    devices: dict[str, torch.device]  # name -> torch.device
+    lines: list[str]  # one description per backend, present or not
+
+    @classmethod
+    def find(cls) -> Backends:
+        lines = ["numpy reference (qpn.ref): present"]
+        devices: dict[str, torch.device] = {}
+        try:
+            import torch
+
+            from .. import torch_bridge  # noqa: F401  registers torch.ops.qpn.*
+        except Exception as exc:  # torch / numba missing or broken: the reference still runs
+            lines.append(f"numba CPU (torch.ops.qpn): not found ({type(exc).__name__}: {exc})")
+            lines.append("CUDA (qpn.cupy_kernels): not found (needs torch)")
+            return cls(devices, lines)
+        devices["cpu"] = torch.device("cpu")
+        lines.append(f"numba CPU (torch.ops.qpn on cpu): present (torch {torch.__version__})")
+        ok, detail = cuda_status()
+        if ok:
+            devices["cuda"] = torch.device("cuda")
+            lines.append(f"CUDA (torch.ops.qpn on cuda, qpn.cupy_kernels): present ({detail})")
+        else:
+            lines.append(f"CUDA (qpn.cupy_kernels): not found - {detail}")
+        return cls(devices, lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# loading PATH (original or packed)
+
+
+@dataclass
+class Source:
+    """A folder given on the command line: an original checkpoint or a packed one."""
+
+    path: str
+    packed: bool
+    checkpoint: checkpoints.Checkpoint | packing.PackedCheckpoint
+
+    @property
+    def layer_names(self) -> list[str]:
+        c = self.checkpoint
+        return sorted(c.layers if isinstance(c, packing.PackedCheckpoint) else c.linears)
+
+    def describe(self) -> str:
+        c = self.checkpoint
+        kind = "qpn packed checkpoint of a" if self.packed else "original"
+        return (f"{self.path}: {kind} {c.format} {c.quant_algo} checkpoint, "
+                f"{plural(len(self.layer_names), 'quantized layer')}, {plural(len(c.tensors), 'other tensor')}")
+
+
+def open_source(path: str, *, check_values: bool = True) -> Source:
+    if not os.path.exists(path):
+        raise UsageError(f"{path} does not exist; pass a checkpoint folder")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path} is not a folder; pass the checkpoint folder, not a file in it")
+    if packing.is_packed(path):
+        return Source(path, True, packing.load_packed(path, check_values=check_values))
+    return Source(path, False, checkpoints.load_checkpoint(path))
+
+
+def _format_name(fmt: str, granularity: str | None) -> str:
+    return "NVFP4" if fmt == "nvfp4" else f"FP8/{granularity}"
+
+
+def _scale_summary(values: np.ndarray) -> str:
+    values = np.asarray(values, dtype=np.float32).reshape(-1)
+    lo, hi = float(values.min()), float(values.max())
+    return f"{lo:.6g}" if lo == hi else f"{lo:.4g}..{hi:.4g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# qpn inspect
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    source = open_source(args.path)
+    c = source.checkpoint
+    rows = []
+    quantized_bytes = 0
+    for name in source.layer_names:
+        if isinstance(c, packing.PackedCheckpoint):  # the buffers as stored
+            layer = c.layers[name]
+            n, k = layer.n, layer.k
+            fmt, granularity, n_padded = layer.format, layer.granularity, layer.n_padded
+            scale = layer.nvfp4_global_scale()[:1] if fmt == "nvfp4" else layer.fp8_weight_scale()
+            nbytes = sum(a.nbytes for a in layer.buffers().values())
+            status = f"packed {layer.entry['layout']}"
+        else:  # the checkpoint's tensors, and whether `qpn pack` can take them
+            linear = c.linears[name]
+            n, k = linear.n, linear.k
+            fmt, granularity, n_padded = packing.layer_format(linear), getattr(linear, "granularity", None), \
+                packing.padded_rows(linear)
+            scale = linear.global_scale if isinstance(linear, checkpoints.NVFP4Linear) else linear.weight_scale
+            nbytes = sum(t.nbytes for t in packing.source_tensors(linear).values())
+            reason = packing.unpackable_reason(linear)
+            status = f"cannot pack: {reason}" if reason else f"ok ({'QPN2' if fmt == 'nvfp4' else 'QPN8'})"
+        if n_padded != n and not status.startswith("cannot"):
+            status += f", N padded to {n_padded}"
+        quantized_bytes += nbytes
+        rows.append((name, _format_name(fmt, granularity), str(n), str(k), _scale_summary(scale),
+                     _size(nbytes), status))
+    print(source.describe())
+    print(format_table(("layer", "format", "N", "K", "global scale", "bytes", "status"), rows))
+    other = sum(t.nbytes for t in c.tensors.values())
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row[1]] = counts.get(row[1], 0) + 1
+    blocked = sum(row[6].startswith("cannot pack") for row in rows)
+    print(f"{plural(len(rows), 'quantized layer')} ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}), "
+          f"{_size(quantized_bytes)}; {plural(len(c.tensors), 'other tensor')}, {_size(other)}"
+          + (f"; {plural(blocked, 'layer')} cannot be packed" if blocked else ""))
+    print("(global scale: NVFP4 weight_scale_2 multiplier; FP8: the weight_scale, min..max over channels/blocks)")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------
+# qpn pack
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.checkpoint):
+        raise UsageError(f"{args.checkpoint} is not a folder; pass the checkpoint folder "
+                         "(config.json + model.safetensors or shards)")
+    start = time.perf_counter()
+    manifest = packing.pack_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite,
+                                       progress=_progress_of(args))
+    seconds = time.perf_counter() - start
+    counts: dict[str, int] = {}
+    for entry in manifest["layers"].values():
+        key = f"{entry['format'].upper()} -> {entry['layout']}"
+        counts[key] = counts.get(key, 0) + 1
+    files = sorted(os.listdir(args.out))
+    size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
+    print(f"packed {plural(len(manifest['layers']), 'layer')} "
+          f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}), "
+          f"copied {plural(len(manifest['tensors']), 'tensor')} -> {args.out} ({plural(len(files), 'file')}, "
+          f"{_size(size)}) in {seconds:.1f} s")
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------------------------
+# qpn verify
+
+
+OK, FAIL, ABSENT = "ok", "FAIL", "-"
+
+
+@dataclass
+class LayerResult:
+    name: str
+    fmt: str
+    n: int
+    k: int
+    cells: dict = field(default_factory=dict)  # column -> OK / FAIL / ABSENT
+    problems: list = field(default_factory=list)  # "column: what went wrong"
+    upstream: dict = field(default_factory=dict)  # "P" / "E" (NVFP4) or "ckpt" (FP8) -> share of weights that differ
+
+    @property
+    def upstream_text(self) -> str:
+        return ", ".join(f"{key} {100 * share:.1f} %" for key, share in self.upstream.items())
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def fail(self, column: str, message: str) -> None:
+        self.cells[column] = FAIL
+        self.problems.append(f"{column}: {message}")
+
+
+def _bits16(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint16)
+
+
+def _ordered16(a16: np.ndarray) -> np.ndarray:
+    """fp16 bits -> int16 on a monotone line: +-magnitude (+0 and -0 both 0), so ulps are differences."""
+    v = _bits16(a16).reshape(-1).view(np.int16)  # v = -32768 + magnitude where the sign bit is set
+    sign = v >> 15  # -1 where negative, else 0 (arithmetic shift)
+    ordered = v ^ (sign & np.int16(0x7FFF))  # negative: -1 - magnitude
+    ordered -= sign  # negative: -magnitude (4x faster than np.where on 58 M weights)
+    return ordered
+
+
+def _worst_ulp_distance(a16: np.ndarray, b16: np.ndarray) -> int:
+    """max |a - b| in fp16 ulps over finite fp16 arrays of one shape (+0 and -0 are 0 apart).
+
+    Bits first: where a and b share a sign, their ulp distance is the difference of their bit
+    patterns; where the signs differ, that difference is 0x8000 +- (at most 0x7BFF), never within
+    +-1 modulo 2^16. So when every uint16 difference is -1, 0 or 1, the answer is 0 or 1 (two
+    uint16 passes and two reductions, 0.1 s per 58 M weights instead of 0.45 s); otherwise the
+    exact int32 distance decides (also for +0 vs -0).
+    """
+    diff = np.subtract(_bits16(a16), _bits16(b16))  # uint16, modulo 2^16
+    diff += np.uint16(1)  # -1, 0, 1 -> 0, 1, 2
+    if diff.size == 0 or diff.max() <= 2:
+        return int(diff.size > 0 and (diff.min() != 1 or diff.max() != 1))
+    a, b = _ordered16(a16).astype(np.int32), _ordered16(b16).astype(np.int32)
+    return int(np.abs(a - b).max())
+
+
+def _nvfp4_values_off_contract(weight_scale: np.ndarray, global_scale: np.ndarray) -> int:
+    """How many values of ref.nvfp4_value_table (what nvfp4_dequantize looks up), over the scale bytes
+    the layer uses x 16 codes, differ from the contract computed another way: float64 products (e4m3 *
+    g and e2m1 * RN32(...) are exact there: 4 x 24 and 3 x 24 significant bits), RN32 by one cast,
+    RN16 by numpy's float64 -> float16 cast (its own code path, not the float32 one the table uses)."""
+    used = np.unique(weight_scale)
+    g = float(np.float32(global_scale))
+    block_multiplier = (ref.decode_e4m3(used).astype(np.float64) * g).astype(np.float32)  # RN32
+    codes = ref.decode_e2m1(np.arange(16, dtype=np.uint8)).astype(np.float64)
+    w32 = (block_multiplier.astype(np.float64)[:, None] * codes[None, :]).astype(np.float32)  # RN32
+    expected = w32.astype(np.float64).astype(np.float16)  # RN16 (w32 is exact in float64)
+    got = ref.nvfp4_value_table(np.float32(g))[used]
+    return int(np.count_nonzero(_bits16(got) != _bits16(expected)))
+
+
+def _share_differing(a16: np.ndarray, b16: np.ndarray) -> float:
+    return float(np.mean(_bits16(a16) != _bits16(b16)))
+
+
+def _torch_buffers(layer: packing.PackedLayer, device: torch.device) -> tuple[torch.Tensor, ...]:
+    import torch
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(a)).to(device)  # a writable copy of the (read-only) mapped bytes
+
+    if layer.format == "nvfp4":
+        return t(layer.codes), t(layer.scales), t(layer.nvfp4_global_scale())
+    return t(layer.codes), t(layer.scales)
+
+
+def _dequantize_on(layer: packing.PackedLayer, device: torch.device) -> np.ndarray:
+    import torch
+
+    buffers = _torch_buffers(layer, device)
+    op = torch.ops.qpn.nvfp4_dequantize if layer.format == "nvfp4" else torch.ops.qpn.fp8_dequantize
+    return op(*buffers)[: layer.n].cpu().numpy()
+
+
+def _linear_on(layer: packing.PackedLayer, x: np.ndarray, device: torch.device) -> np.ndarray:
+    import torch
+
+    buffers = _torch_buffers(layer, device)
+    xt = torch.from_numpy(x).to(device)
+    op = torch.ops.qpn.nvfp4_linear if layer.format == "nvfp4" else torch.ops.qpn.fp8_linear
+    return op(xt, *buffers)[:, : layer.n].cpu().numpy()
+
+
+def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ref.linear_bounds_fp32 with its fp32 matmuls on torch's CPU matmul: widening fp16 to fp32
+    there is vectorized, numpy's astype is not (0.15 s per 14336 x 4096 layer, half of the bound's
+    time; measured on the 2-core benchmark machine, bench_verify.py). torch's fp32 matmul accumulates
+    in fp32 at matmul precision "highest"; otherwise, ref's own numpy matmul."""
+    import torch
+
+    def torch_fp32_sums(w16: np.ndarray, x32: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+        w = torch.from_numpy(w16).float()  # exact
+        x = torch.from_numpy(x32)
+        s32 = w @ x[:m].T
+        return s32.numpy(), (w.abs_() @ x.abs().T).numpy()
+
+    highest = torch.get_float32_matmul_precision() == "highest"
+    return ref.linear_bounds_fp32(x16, w16, fp32_sums=torch_fp32_sums if highest else None)
+
+
+def _packed_layer_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear) -> packing.PackedLayer:
+    """Prepack an original layer with qpn.ref, as `qpn pack` would (for verifying an original folder)."""
+    buffers = packing.prepack_layer(linear)
+    fmt = packing.layer_format(linear)
+    entry = {} if isinstance(linear, checkpoints.NVFP4Linear) else {"granularity": linear.granularity,
+                                                           "scale_name": linear.scale_name}
+    return packing.PackedLayer(
+        linear.name, fmt, linear.n, linear.k, buffers[packing.CODES],
+        buffers[packing.SCALES] if fmt == "nvfp4" else buffers[packing.GROUP_SCALES],
+        buffers.get(packing.GLOBAL_SCALE), buffers.get(packing.WEIGHT_SCALE), buffers.get(packing.INPUT_SCALE), entry)
+
+
+def _new_result(source: Source, name: str) -> LayerResult:
+    """The layer's name, format, N and K, before any check (the table can be laid out from these)."""
+    c = source.checkpoint
+    if isinstance(c, packing.PackedCheckpoint):
+        layer = c.layers[name]
+        return LayerResult(name, _format_name(layer.format, layer.granularity), layer.n, layer.k)
+    linear = c.linears[name]
+    return LayerResult(name, _format_name(packing.layer_format(linear), getattr(linear, "granularity", None)),
+                       linear.n, linear.k)
+
+
+def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int], seed: int,
+                 upstream: bool) -> LayerResult:
+    """Every check of one layer (module docstring of the `verify` command in README / --help)."""
+    c = source.checkpoint
+    result = _new_result(source, name)
+    if isinstance(c, packing.PackedCheckpoint):
+        layer = c.layers[name]
+    else:
+        linear = c.linears[name]
+        reason = packing.unpackable_reason(linear)
+        if reason is not None:
+            result.fail("unpack", f"cannot be packed: {reason}")
+            return result
+        layer = _packed_layer_of(linear)
+
+    # 1. unpack: the packed bytes give back the checkpoint's bytes, and prepacking those gives the packed bytes
+    try:
+        original = layer.unpack()
+    except ValueError as exc:
+        result.fail("unpack", str(exc))
+        return result
+    back = {role: t.array for role, t in packing.source_tensors(original).items()}
+    if isinstance(c, packing.PackedCheckpoint):
+        expected = layer.entry["source_tensors"]
+        bad = [role for role, a in back.items() if packing.sha256_array(a) != expected[role]["sha256"]]
+        if bad:
+            result.fail("unpack", f"unpacking gives {', '.join(bad)} bytes whose sha256 differs from the manifest's "
+                                  "(the packed file is corrupt)")
+        scalars = {"global_scale": getattr(original, "global_scale", None), "input_scale": original.input_scale}
+        if isinstance(original, checkpoints.FP8Linear) and layer.granularity == "tensor":
+            scalars["weight_scale"] = original.weight_scale
+        bad = [key for key, value in scalars.items()
+               if (value is None) != (key not in layer.entry) or
+               (value is not None and np.float32(layer.entry[key][0]) != value)]
+        if bad:
+            result.fail("unpack", f"{', '.join(bad)} differ from the manifest's (the packed file is corrupt)")
+        repacked = packing.prepack_layer(original)
+        bad = [s for s, a in layer.buffers().items() if not np.array_equal(_u8(a), _u8(repacked[s]))]
+        if bad:
+            result.fail("unpack", f"{', '.join(f'{name}.{s}' for s in bad)} differ from a fresh prepack of the "
+                                  "unpacked layer (the packed file is corrupt)")
+    else:
+        wanted = {role: t.array for role, t in packing.source_tensors(c.linears[name]).items()}
+        bad = [role for role in wanted if not np.array_equal(_u8(wanted[role]), _u8(back[role]))]
+        if bad:
+            result.fail("unpack", f"unpack(prepack(x)) != x for {', '.join(bad)}")
+    result.cells.setdefault("unpack", OK)
+
+    # 2. dequantize: every backend gives the reference's fp16 bytes
+    try:
+        if isinstance(original, checkpoints.NVFP4Linear):
+            # Decoded once: the packed bytes are the checkpoint's (step 1), so qpn2_dequantize would
+            # repeat this very call. What is left to check is the reference's arithmetic; how it
+            # looks the values up is checked by the backends below.
+            w16 = ref.nvfp4_dequantize(original.weight_packed, original.weight_scale, original.global_scale)
+            wrong = _nvfp4_values_off_contract(original.weight_scale, original.global_scale)
+            if wrong:
+                result.fail("ref", f"{wrong} of the (scale byte, code) values this layer uses differ from the "
+                                   "contract RN16(RN32(e2m1 * RN32(e4m3 * g))) evaluated in float64")
+        else:
+            # the bytes step 1 unpacked (and compared) from layer.codes, not a third permutation of them
+            w16 = ref.qpn8.qpn8_dequantize_unpacked(original.weight, layer.scales, layer.n_padded, layer.k)
+            checkpoint_w16 = ref.fp8_dequantize(original.weight, original.weight_scale)
+            worst = _worst_ulp_distance(w16, checkpoint_w16)
+            if worst > 1:  # the QPN8 contract differs from RN16(RN32(e4m3 * s)) by at most 1 ulp (docs/QPN8.md)
+                result.fail("ref", f"qpn8_dequantize is {worst} ulp from the checkpoint semantics (the contract "
+                                   "allows 1)")
+    except ValueError as exc:
+        result.fail("ref", str(exc))
+        return result
+    result.cells.setdefault("ref", OK)
+    for backend in ("cpu", "cuda"):
+        if backend not in backends.devices:
+            result.cells[backend] = ABSENT
+            continue
+        try:
+            got = _dequantize_on(layer, backends.devices[backend])
+        except Exception as exc:  # a backend that raises on valid buffers is a failure to report, not a crash
+            result.fail(backend, f"dequantize raised {type(exc).__name__}: {exc}")
+            continue
+        if not np.array_equal(_bits16(got), _bits16(w16)):
+            result.fail(backend, f"dequantize differs from the reference in {100 * _share_differing(got, w16):.3g} % "
+                                 "of weights")
+        else:
+            result.cells[backend] = OK
+
+    # 3. linear on random activations: inside the derived fp32-accumulation bound around the exact reference
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    xs = [rng.standard_normal((m, layer.k), dtype=np.float32).astype(np.float16) for m in ms]
+    # one fp32 bound for all M at once (w16 is widened once, not per M in float64)
+    lo_all, hi_all = _linear_bounds(np.concatenate(xs), w16)
+    rows = np.cumsum([0, *ms])
+    linear_cell = ABSENT
+    for m, x, start, stop in zip(ms, xs, rows[:-1], rows[1:], strict=True):
+        lo, hi = lo_all[start:stop], hi_all[start:stop]
+        for backend, device in backends.devices.items():
+            try:
+                y = _linear_on(layer, x, device)
+            except Exception as exc:
+                result.fail("linear", f"{backend} M={m} raised {type(exc).__name__}: {exc}")
+                continue
+            outside = ~((lo <= y) & (y <= hi))
+            if outside.any():
+                result.fail("linear", f"{backend} M={m}: {int(outside.sum())} outputs outside the fp32-accumulation "
+                                      "bound of ref.linear_bounds_of_fp32_sums")
+            elif linear_cell != FAIL:
+                linear_cell = OK
+    result.cells.setdefault("linear", linear_cell)
+
+    if upstream:
+        if layer.format == "nvfp4":
+            args = (layer.codes, layer.scales, layer.nvfp4_global_scale(), layer.n_padded, layer.k)
+            p = ref.qpn2_dequantize_variant_p(*args)[:layer.n]
+            e = ref.qpn2_dequantize_variant_e(*args)[:layer.n]
+            result.upstream = {"P": _share_differing(p, w16), "E": _share_differing(e, w16)}
+        else:
+            result.upstream = {"ckpt": _share_differing(w16, checkpoint_w16)}
+    return result
+
+
+def _u8(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def verify_source(source: Source, *, ms: Sequence[int] = DEFAULT_MS, seed: int = DEFAULT_SEED,
+                  upstream: bool = False, progress: Callable = progress_bars(False),
+                  backends: Backends | None = None,
+                  on_result: Callable[[LayerResult], None] = lambda _: None) -> tuple[list[LayerResult], list[str]]:
+    """(per-layer results, problems outside the layers: copied tensors and config files of a packed folder).
+
+    on_result(result) is called as each layer finishes (`qpn verify` prints its row there).
+    """
+    backends = backends or Backends.find()
+    names = source.layer_names
+    results = []
+    for name in progress(names, desc="verify", total=len(names), unit="layer"):
+        results.append(verify_layer(name, source, backends, ms, seed, upstream))
+        on_result(results[-1])
+    other = []
+    c = source.checkpoint
+    if isinstance(c, packing.PackedCheckpoint):
+        bad = [name for name, entry in c.manifest["tensors"].items()
+               if packing.sha256_array(c.tensors[name].array) != entry["sha256"]]
+        if bad:
+            other.append(f"copied tensors whose sha256 differs from the manifest: {', '.join(bad)}")
+        for file in packing.COPIED_CONFIG_FILES:
+            path = os.path.join(source.path, file)
+            expected = c.manifest["source"]["files"].get(file)
+            if (expected is None) != (not os.path.exists(path)) or \
+                    (expected is not None and packing.sha256_file(path) != expected):
+                other.append(f"{file} is not the source's (sha256 differs from the manifest)")
+    return results, other
+
+
+VERIFY_CHECKS = ("unpack", "ref", "cpu", "cuda", "linear")
+
+
+class VerifyTable:
+    """The per-layer table of `qpn verify`, laid out before the checks run so rows print as layers finish."""
+
+    def __init__(self, source: Source, upstream: bool) -> None:
+        firsts = [_new_result(source, name) for name in source.layer_names]
+        self.headers = ["layer", "format", "N", "K", *VERIFY_CHECKS] + (["upstream differs"] if upstream else [])
+        columns = [[r.name for r in firsts], [r.fmt for r in firsts], [str(r.n) for r in firsts],
+                   [str(r.k) for r in firsts]] + [[OK, FAIL, ABSENT]] * len(VERIFY_CHECKS) + [[]] * upstream
+        self.widths = [max([len(h), *(len(v) for v in col)]) for h, col in zip(self.headers, columns, strict=True)]
+        self.upstream = upstream
+
+    def _line(self, cells: Sequence[object]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, self.widths, strict=True)).rstrip()
+
+    def head(self) -> list[str]:
+        return [self._line(self.headers), "  ".join("-" * w for w in self.widths)]
+
+    def row(self, r: LayerResult) -> str:
+        cells = [r.name, r.fmt, r.n, r.k] + [r.cells.get(col, ABSENT) for col in VERIFY_CHECKS]
+        return self._line(cells + ([r.upstream_text] if self.upstream else []))
+
+
+def verify_report_head(source: Source, backends: Backends, ms: Sequence[int]) -> list[str]:
+    return [source.describe(), "backends:", *(f"  {line}" for line in backends.lines),
+            f"checks: unpack = packed bytes <-> checkpoint bytes; ref / cpu / cuda = fp16 weights byte-equal to the "
+            f"reference; linear = x[M, K] @ W16^T with M in {list(ms)} inside the fp32-accumulation bound"]
+
+
+def verify_report_tail(source: Source, results: Sequence[LayerResult], other: Sequence[str], upstream: bool) -> list[str]:
+    lines = []
+    if upstream:
+        lines.append("(upstream differs: share of weights where upstream's decode roundings P / E (NVFP4) or the "
+                     "checkpoint semantics (FP8) give other fp16 bytes than the qpn contract)")
+    failed = [r for r in results if not r.ok]
+    lines += [f"FAIL {r.name}: {problem}" for r in failed for problem in r.problems]
+    lines += [f"FAIL {problem}" for problem in other]
+    copied = (f"; {plural(len(source.checkpoint.tensors), 'other tensor')} "
+              + ("checked" if source.packed else "not checked"))
+    lines.append(f"{len(results) - len(failed)} of {plural(len(results), 'layer')} ok{copied}"
+                 + (f"; {len(failed) + len(other)} FAILED" if failed or other else ""))
+    return lines
+
+
+def upstream_summary(results: Sequence[LayerResult]) -> str:
+    """The `upstream` shares over all layers, weighted by each layer's N * K."""
+    totals: dict[str, float] = {}
+    weights = sum(r.n * r.k for r in results if r.upstream)
+    for r in results:
+        for key, share in r.upstream.items():
+            totals[key] = totals.get(key, 0.0) + share * r.n * r.k
+    return ", ".join(f"{key} {100 * total / weights:.1f} %" for key, total in totals.items()) if weights else ""
+
+
+def _parse_ms(text: str) -> tuple[int, ...]:
+    try:
+        ms = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts such as 1,40, got {text!r}") from None
+    if not ms or any(m < 1 or m > 4096 for m in ms):
+        raise argparse.ArgumentTypeError(f"every M must be in [1, 4096], got {text!r}")
+    return ms
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    source = open_source(args.path, check_values=False)  # a bad value is reported as its layer's failure
+    backends = Backends.find()
+    table = VerifyTable(source, args.upstream)
+    print("\n".join(verify_report_head(source, backends, args.m) + table.head()), flush=True)
+    results, other = verify_source(source, ms=args.m, seed=args.seed, upstream=args.upstream,
+                                   progress=_progress_of(args), backends=backends,
+                                   on_result=lambda r: print(table.row(r), flush=True))  # `| head` stops here
+    print("\n".join(verify_report_tail(source, results, other, args.upstream)))
+    return EXIT_OK if all(r.ok for r in results) and not other else EXIT_FAILED
+
+
+# ----------------------------------------------------------------------------------------------
+# qpn bench
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    bench_args = list(args.bench_args)
+    which = bench_args.pop(0) if bench_args and bench_args[0] in BENCH_SCRIPTS else "kernels"
+    script = BENCH_DIR / BENCH_SCRIPTS[which]
+    if not script.is_file():
+        print(f"qpn bench: the benchmark scripts ship with the source tree ({script} is missing); "
+              "clone the repository and install it with `pip install -e .`", file=sys.stderr)
+        return EXIT_NO_HARDWARE
+    spec = importlib.util.spec_from_file_location(f"qpn_bench_{which}", script)
+    assert spec is not None and spec.loader is not None  # a .py file always has the source loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the script look their module up here
+    spec.loader.exec_module(module)
+    parser = module.build_parser()
+    parser.prog = f"qpn bench{'' if which == 'kernels' else ' ' + which}"
+    parser.parse_args(bench_args)  # a mistyped argument is bad input (argparse exits 2) wherever it runs
+    ok, detail = cuda_status(need_torch=which == "model")  # the model benchmark runs in torch too
+    if not ok:
+        print(f"qpn bench: needs a CUDA GPU, and this machine has none usable: {detail}.\n"
+              "The benchmark times the CUDA kernels; run it on a GPU machine (a Colab / Kaggle T4 works). "
+              "Nothing was measured.", file=sys.stderr)
+        return EXIT_NO_HARDWARE
+    return int(module.main(bench_args) or 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# qpn demo
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    try:
+        return demo.run(device=args.device, keep=args.keep, progress=_progress_of(args))
+    except demo.DemoError as exc:  # the model package or the asked-for GPU is missing
+        print(f"qpn demo: error: {exc}", file=sys.stderr)
+        return EXIT_NO_HARDWARE
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    parser = argparse.ArgumentParser(
+        prog="qpn",
+        description="NVFP4 / FP8 weight-only linears for GPUs without FP4/FP8 units: pack, verify and inspect "
+                    "quantized checkpoints, benchmark the kernels, run the MiniLM demo.",
+        epilog="Exit codes: 0 success, 1 a check failed, 2 bad input, 3 missing hardware (bench without a GPU); "
+               "stopped: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (the temporary folder of a write is removed first), "
+               "141 stdout closed (`qpn verify | head`).",
+    )
+    parser.add_argument("--version", action="version", version=f"qpn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("pack", parents=[common], help="prepack a checkpoint into the QPN2 / QPN8 layouts",
+                       description="Read a ModelOpt (NVFP4 / FP8 / mixed) or compressed-tensors NVFP4 checkpoint, "
+                                   "validate and prepack every quantized linear, and write a packed folder "
+                                   "(safetensors + qpn_manifest.json) atomically. Same input, same bytes.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    p.add_argument("out", metavar="OUT_DIR")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR (atomically)")
+    p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("verify", parents=[common], help="check every layer on every backend present",
+                       description="For an original or packed checkpoint: unpack every layer and compare it with "
+                                   "the checkpoint's bytes, dequantize it on every backend present (numpy "
+                                   "reference, numba CPU, CUDA) and require identical fp16 bytes, and run its "
+                                   "linear on random activations against the exact reference. Exit 1 on any "
+                                   "mismatch.")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--m", type=_parse_ms, default=DEFAULT_MS, metavar="M1,M2",
+                   help=f"activation rows for the linear check (default {','.join(map(str, DEFAULT_MS))})")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random activations")
+    p.add_argument("--upstream", action="store_true",
+                   help="also report how many weights upstream's decode roundings (P / E) would change")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("inspect", parents=[common], help="per-layer table of a checkpoint",
+                       description="Name, format, N, K, global scale(s), bytes and packability of every quantized "
+                                   "layer of an original or packed checkpoint.")
+    p.add_argument("path", metavar="PATH")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("bench", parents=[common], help="kernel benchmark (needs a CUDA GPU)",
+                       usage="qpn bench [-h] [kernels | decode | model] [SCRIPT ARGS...]",
+                       description="Run benchmarks/bench_kernels.py (prepack, dequantize, dense path; the default) "
+                                   "or benchmarks/bench_decode.py (the M <= 32 decode kernels) or "
+                                   "benchmarks/bench_model.py (Llama-3.1-8B-shaped decode, tokens/s vs fp16). Every other "
+                                   "argument goes to the script, e.g. `qpn bench --quick`, "
+                                   "`qpn bench decode --quick --out results`.")
+    p.set_defaults(func=cmd_bench, bench_args=[])  # the script's own arguments are taken as they come
+
+    p = sub.add_parser("demo", parents=[common], help="all-MiniLM-L6-v2 end to end (the main job)",
+                       description="Write all-MiniLM-L6-v2 as ModelOpt NVFP4 and FP8 checkpoints, pack and verify "
+                                   "them, load them through qpn.torch_bridge, embed sentences and print parity "
+                                   "(cosine vs fp32) and timing.")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs (auto: cuda when a usable GPU is present)")
+    p.add_argument("--keep", metavar="DIR", help="write the checkpoints into DIR (kept) instead of a temporary folder")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command != "bench":
+            parser.parse_args(argv)  # the usage error for the stray arguments, as argparse words it
+        args.bench_args = extra
+    except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2, message printed)
+        return int(exc.code or 0)
+    try:
+        with _stop_signals_raise():
+            return args.func(args)
+    except SystemExit as exc:  # argparse inside a command (`qpn bench`'s script arguments)
+        return int(exc.code or 0)
+    except BrokenPipeError:  # the reader of stdout is gone (`| head`): stop quietly, as SIGPIPE would
+        _stdout_to_devnull()
+        return EXIT_SIGNAL_BASE + getattr(signal, "SIGPIPE", 13)
+    except (UsageError, *INPUT_ERRORS) as exc:
+        print(f"qpn {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"qpn {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + signal.SIGINT
+    except Stopped as exc:
+        print(f"qpn {args.command}: stopped by {exc}", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + exc.signum
+
+
+@contextlib.contextmanager
+def _stop_signals_raise() -> Iterator[None]:
+    """SIGTERM / SIGHUP raise `Stopped` while a command runs (main thread only), so they clean up
+    like Ctrl-C instead of killing the process with its temporary folders in place."""
+    def stop(signum: int, _frame: FrameType | None) -> NoReturn:
+        raise Stopped(signum)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's rule
+    wanted = [signum for signum in STOP_SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN] \
+        if in_main_thread else []  # an ignored signal (`nohup` ignores SIGHUP) stays ignored
+    previous = {signum: signal.signal(signum, stop) for signum in wanted}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _stdout_to_devnull() -> None:
+    """Point fd 1 at /dev/null so the interpreter's final flush cannot fail again (Python docs, SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout replaced by something without a descriptor (tests)
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""qpn.checkpoints: reading, writing and packing checkpoints (numpy and qpn.ref only).
+
+- quantized.py: ModelOpt / compressed-tensors checkpoints -> one validated object per linear
+  layer (`load_checkpoint`, `save_checkpoint`, `Checkpoint`, `NVFP4Linear`, `FP8Linear`).
+- packed.py: the packed checkpoint format that `qpn pack` writes (docs/FORMATS.md).
+- safetensors_io.py: a strict, memory-mapped safetensors reader and an atomic writer.
+- atomic.py: atomic folder writes that survive SIGTERM and never replace what qpn did not write.
+
+The reference (qpn.ref) is the executable spec; this part moves bytes between it and the disk.
+"""
+
+from .quantized import (
+    Checkpoint,
+    CheckpointError,
+    FP8Linear,
+    NVFP4Linear,
+    fuse_fp8_shards,
+    fuse_nvfp4_shards,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .safetensors_io import SafetensorsError, StoredTensor, read_safetensors, read_safetensors_header, write_safetensors
+
+__all__ = ["Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear", "SafetensorsError", "StoredTensor",
+           "fuse_fp8_shards", "fuse_nvfp4_shards", "load_checkpoint", "read_safetensors", "read_safetensors_header",
+           "save_checkpoint", "write_safetensors"]

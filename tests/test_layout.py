@@ -1,0 +1,108 @@
+"""The layout tells the truth (issue 14, item 3): every library module lives in a named part, the
+package imports itself one way only (relative imports), and the import graph between the parts
+is one-way, as docs/ARCHITECTURE.md draws it:
+
+    ref -> checkpoints -> torch_bridge -> apps,   ref -> cupy_kernels -> torch_bridge
+
+(an arrow: the right side may import the left). The root holds the package's `__init__.py`,
+`__main__.py` and the compatibility names `qpn.packed`, `qpn.cli`, `qpn.demo` (one re-export each,
+no code). Imports inside functions count too: a lazy import is still an edge of the graph.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("ref", "checkpoints", "cupy_kernels", "torch_bridge", "apps")
+ALLOWED = {  # part -> the parts it may import (itself always)
+    "ref": set(),
+    "checkpoints": {"ref"},
+    "cupy_kernels": {"ref"},
+    "torch_bridge": {"ref", "checkpoints", "cupy_kernels"},
+    "apps": {"ref", "checkpoints", "cupy_kernels", "torch_bridge"},
+}
+ROOT_MODULES = {"__init__.py", "__main__.py", "packed.py", "cli.py", "demo.py"}
+
+
+def package_modules() -> list[Path]:
+    return sorted(p for part in PARTS for p in (ROOT / part).rglob("*.py")) + sorted(ROOT / m for m in ROOT_MODULES)
+
+
+def imported_parts(path: Path) -> list[tuple[int, str, str, bool]]:
+    """(line, import text, part ("" for the package root), absolute?) of every import of the
+    package in `path`."""
+    rel = path.relative_to(ROOT)
+    here = list(rel.parts[:-1])  # the package path of the module's folder, from the root
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}", (a.name.split(".") + [""])[1], True)
+                      for a in node.names if a.name.split(".")[0] == "qpn"]
+        elif isinstance(node, ast.ImportFrom):
+            text = f"from {'.' * node.level}{node.module or ''} import {', '.join(a.name for a in node.names)}"
+            if node.level == 0:
+                if (node.module or "").split(".")[0] == "qpn":
+                    found.append((node.lineno, text, (node.module.split(".") + [""])[1], True))
+                continue
+            base = here[: len(here) - (node.level - 1)]
+            target = base + (node.module.split(".") if node.module else [])
+            if target:
+                found.append((node.lineno, text, target[0], False))
+            else:  # from .. import a, b: each name is a part or a root name (__version__)
+                found += [(node.lineno, text, a.name if a.name in PARTS else "", False) for a in node.names]
+    return found
+
+
+def test_no_library_code_at_the_root():
+    root_py = {p.name for p in ROOT.glob("*.py")}
+    assert root_py == ROOT_MODULES, root_py ^ ROOT_MODULES
+    for name in ("packed.py", "cli.py", "demo.py"):  # compatibility names: a docstring and re-exports
+        body = ast.parse((ROOT / name).read_text()).body
+        assert all(isinstance(n, ast.ImportFrom) or isinstance(n, ast.Expr) for n in body), name
+
+
+def test_the_package_imports_itself_relatively():
+    absolute = [f"{p.relative_to(ROOT)}:{line}: {text}" for p in package_modules()
+                for line, text, _, absolute in imported_parts(p) if absolute]
+    assert not absolute, "use relative imports inside the package:\n" + "\n".join(absolute)
+
+
+def test_the_import_graph_is_one_way():
+    wrong = []
+    for p in package_modules():
+        rel = p.relative_to(ROOT)
+        part = rel.parts[0] if len(rel.parts) > 1 else None
+        if part is None:
+            continue  # the root's __init__ / __main__ / compatibility names
+        for line, text, target, _ in imported_parts(p):
+            if target not in ("", part) and target not in ALLOWED[part]:
+                wrong.append(f"{rel}:{line}: {text}  ({part} -> {target})")
+    assert not wrong, "imports against the graph of docs/ARCHITECTURE.md:\n" + "\n".join(wrong)
+
+
+def test_the_graph_check_sees_edges():
+    """The checker itself: a relative import two levels up resolves to the right part."""
+    found = imported_parts(ROOT / "torch_bridge" / "vllm" / "methods.py")
+    assert any(part == "torch_bridge" for _, _, part, _ in found) and any(part == "ref" for _, _, part, _ in found)
+
+
+def test_the_old_public_names_still_resolve_without_a_back_edge():
+    """qpn.ref.load_checkpoint & co., qpn.packed, qpn.cli, qpn.demo (docs/DESIGN.md) stay public;
+    importing the reference imports no checkpoint I/O (a fresh interpreter: nothing cached)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, qpn.ref as r\n"
+        "assert not [m for m in sys.modules if m.startswith('qpn.checkpoints')], 'qpn.ref imported qpn.checkpoints'\n"
+        "import qpn.checkpoints as c, qpn.packed, qpn.cli, qpn.demo\n"
+        "from qpn.checkpoints import packed\n"
+        "from qpn.apps import cli, demo\n"
+        "assert r.load_checkpoint is c.load_checkpoint and r.StoredTensor is c.StoredTensor\n"
+        "assert qpn.packed.load_packed is packed.load_packed and qpn.cli.main is cli.main and qpn.demo.run is demo.run\n"
+        "try:\n    r.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+        "else:\n    raise AssertionError('qpn.ref invented an attribute')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
