@@ -100,11 +100,17 @@ def _progress_of(args: argparse.Namespace) -> Callable:
     return progress_bars(not args.quiet and sys.stderr.isatty())
 
 
+def _table_line(cells: Sequence[object], widths: Sequence[int]) -> str:
+    return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+
+def _table_rule(widths: Sequence[int]) -> str:
+    return "  ".join("-" * w for w in widths)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in (headers, *rows)]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join([_table_line(headers, widths), _table_rule(widths), *(_table_line(row, widths) for row in rows)])
 
 
 def _size(nbytes: int) -> str:
@@ -599,15 +605,12 @@ class VerifyTable:
         self.widths = [max([len(h), *(len(v) for v in col)]) for h, col in zip(self.headers, columns, strict=True)]
         self.upstream = upstream
 
-    def _line(self, cells: Sequence[object]) -> str:
-        return "  ".join(str(c).ljust(w) for c, w in zip(cells, self.widths, strict=True)).rstrip()
-
     def head(self) -> list[str]:
-        return [self._line(self.headers), "  ".join("-" * w for w in self.widths)]
+        return [_table_line(self.headers, self.widths), _table_rule(self.widths)]
 
     def row(self, r: LayerResult) -> str:
         cells = [r.name, r.fmt, r.n, r.k] + [r.cells.get(col, ABSENT) for col in VERIFY_CHECKS]
-        return self._line(cells + ([r.upstream_text] if self.upstream else []))
+        return _table_line(cells + ([r.upstream_text] if self.upstream else []), self.widths)
 
 
 def verify_report_head(source: Source, backends: Backends, ms: Sequence[int]) -> list[str]:
