@@ -281,7 +281,8 @@ def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=
     saved, L.TARGET_WARPS = L.TARGET_WARPS, target or L.TARGET_WARPS
     try:
         parts, split, gpw = L.decode_split(fmt, n, k)
-        workspace = ctx.cp.empty(L._fragment_elements(m, k) + L.decode_workspace_size(fmt, m, n, k), ctx.cp.float32)
+        split_k = sum(L._split_k_elements(parts, m, n, False))
+        workspace = ctx.cp.empty((L._fragment_elements(m, k) if x_frag else 0) + split_k, ctx.cp.float32)
 
         def launch(i):
             if fmt == "qpn2":

@@ -287,7 +287,7 @@ def _x_fragments(x: CupyArray, out: CupyArray) -> None:
 
 
 def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray, n: int, gated: bool,
-            workspace: CupyArray, x_frag: bool) -> None:
+            workspace: CupyArray | None, x_frag: bool) -> None:
     """Queue one decode call: the x fragments (x_frag: the build reads them), the split-K tickets'
     reset, and the kernel `fn` with the split (decode_split) and its grid; `weights` are the
     format's leading kernel arguments.
@@ -302,6 +302,7 @@ def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArra
     partial_size, ticket_count = _split_k_elements(parts, m, n, gated)
     frag = _fragment_elements(m, k) if x_frag else 0
     size = frag + partial_size + ticket_count
+    x_arg, partial, tickets = x, np.uint64(0), np.uint64(0)
     if size:
         if workspace is None:
             workspace = cupy.empty(size, dtype=np.float32)
@@ -312,13 +313,12 @@ def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArra
                     f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
                     f"(decode_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one"
                 )
-    x_arg, partial, tickets = x, np.uint64(0), np.uint64(0)
-    if frag:
-        x_arg = workspace[:frag]
-        _x_fragments(x, x_arg)
-    if parts > 1:
-        partial = workspace[frag:frag + partial_size]
-        tickets = _zeroed_tickets(workspace[frag + partial_size:size])
+        if frag:
+            x_arg = workspace[:frag]
+            _x_fragments(x, x_arg)
+        if parts > 1:
+            partial = workspace[frag:frag + partial_size]
+            tickets = _zeroed_tickets(workspace[frag + partial_size:size])
     grid = (n // TILE_N // (2 if gated else 1), parts)
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(groups_per_warp), partial, tickets)
     fn(grid, (32 * split,), (*weights, x_arg, y, *tail))
