@@ -16,24 +16,15 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from ..ref.checks import require_buffer_shape
+from ..ref.formats import WeightFormat
+from ..ref.geometry import TILE_N
+
 # CuPy ships no type information (mypy reads `cupy` as Any: pyproject.toml, [tool.mypy]), so a
 # cupy.ndarray is annotated with this alias: it names what the value is, mypy checks nothing more.
 CupyArray: TypeAlias = Any
 
-TILE_N = 32  # == qpn.ref.geometry.TILE_N
 VECTOR_BYTES = 16  # the kernels move 16-byte vectors
-
-
-def require_int(name: str, value: object, layout: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int (the {layout} weight's dimension), got {type(value).__name__}")
-    return int(value)
-
-
-def require_multiple(name: str, value: int, multiple: int, layout: str, fix: str) -> None:
-    """Same rule and wording as qpn.ref.checks.require_multiple."""
-    if value <= 0 or value % multiple != 0:
-        raise ValueError(f"{name} must be a positive multiple of {multiple} for {layout}, got {name}={value}; {fix}")
 
 
 def require_cupy(name: str, value: object, dtype: npt.DTypeLike, ndim: int | None = None) -> CupyArray:
@@ -73,13 +64,12 @@ def require_aligned(name: str, value: CupyArray, alignment: int = VECTOR_BYTES) 
         )
 
 
-def require_buffer_shape(name: str, value: CupyArray, rows: int, cols: int, producer: str) -> None:
-    """A prepacked buffer: [rows, cols] (as the prepack returns it) or flat [rows * cols] (qpn.ref's rule)."""
-    if tuple(value.shape) not in ((rows, cols), (rows * cols,)):
-        raise ValueError(
-            f"{name} must have shape ({rows}, {cols}) (as the prepack returns it) or ({rows * cols},), "
-            f"got {tuple(value.shape)}; pass the buffer {producer} produced, with the same n and k"
-        )
+def require_packed(wf: WeightFormat, name: str, value: CupyArray, n: int, k: int) -> None:
+    """Buffer `name` of `wf` for an [n, k] weight on the device: the description's dtype, and its
+    shape as the prepack returns it or flat (qpn.ref's rule)."""
+    buffer = wf.buffer(name)
+    require_cupy(name, value, buffer.dtype)
+    require_buffer_shape(name, value, buffer.shape(n, k), f"{wf.layout.lower()}_prepack")
 
 
 def require_shape(name: str, value: CupyArray, shape: tuple[int, ...]) -> None:
@@ -121,21 +111,23 @@ def global_scale_on_device(global_scale: float | np.ndarray | CupyArray, n: int,
             f"{name} must be float32 (scalar or one value per 32-column tile), got dtype {g.dtype}; "
             "checkpoints store weight_scale_2 as fp32 - pass it unchanged"
         )
-    if g.size == 1:
-        stride = 0
-    elif g.ndim == 1 and n % TILE_N == 0 and g.shape[0] == n // TILE_N:
-        stride = 1
-    else:
+    if g.size != 1 and not (g.ndim == 1 and n % TILE_N == 0 and g.shape[0] == n // TILE_N):
         raise ValueError(
             f"{name} must be a scalar or hold one value per 32-column tile (shape ({n // TILE_N},) "
             f"for N={n}), got shape {g.shape}; give each fused shard its own scale per tile of 32 rows"
         )
+    stride = global_scale_stride(g)
     if on_device:
         require_cupy(name, g, np.float32)
         return g, stride  # the kernel takes the pointer; no reshape (a view costs host time per call)
     if not (np.all(np.isfinite(g)) and np.all(g > 0)):
         raise ValueError(f"{name} must be finite and > 0, got values {np.unique(g)[:4]}")
     return cupy.asarray(np.ascontiguousarray(g.reshape(-1))), stride
+
+
+def global_scale_stride(g: np.ndarray | CupyArray) -> int:
+    """The kernels' tile stride of a validated global scale: 0 for one value, 1 for one per tile."""
+    return 0 if g.size == 1 else 1
 
 
 def to_host(value: object) -> object:

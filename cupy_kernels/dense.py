@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ref.formats import QPN2, QPN8
 from ._validate import CupyArray, output_array, require_cupy
 from .dequantize import (
     check_qpn2,
@@ -77,7 +78,7 @@ def qpn2_dense_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_
     """
     # validate everything once, then launch (this is the per-forward path: no second validation)
     m, k = _activation(x)
-    n = _weight_rows(codes, k, 0.5)
+    n = _weight_rows(codes, k, QPN2.code_bits / 8)
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
     w = _buffers(out, workspace, m, n, k)
     if check:
@@ -93,7 +94,7 @@ def qpn8_dense_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, o
     x: fp16 [M, K] CuPy; codes, group_scales as qpn8_prepack returns them. Returns fp16 [M, N].
     """
     m, k = _activation(x)
-    n = _weight_rows(codes, k, 1.0)
+    n = _weight_rows(codes, k, QPN8.code_bits / 8)
     n, k, strides = prepare_qpn8(codes, group_scales, n, k)
     w = _buffers(out, workspace, m, n, k)
     if check:

@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ref.formats import QPN2, QPN8, WeightFormat
 from ..ref.geometry import GROUP_K, TILE_N
-from ..ref.qpn2 import PAD_K_FIX, PAD_N_FIX, QPN2_K_MULTIPLE
+from ..ref.qpn8 import qpn8_group_scales_format
 from ._validate import (
     CupyArray,
     global_scale_on_device,
+    global_scale_stride,
     launch_blocks,
     output_array,
     raise_reference_error,
     require_aligned,
-    require_buffer_shape,
     require_cupy,
-    require_int,
-    require_multiple,
+    require_packed,
 )
 from .loader import kernel
 from .variants import KernelVariant
@@ -63,30 +63,23 @@ QPN8_CHECK = KernelVariant("qpn8_dequantize.cu", "qpn8_check", _MACROS)
 KERNEL_VARIANTS = (QPN2_DEQUANTIZE, QPN2_CHECK_SCALES, QPN8_DEQUANTIZE, QPN8_CHECK)
 
 CHECK_MAX_BLOCKS = 1024  # the check kernels are grid-stride loops; 1024 x 256 threads fill any GPU
-QPN8_BLOCK = 128
-QPN8_K_MULTIPLE = GROUP_K
-PAD_K16_FIX = "pad K with zero columns to a multiple of 16"  # == qpn.ref.qpn8.PAD_K16_FIX
-
-
-def _qpn2_dims(n: int, k: int) -> tuple[int, int]:
-    n, k = require_int("n", n, "QPN2"), require_int("k", k, "QPN2")
-    require_multiple("N", n, TILE_N, "QPN2", PAD_N_FIX)
-    require_multiple("K", k, QPN2_K_MULTIPLE, "QPN2", PAD_K_FIX)
-    return n, k
 
 
 def prepare_qpn2(codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, n: int, k: int
                  ) -> tuple[int, int, CupyArray, int]:
     """Validate QPN2 dequantize inputs; returns (n, k, device global scale, its tile stride)."""
-    n, k = _qpn2_dims(n, k)
-    require_cupy("codes", codes, np.uint8)
-    require_buffer_shape("codes", codes, n, k // 2, "qpn2_prepack")
-    require_cupy("scales", scales, np.uint8)
-    require_buffer_shape("scales", scales, n, k // GROUP_K, "qpn2_prepack")
-    require_aligned("codes", codes, 8)  # 8-byte loads
-    require_aligned("scales", scales, 4)  # the check kernel reads 4 bytes at a time
+    n, k = QPN2.require_int_dims(n, k)
+    require_packed(QPN2, "codes", codes, n, k)
+    require_packed(QPN2, "scales", scales, n, k)
+    require_qpn2_aligned(codes, scales)
     g, g_stride = global_scale_on_device(global_scale, n)
     return n, k, g, g_stride
+
+
+def require_qpn2_aligned(codes: CupyArray, scales: CupyArray) -> None:
+    """The GPU's rule on QPN2 buffers, which a torch op's metadata checks cannot see."""
+    require_aligned("codes", codes, 8)  # 8-byte loads
+    require_aligned("scales", scales, 4)  # the check kernel reads 4 bytes at a time
 
 
 def check_qpn2(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int, k: int, global_scale: float | np.ndarray | CupyArray) -> None:
@@ -133,33 +126,36 @@ def qpn2_dequantize(codes: CupyArray, scales: CupyArray, global_scale: float | n
     return out
 
 
-def _qpn8_layout(group_scales: CupyArray, n: int, k: int) -> tuple[str, int, int, int]:
-    """(granularity, kb stride, tile stride, column stride) of the fp16 group scales; qpn.ref's shape rule."""
-    shape = tuple(group_scales.shape)
-    if shape == (1, n):
-        require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
-        require_multiple("K", k, QPN8_K_MULTIPLE, "QPN8", PAD_K16_FIX)
-        return "channel", 0, TILE_N, 1  # S16[0, n]: n = 32 t + col
-    if k % QPN8_BLOCK == 0 and n % TILE_N == 0 and shape == (k // QPN8_BLOCK, n // TILE_N):
-        return "block", n // TILE_N, 1, 0  # S16[g // 8, t]
-    raise ValueError(
-        f"group_scales must be float16 [1, {n}] (channel / tensor) or [K/128, N/32] = "
-        f"[{k // QPN8_BLOCK}, {n // TILE_N}] (128x128 block, needs K % 128 == 0 and N % 32 == 0) for a "
-        f"[{n}, {k}] weight, got shape {shape}; pass what qpn8_prepack returned"
-    )
+def qpn2_dequantize_trusted(codes: CupyArray, scales: CupyArray, global_scale: CupyArray, n: int, k: int, out: CupyArray
+                            ) -> CupyArray:
+    """`qpn2_dequantize(..., out=out, check=False)` of arguments its caller validated (the torch op:
+    dtypes, shapes, QPN2 multiples, one device, C-contiguous; global_scale a device float32 of one
+    value or one per tile; out a fresh fp16 [n, k]); checks only the alignment (no sync)."""
+    require_qpn2_aligned(codes, scales)
+    launch_qpn2_dequantize(codes, scales, global_scale, global_scale_stride(global_scale), out, n, k)
+    return out
+
+
+def qpn8_strides(wf: WeightFormat, n: int) -> tuple[int, int, int]:
+    """(kb stride, tile stride, column stride) the kernels read the group scales of layout `wf` with."""
+    if wf is QPN8:
+        return 0, TILE_N, 1  # S16[0, n]: n = 32 t + col
+    return n // TILE_N, 1, 0  # 128x128 blocks: S16[g // 8, t]
 
 
 def prepare_qpn8(codes: CupyArray, group_scales: CupyArray, n: int, k: int) -> tuple[int, int, tuple[int, int, int]]:
     """Validate QPN8 dequantize inputs; returns (n, k, (kb stride, tile stride, column stride))."""
-    n, k = require_int("n", n, "QPN8"), require_int("k", k, "QPN8")
-    require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
-    require_multiple("K", k, QPN8_K_MULTIPLE, "QPN8", PAD_K16_FIX)
-    require_cupy("codes", codes, np.uint8)
-    require_buffer_shape("codes", codes, n, k, "qpn8_prepack")
-    require_cupy("group_scales", group_scales, np.float16, ndim=2)
-    strides = _qpn8_layout(group_scales, n, k)[1:]
-    require_aligned("codes", codes)  # 16-byte loads
+    n, k = QPN8.require_int_dims(n, k)
+    require_packed(QPN8, "codes", codes, n, k)
+    require_cupy("group_scales", group_scales, QPN8.buffer("group_scales").dtype, ndim=2)
+    strides = qpn8_strides(qpn8_group_scales_format(group_scales.shape, n, k), n)
+    require_qpn8_aligned(codes)
     return n, k, strides
+
+
+def require_qpn8_aligned(codes: CupyArray) -> None:
+    """The GPU's rule on QPN8 codes, which a torch op's metadata checks cannot see."""
+    require_aligned("codes", codes)  # 16-byte loads
 
 
 def check_qpn8(codes: CupyArray, group_scales: CupyArray, n: int, k: int) -> None:
@@ -207,5 +203,15 @@ def qpn8_dequantize(codes: CupyArray, group_scales: CupyArray, n: int, k: int, o
     out = output_array(out, (n, k), np.float16)
     if check:
         check_qpn8(codes, group_scales, n, k)
+    launch_qpn8_dequantize(codes, group_scales, strides, out, n, k)
+    return out
+
+
+def qpn8_dequantize_trusted(codes: CupyArray, group_scales: CupyArray, n: int, k: int, out: CupyArray) -> CupyArray:
+    """`qpn8_dequantize(..., out=out, check=False)` of arguments its caller validated (the torch op:
+    dtypes, shapes, QPN8 multiples, one device, C-contiguous; out a fresh fp16 [n, k]); checks only
+    the alignment (no sync). The layout of the group scales is read from their shape (host arithmetic)."""
+    require_qpn8_aligned(codes)
+    strides = qpn8_strides(qpn8_group_scales_format(group_scales.shape, n, k), n)
     launch_qpn8_dequantize(codes, group_scales, strides, out, n, k)
     return out

@@ -27,10 +27,18 @@ import math
 
 import numpy as np
 
+from ..ref.checks import require_multiple
+from ..ref.formats import FORMAT_NAMES, QPN2, QPN8, QPN8_BLOCK, WeightFormat
 from ..ref.geometry import GROUP_K, TILE_N
-from ..ref.qpn2 import PAD_K_FIX, PAD_N_FIX, QPN2_K_MULTIPLE
-from ._validate import CupyArray, output_array, require_aligned, require_cupy, require_multiple
-from .dequantize import PAD_K16_FIX, prepare_qpn2, prepare_qpn8
+from ._validate import CupyArray, global_scale_stride, output_array, require_aligned, require_cupy
+from .dequantize import (
+    prepare_qpn2,
+    prepare_qpn8,
+    qpn8_group_scales_format,
+    qpn8_strides,
+    require_qpn2_aligned,
+    require_qpn8_aligned,
+)
 from .loader import RawKernel, kernel
 from .variants import KernelVariant
 
@@ -69,7 +77,7 @@ PIPELINE = {
     **{("qpn8_block", nb, False): {1: (4, 2), 2: (2, 2), 3: (1, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
     **{(family, nb, True): (2 if nb <= 2 else 1, 1) for family in ("qpn2", "qpn8", "qpn8_block") for nb in (1, 2, 3, 4)},
 }
-QPN8_K_MULTIPLE = GROUP_K
+QPN8_K_MULTIPLE = QPN8.k_multiple  # kept for imports
 
 
 def pipeline_macros(unroll: int, min_blocks: int) -> tuple[tuple[str, str], ...]:
@@ -164,7 +172,7 @@ def decode_split(fmt: str, n: int, k: int) -> tuple[int, int, int]:
     return split_k(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[fmt], _SMS[device.id])
 
 
-DECODE_FORMATS = ("nvfp4", "fp8")
+DECODE_FORMATS = FORMAT_NAMES  # kept for imports
 
 
 def decode_threshold(fmt: str, n: int, k: int) -> int:
@@ -185,17 +193,21 @@ def decode_threshold(fmt: str, n: int, k: int) -> int:
     return MAX_M
 
 
-def _activation(x: CupyArray, k_multiple: int, layout: str, fix: str, dense: str) -> tuple[int, int]:
+def _activation(x: CupyArray, wf: WeightFormat, dense: str) -> tuple[int, int]:
     require_cupy("x", x, np.float16, ndim=2)
     m, k = x.shape
     if not 1 <= m <= MAX_M:
         raise ValueError(
-            f"x has M={m} rows; the {layout} decode kernel handles M in [1, {MAX_M}]: "
+            f"x has M={m} rows; the {wf.label} decode kernel handles M in [1, {MAX_M}]: "
             f"use {dense} (the prefill path) for larger M"
         )
-    require_multiple("K", k, k_multiple, layout, fix)
-    require_aligned("x", x, 8)  # 8-byte loads of 4 consecutive k
+    require_multiple("K", k, wf.k_multiple, wf.label, wf.k_fix)
+    _require_x_aligned(x)
     return m, k
+
+
+def _require_x_aligned(x: CupyArray) -> None:
+    require_aligned("x", x, 8)  # 8-byte loads of 4 consecutive k
 
 
 def _rows_of(codes: CupyArray, k: int, bytes_per_k: float) -> int:
@@ -226,7 +238,7 @@ def _gated_rows(n: int, gated: bool) -> int:
 # groups_per_warp multiple per format, the same for every M and gated or not (batch invariance):
 # QPN2's K % 64 == 0 makes every K-slice whole batches of up to 4 groups (no pad groups; every
 # QPN2 build's batch divides it: tests/test_decode_split.py).
-SLICE_MULTIPLE = {"qpn2": QPN2_K_MULTIPLE // GROUP_K, "qpn8": 1}
+SLICE_MULTIPLE = {QPN2.key: QPN2.k_multiple // GROUP_K, QPN8.key: 1}
 
 
 # Split-K state lives in the call's workspace, nothing outlives a call: the fp32 partial sums
@@ -333,16 +345,31 @@ def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale:
     workspace: optional float32 CuPy array for split-K layers (decode_workspace_size).
     """
     # validate (shapes, dtypes, devices, alignment) -> allocate -> grid/block -> launch
-    m, k = _activation(x, QPN2_K_MULTIPLE, "QPN2", PAD_K_FIX, "qpn2_dense_linear")
-    n = _rows_of(codes, k, 0.5)
-    require_multiple("N", n, TILE_N, "QPN2", PAD_N_FIX)
-    n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
-    out_cols = _gated_rows(n, gated)
-    y = output_array(out, (m, out_cols), np.float16)
-    nb = -(-m // TOKENS_PER_BLOCK)
-    fn = kernel(QPN2_LINEAR[nb, bool(gated)])
-    _launch("qpn2", fn, (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace, X_FRAG["qpn2", nb])
+    m, k = _activation(x, QPN2, "qpn2_dense_linear")
+    n = _rows_of(codes, k, QPN2.code_bits / 8)
+    n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)  # N's rule first
+    y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
+    _qpn2_decode(x, codes, scales, g, g_stride, n, y, gated, workspace)
     return y
+
+
+def qpn2_linear_trusted(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: CupyArray, n: int, out: CupyArray,
+                        gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
+    """`qpn2_linear` of arguments its caller validated (the torch op: dtypes, shapes, QPN2 multiples,
+    M in [1, 32], gated halves in whole tiles, one device, C-contiguous; global_scale a device
+    float32 of one value or one per tile; out a fresh fp16 [M, N] or [M, N/2]); checks only the
+    alignment, which the op's metadata checks cannot see."""
+    _require_x_aligned(x)
+    require_qpn2_aligned(codes, scales)
+    _qpn2_decode(x, codes, scales, global_scale, global_scale_stride(global_scale), n, out, gated, workspace)
+    return out
+
+
+def _qpn2_decode(x: CupyArray, codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int, y: CupyArray,
+                 gated: bool, workspace: CupyArray | None) -> None:
+    nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
+    fn = kernel(QPN2_LINEAR[nb, bool(gated)])
+    _launch(QPN2.key, fn, (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace, X_FRAG[QPN2.key, nb])
 
 
 def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None, gated: bool = False,
@@ -353,16 +380,38 @@ def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: Cu
     group_scales fp16 [1, N] (channel / tensor) or [K/128, N/32] (block). Returns fp16 [M, N]
     ([M, N/2] when gated). workspace: as qpn2_linear.
     """
-    m, k = _activation(x, QPN8_K_MULTIPLE, "QPN8", PAD_K16_FIX, "qpn8_dense_linear")
-    n = _rows_of(codes, k, 1.0)
-    require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
-    n, k, (kb_stride, _, col_stride) = prepare_qpn8(codes, group_scales, n, k)
-    block_scales = col_stride == 0
-    if not block_scales:
-        require_aligned("group_scales", group_scales, 8)  # 8-byte loads of a quad's 4 scales
-    out_cols = _gated_rows(n, gated)
-    y = output_array(out, (m, out_cols), np.float16)
-    nb = -(-m // TOKENS_PER_BLOCK)
-    fn = kernel(QPN8_LINEAR[nb, bool(gated), block_scales])
-    _launch("qpn8", fn, (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace, X_FRAG["qpn8", nb])
+    m, k = _activation(x, QPN8, "qpn8_dense_linear")
+    n = _rows_of(codes, k, QPN8.code_bits / 8)
+    n, k, _ = prepare_qpn8(codes, group_scales, n, k)  # N's rule first
+    wf = qpn8_group_scales_format(group_scales.shape, n, k)
+    _require_group_scales_aligned(group_scales, wf)
+    y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
+    _qpn8_decode(x, codes, group_scales, wf, n, y, gated, workspace)
     return y
+
+
+def qpn8_linear_trusted(x: CupyArray, codes: CupyArray, group_scales: CupyArray, n: int, out: CupyArray, gated: bool = False,
+                        workspace: CupyArray | None = None) -> CupyArray:
+    """`qpn8_linear` of arguments its caller validated (the torch op: dtypes, shapes, QPN8 multiples,
+    group scales [1, N] or [K/128, N/32], M in [1, 32], gated halves in whole tiles, one device,
+    C-contiguous; out a fresh fp16 [M, N] or [M, N/2]); checks only the alignment, which the op's
+    metadata checks cannot see. The layout of the group scales is read from their shape."""
+    wf = qpn8_group_scales_format(group_scales.shape, n, x.shape[1])
+    _require_x_aligned(x)
+    require_qpn8_aligned(codes)
+    _require_group_scales_aligned(group_scales, wf)
+    _qpn8_decode(x, codes, group_scales, wf, n, out, gated, workspace)
+    return out
+
+
+def _require_group_scales_aligned(group_scales: CupyArray, wf: WeightFormat) -> None:
+    if wf is QPN8:
+        require_aligned("group_scales", group_scales, 8)  # 8-byte loads of a quad's 4 scales
+
+
+def _qpn8_decode(x: CupyArray, codes: CupyArray, group_scales: CupyArray, wf: WeightFormat, n: int, y: CupyArray,
+                 gated: bool, workspace: CupyArray | None) -> None:
+    kb_stride = qpn8_strides(wf, n)[0]
+    nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
+    fn = kernel(QPN8_LINEAR[nb, bool(gated), wf is QPN8_BLOCK])
+    _launch(QPN8.key, fn, (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace, X_FRAG[QPN8.key, nb])

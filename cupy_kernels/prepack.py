@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ref.formats import FP8_BLOCK, QPN2, QPN8, weight_format
 from ..ref.geometry import GROUP_K, TILE_N
-from ..ref.qpn2 import PAD_K_FIX, PAD_N_FIX, QPN2_K_MULTIPLE
+from ..ref.qpn2 import qpn2_prepack_dims
 from ._validate import (
     CupyArray,
     launch_blocks,
     raise_reference_error,
     require_aligned,
     require_cupy,
-    require_multiple,
-    require_shape,
 )
 from .loader import kernel
 from .variants import KernelVariant
@@ -48,7 +47,6 @@ KERNEL_VARIANTS = (QPN2_PREPACK, QPN8_PREPACK, QPN8_GROUP_SCALES)
 
 THREADS_PER_BLOCK = 256  # 8 warps; the kernels use no shared memory, so this only sets granularity
 QPN2_PREPACK_GROUPS_PER_THREAD = 4  # fixed in qpn2_prepack.cu: one 32-byte sector of a row
-QPN8_BLOCK = 128
 FLAG_NAN = 1
 FLAG_BAD_SCALE = 2
 FLAG_OVERFLOW = 4
@@ -60,22 +58,25 @@ def qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray) -> tuple[Cup
     weight_packed: cupy uint8 [N, K/2] (element 2j in the low nibble); weight_scale: cupy uint8
     e4m3 bits [N, K/16]. Same rules and bytes as qpn.ref.qpn2_prepack.
     """
-    import cupy  # noqa: PLC0415
-
-    # validate
+    # validate (the alignment, which the torch op cannot see, in qpn2_prepack_trusted)
     require_cupy("weight_packed", weight_packed, np.uint8, ndim=2)
     require_cupy("weight_scale", weight_scale, np.uint8, ndim=2)
-    n, half_k = weight_packed.shape
-    k = 2 * half_k
-    require_multiple("N", n, TILE_N, "QPN2", f"weight_packed has shape {weight_packed.shape}; {PAD_N_FIX}")
-    require_multiple("K", k, QPN2_K_MULTIPLE, "QPN2", f"K = 2 * weight_packed.shape[1]; {PAD_K_FIX}")
-    require_shape("weight_scale", weight_scale, (n, k // GROUP_K))
+    qpn2_prepack_dims(weight_packed, weight_scale)
+    return qpn2_prepack_trusted(weight_packed, weight_scale)
+
+
+def qpn2_prepack_trusted(weight_packed: CupyArray, weight_scale: CupyArray) -> tuple[CupyArray, CupyArray]:
+    """`qpn2_prepack` of tensors its caller validated (the torch op: dtypes, 2-D, QPN2 multiples,
+    scale shape, one device, C-contiguous); checks only the alignment, then the values on the GPU."""
+    import cupy  # noqa: PLC0415
+
     require_aligned("weight_packed", weight_packed)  # 16-byte loads
     require_aligned("weight_scale", weight_scale, 4)  # 4 scale bytes per load
 
     # allocate
-    codes = cupy.empty((n, half_k), dtype=cupy.uint8)
-    scales = cupy.empty((n, k // GROUP_K), dtype=cupy.uint8)
+    n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
+    codes = cupy.empty(QPN2.buffer("codes").shape(n, k), dtype=QPN2.buffer("codes").dtype)
+    scales = cupy.empty(QPN2.buffer("scales").shape(n, k), dtype=QPN2.buffer("scales").dtype)
     flags = cupy.zeros(1, dtype=cupy.int32)
 
     launch_qpn2_prepack(weight_packed, weight_scale, codes, scales, flags)
@@ -109,7 +110,7 @@ def qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str | 
 
     from ..ref.qpn8 import qpn8_scale_granularity  # noqa: PLC0415  (the shape rule, metadata only)
 
-    # validate
+    # validate (the alignment, which the torch op cannot see, in qpn8_prepack_trusted)
     require_cupy("weight", weight, np.uint8, ndim=2)
     if isinstance(weight_scale, (np.ndarray, np.float32)):
         if np.asarray(weight_scale).dtype != np.float32:
@@ -118,12 +119,22 @@ def qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str | 
     require_cupy("weight_scale", weight_scale, np.float32)
     n, k = weight.shape
     granularity = qpn8_scale_granularity(weight_scale, n, k, granularity)  # also N / K alignment
+    return qpn8_prepack_trusted(weight, weight_scale, granularity)
+
+
+def qpn8_prepack_trusted(weight: CupyArray, weight_scale: CupyArray, granularity: str) -> tuple[CupyArray, CupyArray]:
+    """`qpn8_prepack` of tensors its caller validated (the torch op: dtypes, weight 2-D, the scale's
+    shape rule and `granularity` from qpn.ref.qpn8_scale_granularity, one device, C-contiguous, the
+    scale on the device); checks only the alignment, then the values on the GPU."""
+    import cupy  # noqa: PLC0415
+
     require_aligned("weight", weight)
 
     # allocate
-    rows, cols = (k // QPN8_BLOCK, n // TILE_N) if granularity == "block" else (1, n)
-    codes = cupy.empty((n, k), dtype=cupy.uint8)
-    group_scales = cupy.empty((rows, cols), dtype=cupy.float16)
+    n, k = weight.shape
+    group_scales_buffer = weight_format(QPN8.format, granularity).buffer("group_scales")
+    codes = cupy.empty(QPN8.buffer("codes").shape(n, k), dtype=QPN8.buffer("codes").dtype)
+    group_scales = cupy.empty(group_scales_buffer.shape(n, k), dtype=group_scales_buffer.dtype)
     flags = cupy.zeros(1, dtype=cupy.int32)
 
     launch_qpn8_prepack(weight, weight_scale, granularity, codes, group_scales, flags)
@@ -143,7 +154,7 @@ def launch_qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity:
     groups = k // GROUP_K
     rows, cols = group_scales.shape
     if granularity == "block":  # S16[kb, t] <- s[t // 4, kb]
-        col_div, s_col_stride, s_row_stride = QPN8_BLOCK // TILE_N, k // QPN8_BLOCK, 1
+        col_div, s_col_stride, s_row_stride = FP8_BLOCK // TILE_N, k // FP8_BLOCK, 1
     else:  # S16[0, n] <- s[n] (channel) or s[0] (tensor)
         col_div, s_col_stride, s_row_stride = 1, (0 if granularity == "tensor" else 1), 0
 

@@ -43,11 +43,29 @@ def require_array(name: str, value: object, dtype: npt.DTypeLike, ndim: int | No
     return value
 
 
+def require_int(name: str, value: object, layout: str) -> int:
+    """`value` (a dimension a caller passes) is an int, bool excluded -> int(value)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int (the {layout} weight's dimension), got {type(value).__name__}")
+    return int(value)
+
+
 def require_multiple(name: str, value: int, multiple: int, layout: str, fix: str) -> None:
     """`value` (a dimension) must be a positive multiple of `multiple`."""
     if value <= 0 or value % multiple != 0:
         raise ValueError(
             f"{name} must be a positive multiple of {multiple} for {layout}, got {name}={value}; {fix}"
+        )
+
+
+def require_buffer_shape(name: str, value: np.ndarray, shape: tuple[int, ...], producer: str) -> None:
+    """A prepacked buffer (numpy or CuPy: only its shape is read): `shape` [rows, cols], as `producer`
+    returns it, or flat [rows * cols]."""
+    rows, cols = shape
+    if tuple(value.shape) not in ((rows, cols), (rows * cols,)):
+        raise ValueError(
+            f"{name} must have shape ({rows}, {cols}) (as the prepack returns it) or ({rows * cols},), "
+            f"got {tuple(value.shape)}; pass the buffer {producer} produced, with the same n and k"
         )
 
 

@@ -40,10 +40,9 @@ import numpy.typing as npt
 
 from .checks import require_array, require_no_nan_e4m3, require_positive_scale, require_weight_to_quantize
 from .codecs import E4M3_MAX, decode_e4m3, encode_e4m3
+from .formats import FP8_BLOCK, FP8_GRANULARITIES
 from .lookup import lookup_blocks
 
-FP8_GRANULARITIES = ("tensor", "channel", "block")
-FP8_BLOCK = 128  # DeepSeek / Qwen-FP8 block scales cover 128 x 128 weights
 FP8_SCALE_DIVISOR = np.float32(E4M3_MAX)  # 448
 # RN16(v) is inf exactly when |v| >= 65520 (midpoint of 65504 and 2^16, ties to the even 2^16).
 FP16_OVERFLOW_THRESHOLD = np.float32(65520.0)

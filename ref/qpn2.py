@@ -47,20 +47,20 @@ Weight semantics
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 
-from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape
+from .checks import require_array, require_buffer_shape, require_multiple, require_no_nan_e4m3, require_shape
 from .codecs import decode_e2m1, decode_e4m3
+from .formats import PAD_K64_FIX, QPN2, WeightFormat
+from .formats import PAD_N_FIX as PAD_N_FIX  # kept for imports
 from .geometry import COLUMN_OF_LANE, GROUP_K, KORDER, TILE_N
 from .global_scale import global_scale_per_row
 from .nvfp4 import nvfp4_dequantize, unpack_nibbles
 
-QPN2_N_MULTIPLE = TILE_N  # 32 output columns per tile
-QPN2_K_MULTIPLE = 64  # docs/QPN2.md: K % 64 == 0 (split-K slices are whole batches of 4 groups)
+# kept for imports: the rules are ref/formats.py's QPN2
+QPN2_N_MULTIPLE = QPN2.n_multiple
+QPN2_K_MULTIPLE = QPN2.k_multiple
+PAD_K_FIX = PAD_K64_FIX
 QPN2_BYTES_PER_LANE_GROUP = GROUP_K // 2  # 8 bytes = 16 nibbles = one uint64
-
-PAD_N_FIX = "pad the output features N to a multiple of 32 (QPNLinear pads and crops)"
-PAD_K_FIX = "pad K with zero columns to a multiple of 64"
 
 _U64 = np.dtype("<u8")  # explicit little-endian: byte 0 of a group is the low byte everywhere
 
@@ -155,28 +155,25 @@ def _check_korder_swaps() -> None:
 _check_korder_swaps()
 
 
-def _require_dims(n: int, k: int, layout: str = "QPN2") -> tuple[int, int]:
-    for name, value in (("n", n), ("k", k)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name} must be an int (the {layout} weight's dimension), got {type(value).__name__}")
-    n, k = int(n), int(k)
-    require_multiple("N", n, QPN2_N_MULTIPLE, layout, PAD_N_FIX)
-    require_multiple("K", k, QPN2_K_MULTIPLE, layout, PAD_K_FIX)
-    return n, k
-
-
-def _require_buffer(name: str, value: object, dtype: npt.DTypeLike, rows: int, cols: int) -> np.ndarray:
-    """A prepacked buffer: shape [rows, cols] (as prepack returns it) or flat [rows * cols]."""
-    value = require_array(name, value, dtype)
-    if tuple(value.shape) not in ((rows, cols), (rows * cols,)):
-        raise ValueError(
-            f"{name} must have shape ({rows}, {cols}) (as the prepack returns it) or ({rows * cols},), "
-            f"got {tuple(value.shape)}; pass the buffer the prepack produced, with the same n and k"
-        )
+def _require_buffer(wf: WeightFormat, name: str, value: object, n: int, k: int) -> np.ndarray:
+    """Buffer `name` of `wf` for an [n, k] weight: its dtype, and its shape as prepack returns it or flat."""
+    buffer = wf.buffer(name)
+    value = require_array(name, value, buffer.dtype)
+    require_buffer_shape(name, value, buffer.shape(n, k), f"{wf.layout.lower()}_prepack")
     return value
 
 
 # ----------------------------------------------------------------------------- layout
+
+
+def qpn2_prepack_dims(weight_packed: np.ndarray, weight_scale: np.ndarray) -> tuple[int, int]:
+    """(N, K) of the ModelOpt tensors `qpn2_prepack` takes, from their shapes alone (numpy or CuPy
+    arrays, already checked 2-D): the QPN2 multiples and the scale shape [N, K/16]."""
+    n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
+    require_multiple("N", n, QPN2.n_multiple, QPN2.label, f"weight_packed has shape {weight_packed.shape}; {QPN2.n_fix}")
+    require_multiple("K", k, QPN2.k_multiple, QPN2.label, f"K = 2 * weight_packed.shape[1]; {QPN2.k_fix}")
+    require_shape("weight_scale", weight_scale, QPN2.buffer("scales").shape(n, k))
+    return n, k
 
 
 def qpn2_prepack(weight_packed: np.ndarray, weight_scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -189,14 +186,10 @@ def qpn2_prepack(weight_packed: np.ndarray, weight_scale: np.ndarray) -> tuple[n
     """
     weight_packed = require_array("weight_packed", weight_packed, np.uint8, ndim=2)
     weight_scale = require_array("weight_scale", weight_scale, np.uint8, ndim=2)
-    n, half_k = weight_packed.shape
-    k = 2 * half_k
-    require_multiple("N", n, QPN2_N_MULTIPLE, "QPN2", f"weight_packed has shape {weight_packed.shape}; {PAD_N_FIX}")
-    require_multiple("K", k, QPN2_K_MULTIPLE, "QPN2", f"K = 2 * weight_packed.shape[1]; {PAD_K_FIX}")
-    require_shape("weight_scale", weight_scale, (n, k // GROUP_K))
+    n, k = qpn2_prepack_dims(weight_packed, weight_scale)
     require_no_nan_e4m3("weight_scale", weight_scale)
 
-    groups = k // GROUP_K
+    half_k, groups = k // 2, k // GROUP_K
     words = np.ascontiguousarray(weight_packed).view(_U64)  # [N, G]: one uint64 per (row, group)
     codes = _rows_to_lanes(words)  # [T, G, 32] uint64, a fresh array
     _korder_unshuffle(codes, 4)
@@ -212,10 +205,10 @@ def qpn2_unpack(codes: np.ndarray, scales: np.ndarray, n: int, k: int) -> tuple[
     [n, k/16]. Exact inverse of `qpn2_prepack`; a pure byte permutation (scale bytes are not
     judged here, `qpn2_dequantize` does that).
     """
-    n, k = _require_dims(n, k)
+    n, k = QPN2.require_int_dims(n, k)
     groups = k // GROUP_K
-    codes = _require_buffer("codes", codes, np.uint8, n, k // 2)
-    scales = _require_buffer("scales", scales, np.uint8, n, groups)
+    codes = _require_buffer(QPN2, "codes", codes, n, k)
+    scales = _require_buffer(QPN2, "scales", scales, n, k)
 
     words = np.ascontiguousarray(codes).reshape(-1).view(_U64)
     rows = _lanes_to_rows(words, n, groups)  # [N, G] uint64, a fresh array
@@ -234,14 +227,14 @@ def qpn2_dequantize(codes: np.ndarray, scales: np.ndarray, global_scale: float |
     W16 = RN16(RN32(e2m1 * RN32(e4m3 * g(n)))); global_scale: float32 scalar or one value per
     32-column tile ([n/32]). Rejects NaN scale bytes and blocks that would overflow fp16.
     """
-    n, k = _require_dims(n, k)
+    n, k = QPN2.require_int_dims(n, k)
     global_scale_per_row(global_scale, n)  # fail on a bad global scale before any work
     return nvfp4_dequantize(*qpn2_unpack(codes, scales, n, k), global_scale)
 
 
 def _variant_inputs(codes: np.ndarray, scales: np.ndarray, global_scale: float | np.ndarray, n: int, k: int
                     ) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:
-    n, k = _require_dims(n, k)
+    n, k = QPN2.require_int_dims(n, k)
     g_rows = global_scale_per_row(global_scale, n)
     weight_packed, weight_scale = qpn2_unpack(codes, scales, n, k)
     require_no_nan_e4m3("scales", weight_scale)

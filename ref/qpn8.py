@@ -47,18 +47,22 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from .checks import require_array, require_multiple, require_no_nan_e4m3, require_positive_scale
+from .checks import require_array, require_no_nan_e4m3, require_positive_scale
 from .codecs import E4M3_MAX, decode_e4m3
+from .formats import FP8_BLOCK, FP8_GRANULARITIES, QPN8, WeightFormat, weight_format
+from .formats import PAD_K16_FIX as PAD_K16_FIX  # kept for imports
+from .formats import PAD_N_FIX as PAD_N_FIX  # kept for imports
+from .formats import QPN8_BLOCK as QPN8_BLOCK_SCALES  # the format; this module's QPN8_BLOCK is its block size
 from .fp8 import _ALL_CODES, fp8_block_grid, fp8_scale_granularity
 from .geometry import GROUP_K, TILE_N
 from .lookup import lookup_blocks
-from .qpn2 import PAD_N_FIX, _korder_shuffle, _korder_unshuffle, _lanes_to_rows, _rows_to_lanes
+from .qpn2 import _korder_shuffle, _korder_unshuffle, _lanes_to_rows, _require_buffer, _rows_to_lanes
 
-QPN8_GRANULARITIES = ("tensor", "channel", "block")
-QPN8_BLOCK = 128  # 128x128 block scales (DeepSeek / Qwen-FP8)
+# kept for imports: the rules are ref/formats.py's
+QPN8_GRANULARITIES = FP8_GRANULARITIES
+QPN8_BLOCK = FP8_BLOCK
 QPN8_SCALE_FACTOR = 256.0  # S16 = RN16(256 * s) undoes the bit trick's 2^-8
 QPN8_MAX_WEIGHT_FACTOR = E4M3_MAX / QPN8_SCALE_FACTOR  # 448 * 2^-8 = 1.75, exact
-PAD_K16_FIX = "pad K with zero columns to a multiple of 16"
 
 _UNIT = np.dtype("V16")  # one lane's 16 bytes of one group, moved as raw bytes
 _U64 = np.dtype("<u8")
@@ -86,13 +90,7 @@ def qpn8_scale_granularity(weight_scale: npt.ArrayLike, n: int, k: int, granular
             f"channel, or {block_shape} for 128x128 block scales"
         )
     granularity = granularity or inferred
-    if granularity == "block":
-        fix = "QPN8 cannot split a 128x128 scale block; pad the weight (and its scales) to whole blocks"
-        require_multiple("N", n, QPN8_BLOCK, "QPN8 with 128x128 block scales", fix)
-        require_multiple("K", k, QPN8_BLOCK, "QPN8 with 128x128 block scales", fix)
-    else:
-        require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
-        require_multiple("K", k, GROUP_K, "QPN8", PAD_K16_FIX)
+    weight_format(QPN8.format, granularity).require_dims(n, k)
     return granularity
 
 
@@ -137,7 +135,7 @@ def require_qpn8_fits_fp16(weight_scale: np.ndarray, name: str = "weight_scale")
 
 def _group_scales_of_s16(s16: np.ndarray, granularity: str, n: int) -> np.ndarray:
     if granularity == "block":
-        return np.ascontiguousarray(np.repeat(s16.T, QPN8_BLOCK // TILE_N, axis=1))  # [K/128, N/32] = s16[t//4, kb]
+        return np.ascontiguousarray(np.repeat(s16.T, FP8_BLOCK // TILE_N, axis=1))  # [K/128, N/32] = s16[t//4, kb]
     return np.broadcast_to(s16.reshape(-1), (n,)).reshape(1, n).copy()  # [1, N]
 
 
@@ -177,48 +175,36 @@ def qpn8_prepack(weight: np.ndarray, weight_scale: np.ndarray, granularity: str 
     return codes.reshape(n, k), np.ascontiguousarray(group_scales)
 
 
-def _group_scales_granularity(group_scales: np.ndarray, n: int, k: int) -> str:
-    group_scales = require_array("group_scales", group_scales, np.float16, ndim=2)
-    if tuple(group_scales.shape) == (1, n):
-        require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
-        require_multiple("K", k, GROUP_K, "QPN8", PAD_K16_FIX)
-        return "channel"
-    if k % QPN8_BLOCK == 0 and n % TILE_N == 0 and tuple(group_scales.shape) == (k // QPN8_BLOCK, n // TILE_N):
-        return "block"
+def qpn8_group_scales_format(shape: tuple[int, ...], n: int, k: int) -> WeightFormat:
+    """Which QPN8 layout fp16 group scales of `shape` are for an [n, k] weight: QPN8 ([1, N], channel /
+    tensor scales) or formats.QPN8_BLOCK ([K/128, N/32]). Reads the shape only, so the CuPy wrappers
+    ask the same rule. The block layout itself needs only whole tiles (N % 32), not whole blocks."""
+    shape = tuple(shape)
+    if shape == QPN8.buffer("group_scales").shape(n, k):
+        QPN8.require_dims(n, k)
+        return QPN8
+    block_shape = QPN8_BLOCK_SCALES.buffer("group_scales").shape(n, k)
+    if k % FP8_BLOCK == 0 and n % TILE_N == 0 and shape == block_shape:
+        return QPN8_BLOCK_SCALES
     raise ValueError(
         f"group_scales must be float16 [1, {n}] (channel / tensor) or [K/128, N/32] = "
-        f"[{k // QPN8_BLOCK}, {n // TILE_N}] (128x128 block, needs K % 128 == 0 and N % 32 == 0) for a "
-        f"[{n}, {k}] weight, got shape {tuple(group_scales.shape)}; pass what qpn8_prepack returned"
+        f"[{block_shape[0]}, {block_shape[1]}] (128x128 block, needs K % 128 == 0 and N % 32 == 0) for a "
+        f"[{n}, {k}] weight, got shape {shape}; pass what qpn8_prepack returned"
     )
 
 
-def _require_dims(n: int, k: int) -> tuple[int, int]:
-    for name, value in (("n", n), ("k", k)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ValueError(f"{name} must be an int (the QPN8 weight's dimension), got {type(value).__name__}")
-    n, k = int(n), int(k)
-    require_multiple("N", n, TILE_N, "QPN8", PAD_N_FIX)
-    require_multiple("K", k, GROUP_K, "QPN8", PAD_K16_FIX)
-    return n, k
+def _group_scales_format(group_scales: np.ndarray, n: int, k: int) -> WeightFormat:
+    group_scales = require_array("group_scales", group_scales, QPN8.buffer("group_scales").dtype, ndim=2)
+    return qpn8_group_scales_format(group_scales.shape, n, k)
 
 
-def _require_codes(codes: np.ndarray, n: int, k: int) -> np.ndarray:
-    codes = require_array("codes", codes, np.uint8)
-    if tuple(codes.shape) not in ((n, k), (n * k,)):
-        raise ValueError(
-            f"codes must have shape ({n}, {k}) (as qpn8_prepack returns it) or ({n * k},), got "
-            f"{tuple(codes.shape)}; pass the buffer qpn8_prepack produced, with the same n and k"
-        )
-    return codes
-
-
-def _s16_map(group_scales: np.ndarray, granularity: str, n: int, k: int) -> np.ndarray:
+def _s16_map(group_scales: np.ndarray, wf: WeightFormat, n: int, k: int) -> np.ndarray:
     groups = k // GROUP_K
-    if granularity == "channel":
+    if wf is QPN8:
         return np.repeat(group_scales.reshape(n, 1), groups, axis=1)
     per_tile_block = group_scales.T  # [N/32, K/128]
     rows = np.repeat(per_tile_block, TILE_N, axis=0)  # [N, K/128]
-    return np.repeat(rows, QPN8_BLOCK // GROUP_K, axis=1)  # [N, G]
+    return np.repeat(rows, FP8_BLOCK // GROUP_K, axis=1)  # [N, G]
 
 
 def qpn8_unpack(codes: np.ndarray, group_scales: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -230,14 +216,14 @@ def qpn8_unpack(codes: np.ndarray, group_scales: np.ndarray, n: int, k: int) -> 
     (S16[0, n] for channel scales, S16[g // 8, n // 32] for block scales). No value is judged
     here (`qpn8_dequantize` does that); the original fp32 scales cannot be recovered.
     """
-    n, k = _require_dims(n, k)
-    codes = _require_codes(codes, n, k)
-    granularity = _group_scales_granularity(group_scales, n, k)
+    n, k = QPN8.require_int_dims(n, k)
+    codes = _require_buffer(QPN8, "codes", codes, n, k)
+    wf = _group_scales_format(group_scales, n, k)
 
     units = np.ascontiguousarray(codes).reshape(-1).view(_UNIT)
     rows = _lanes_to_rows(units, n, k // GROUP_K).view(np.uint8).reshape(-1)  # a fresh array
     _korder_shuffle(rows.view(_U64), 8)
-    return rows.reshape(n, k), _s16_map(group_scales, granularity, n, k)
+    return rows.reshape(n, k), _s16_map(group_scales, wf, n, k)
 
 
 def _require_group_scale_values(s16: np.ndarray) -> None:
@@ -257,9 +243,9 @@ def qpn8_dequantize(codes: np.ndarray, group_scales: np.ndarray, n: int, k: int)
     Rejects NaN code bytes (0x7F / 0xFF), negative or non-finite S16 and S16 whose largest
     weight RN16(1.75 * S16) is inf. The product is exact in float32 (module docstring).
     """
-    n, k = _require_dims(n, k)
-    codes = _require_codes(codes, n, k)
-    _group_scales_granularity(group_scales, n, k)
+    n, k = QPN8.require_int_dims(n, k)
+    codes = _require_buffer(QPN8, "codes", codes, n, k)
+    _group_scales_format(group_scales, n, k)
     _require_group_scale_values(group_scales)
     require_no_nan_e4m3("codes", codes)
     weight, _ = qpn8_unpack(codes, group_scales, n, k)
@@ -274,12 +260,12 @@ def qpn8_dequantize_unpacked(weight: np.ndarray, group_scales: np.ndarray, n: in
     `qpn8_dequantize` of an [n, k] weight. Returns float16 [rows, k], byte for byte the first
     rows of `qpn8_dequantize(codes, group_scales, n, k)`; same rejections.
     """
-    n, k = _require_dims(n, k)
+    n, k = QPN8.require_int_dims(n, k)
     weight = require_array("weight", weight, np.uint8, ndim=2)
     if weight.shape[0] > n or weight.shape[1] != k:
         raise ValueError(f"weight must be uint8 [rows <= {n}, {k}] (qpn8_unpack's weight, pad rows cropped or "
                          f"not), got shape {weight.shape}")
-    _group_scales_granularity(group_scales, n, k)
+    _group_scales_format(group_scales, n, k)
     _require_group_scale_values(group_scales)
     require_no_nan_e4m3("weight", weight)
     return _contract_lookup(weight, group_scales, n, k)
@@ -288,10 +274,10 @@ def qpn8_dequantize_unpacked(weight: np.ndarray, group_scales: np.ndarray, n: in
 def _contract_lookup(weight: np.ndarray, s16: np.ndarray, n: int, k: int) -> np.ndarray:
     """Row-major e4m3 bytes [rows <= n, k] -> RN16(e4m3 * 2^-8 * S16): one table row per S16 (per
     channel, or per 32-row tile x 128 columns), then a lookup per weight."""
-    if _group_scales_granularity(s16, n, k) == "channel":
+    if _group_scales_format(s16, n, k) is QPN8:
         block_s16, block_rows, block_cols = s16.reshape(n, 1), 1, k
     else:
-        block_s16, block_rows, block_cols = s16.T, TILE_N, QPN8_BLOCK  # [N/32, K/128]
+        block_s16, block_rows, block_cols = s16.T, TILE_N, FP8_BLOCK  # [N/32, K/128]
     scale = block_s16.astype(np.float32) * np.float32(2.0**-8)  # exact: power-of-two scaling, fp32 normal
     tables = (decode_e4m3(_ALL_CODES) * scale[..., None]).astype(np.float16)  # exact fp32 product, one RN16
     return lookup_blocks(weight, tables, block_rows, block_cols)

@@ -47,6 +47,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..ref.formats import QPN2, QPN8, WeightFormat
+from ..ref.qpn8 import qpn8_scale_granularity
+
 if TYPE_CHECKING:  # annotations only: importing qpn.cupy_kernels at run time waits for the first CUDA call
     from typing import TypeAlias
 
@@ -101,6 +104,12 @@ class _SameStream:
         return self.tensor.__dlpack__(stream=-1, **kwargs)
 
 
+def _empty(wf: WeightFormat, name: str, n: int, k: int, device: torch.device) -> Tensor:
+    """A torch tensor for packed buffer `name` of `wf` (shape and dtype: the description's)."""
+    buffer = wf.buffer(name)
+    return torch.empty(buffer.shape(n, k), dtype=getattr(torch, buffer.dtype.name), device=device)
+
+
 def _mm_rn16(x: Tensor, w16: Tensor) -> Tensor:
     """RN16(x @ w16^T) with fp32 accumulation and reduction (module docstring)."""
     if _HAS_MM_OUT_DTYPE:
@@ -113,12 +122,13 @@ def _mm_rn16(x: Tensor, w16: Tensor) -> Tensor:
 
 def nvfp4_prepack(weight_packed: Tensor, weight_scale_u8: Tensor, n: int, k: int) -> tuple[Tensor, Tensor]:
     """QPN2 prepack on the device. The CuPy wrapper allocates its results; they are copied into
-    torch-owned tensors on the same stream (prepack runs once per layer, the copy is cheap)."""
+    torch-owned tensors on the same stream (prepack runs once per layer, the copy is cheap).
+    ops.py validated the tensors: the CuPy wrappers' *_trusted entries do not validate them again."""
     kernels = _kernels()
-    codes = torch.empty((n, k // 2), dtype=torch.uint8, device=weight_packed.device)
-    scales = torch.empty((n, k // 16), dtype=torch.uint8, device=weight_packed.device)
+    codes = _empty(QPN2, "codes", n, k, weight_packed.device)
+    scales = _empty(QPN2, "scales", n, k, weight_packed.device)
     with _on_torch_stream(weight_packed.device) as as_cupy:
-        codes_cp, scales_cp = kernels.qpn2_prepack(as_cupy(weight_packed), as_cupy(weight_scale_u8))
+        codes_cp, scales_cp = kernels.prepack.qpn2_prepack_trusted(as_cupy(weight_packed), as_cupy(weight_scale_u8))
         as_cupy(codes).reshape(-1)[...] = codes_cp.reshape(-1)
         as_cupy(scales).reshape(-1)[...] = scales_cp.reshape(-1)
         del codes_cp, scales_cp
@@ -128,10 +138,12 @@ def nvfp4_prepack(weight_packed: Tensor, weight_scale_u8: Tensor, n: int, k: int
 def fp8_prepack(weight_u8: Tensor, weight_scale: Tensor, n: int, k: int,
                 group_scales_shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
     kernels = _kernels()
-    codes = torch.empty((n, k), dtype=torch.uint8, device=weight_u8.device)
+    codes = _empty(QPN8, "codes", n, k, weight_u8.device)
     group_scales = torch.empty(group_scales_shape, dtype=torch.float16, device=weight_u8.device)
+    granularity = qpn8_scale_granularity(weight_scale, n, k)  # the shape rule ops.py applied (metadata only)
     with _on_torch_stream(weight_u8.device) as as_cupy:
-        codes_cp, group_scales_cp = kernels.qpn8_prepack(as_cupy(weight_u8), as_cupy(weight_scale))
+        codes_cp, group_scales_cp = kernels.prepack.qpn8_prepack_trusted(as_cupy(weight_u8), as_cupy(weight_scale),
+                                                                         granularity)
         as_cupy(codes).reshape(-1)[...] = codes_cp.reshape(-1)
         as_cupy(group_scales)[...] = group_scales_cp.reshape(group_scales_shape)
         del codes_cp, group_scales_cp
@@ -147,9 +159,8 @@ def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, n: int
     kernels = _kernels()
     w16 = torch.empty((n, k), dtype=torch.float16, device=codes.device)
     with _on_torch_stream(codes.device) as as_cupy:
-        kernels.qpn2_dequantize(as_cupy(codes), as_cupy(scales),
-                                as_cupy(global_scale.reshape(-1)), n, k, out=as_cupy(w16),
-                                check=False)
+        kernels.dequantize.qpn2_dequantize_trusted(as_cupy(codes), as_cupy(scales),
+                                                   as_cupy(global_scale.reshape(-1)), n, k, as_cupy(w16))
     return w16
 
 
@@ -157,22 +168,22 @@ def fp8_dequantize(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tenso
     kernels = _kernels()
     w16 = torch.empty((n, k), dtype=torch.float16, device=codes.device)
     with _on_torch_stream(codes.device) as as_cupy:
-        kernels.qpn8_dequantize(as_cupy(codes), as_cupy(group_scales), n, k,
-                                out=as_cupy(w16), check=False)
+        kernels.dequantize.qpn8_dequantize_trusted(as_cupy(codes), as_cupy(group_scales), n, k, as_cupy(w16))
     return w16
 
 
 # ----------------------------------------------------------------------------- linear
 
 
-def _decode(fmt: str, x: Tensor, n: int, k: int, n_out: int, gated: bool,
+def _decode(wf: WeightFormat, x: Tensor, n: int, k: int, n_out: int, gated: bool,
             launch: Callable[..., None]) -> Tensor:
-    """The decode kernel's call: output and split-K workspace from torch's allocator (graph-safe)."""
+    """The decode kernel's call: output and split-K workspace from torch's allocator (graph-safe).
+    `launch` calls the CuPy wrapper's *_trusted entry: ops.py validated the arguments."""
     kernels = _kernels()
     m = x.shape[0]
     out = torch.empty((m, n_out), dtype=torch.float16, device=x.device)
     with _on_torch_stream(x.device) as as_cupy:
-        size = kernels.decode_workspace_size(fmt, m, n, k, gated)  # the split depends on x's device
+        size = kernels.decode_workspace_size(wf.key, m, n, k, gated)  # the split depends on x's device
         workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
         launch(kernels, as_cupy, out=as_cupy(out), gated=gated, workspace=workspace)
     return out
@@ -185,9 +196,9 @@ def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, n_out))
-    if m <= decode_threshold("nvfp4", n, k):
-        return _decode("qpn2", x, n, k, n_out, gated, lambda kernels, as_cupy, **kw: kernels.qpn2_linear(
-            as_cupy(x), as_cupy(codes), as_cupy(scales), as_cupy(global_scale.reshape(-1)), **kw))
+    if m <= decode_threshold(QPN2.format, n, k):
+        return _decode(QPN2, x, n, k, n_out, gated, lambda kernels, as_cupy, **kw: kernels.linear.qpn2_linear_trusted(
+            as_cupy(x), as_cupy(codes), as_cupy(scales), as_cupy(global_scale.reshape(-1)), n, **kw))
     y = _mm_rn16(x, nvfp4_dequantize(codes, scales, global_scale, n, k))
     return silu_and_mul(y) if gated else y
 
@@ -198,8 +209,8 @@ def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, n: int, k: int, n
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, n_out))
-    if m <= decode_threshold("fp8", n, k):
-        return _decode("qpn8", x, n, k, n_out, gated, lambda kernels, as_cupy, **kw: kernels.qpn8_linear(
-            as_cupy(x), as_cupy(codes), as_cupy(group_scales), **kw))
+    if m <= decode_threshold(QPN8.format, n, k):
+        return _decode(QPN8, x, n, k, n_out, gated, lambda kernels, as_cupy, **kw: kernels.linear.qpn8_linear_trusted(
+            as_cupy(x), as_cupy(codes), as_cupy(group_scales), n, **kw))
     y = _mm_rn16(x, fp8_dequantize(codes, group_scales, n, k))
     return silu_and_mul(y) if gated else y

@@ -1,0 +1,212 @@
+"""ref/ and cupy_kernels/ ask ref/formats.py for the format rules (issue 14, item 1), and the
+torch ops' CUDA backend validates once: torch_bridge/_cuda.py calls the CuPy wrappers' *_trusted
+entries, which launch exactly what the public (validating) wrappers launch.
+
+No GPU here: the CuPy wrappers run against a stand-in `cupy` module (arrays with a shape, a dtype
+and a device pointer) and a recording `kernel`, so the launch arguments are compared on the host.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from qpn.cupy_kernels import dequantize as D
+from qpn.cupy_kernels import linear as L
+from qpn.ref import formats
+from qpn.ref.formats import QPN2, QPN8, QPN8_BLOCK
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYER_FILES = [p for part in ("ref", "cupy_kernels") for p in sorted((ROOT / part).glob("*.py"))]
+
+
+# ----------------------------------------------------------------------------- one rule, one place
+
+
+def test_ref_exports_the_descriptions():
+    from qpn import ref
+
+    assert (ref.QPN2, ref.QPN8, ref.QPN8_BLOCK) == (QPN2, QPN8, QPN8_BLOCK)
+    assert ref.weight_format("fp8", "block") is QPN8_BLOCK and ref.WeightFormat is formats.WeightFormat
+
+
+def _module_level_constants(path: Path) -> list[tuple[str, object]]:
+    tree = ast.parse(path.read_text())
+    return [(target.id, node.value.value) for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) for target in node.targets if isinstance(target, ast.Name)]
+
+
+def test_the_layers_define_no_format_constant_of_their_own():
+    """Multiples, block sizes and pad fixes are the description's; a layer may only alias them."""
+    own = [f"{p.relative_to(ROOT)}: {name} = {value!r}" for p in LAYER_FILES if p.name != "formats.py"
+           for name, value in _module_level_constants(p)
+           if (("MULTIPLE" in name or "BLOCK" in name) and value in (16, 32, 64, 128))
+           or (name.startswith("PAD_") and isinstance(value, str))
+           or (isinstance(value, tuple) and value in (formats.FP8_GRANULARITIES, formats.FORMAT_NAMES))]
+    assert not own, "restated format rules:\n" + "\n".join(own)
+
+
+def test_the_validation_helpers_are_defined_once():
+    helpers = {"require_multiple", "require_int", "require_buffer_shape"}
+    defined = [f"{p.relative_to(ROOT)}: {node.name}" for p in LAYER_FILES for node in ast.parse(p.read_text()).body
+               if isinstance(node, ast.FunctionDef) and node.name in helpers]
+    assert sorted(defined) == sorted(f"ref/checks.py: {name}" for name in helpers)
+
+
+def test_kept_names_are_the_descriptions_values():
+    from qpn.ref import fp8, qpn2, qpn8
+
+    assert (qpn2.QPN2_N_MULTIPLE, qpn2.QPN2_K_MULTIPLE, qpn2.PAD_K_FIX) == (32, 64, formats.PAD_K64_FIX)
+    assert (qpn8.QPN8_BLOCK, fp8.FP8_BLOCK, qpn8.PAD_K16_FIX) == (128, 128, formats.PAD_K16_FIX)
+    assert qpn8.QPN8_GRANULARITIES == fp8.FP8_GRANULARITIES == ("tensor", "channel", "block")
+    assert (L.QPN8_K_MULTIPLE, L.DECODE_FORMATS, L.SLICE_MULTIPLE) == (16, ("nvfp4", "fp8"), {"qpn2": 4, "qpn8": 1})
+
+
+def test_qpn8_group_scales_format_is_the_shape_rule():
+    from qpn.ref.qpn8 import qpn8_group_scales_format
+
+    assert qpn8_group_scales_format((1, 96), 96, 48) is QPN8
+    assert qpn8_group_scales_format((3, 2), 64, 384) is QPN8_BLOCK  # the layout needs whole tiles only
+    with pytest.raises(ValueError, match=r"\[K/128, N/32\] = \[3, 2\] .* got shape \(2, 2\)"):
+        qpn8_group_scales_format((2, 2), 64, 384)
+    with pytest.raises(ValueError, match="K must be a positive multiple of 16 for QPN8"):
+        qpn8_group_scales_format((1, 96), 96, 40)
+
+
+def test_qpn2_prepack_dims_reads_shapes_only():
+    from qpn.ref.qpn2 import qpn2_prepack_dims
+
+    shaped = SimpleNamespace
+    assert qpn2_prepack_dims(shaped(shape=(64, 64)), shaped(shape=(64, 8))) == (64, 128)
+    with pytest.raises(ValueError, match=r"K must be a positive multiple of 64 for QPN2, got K=96; K = 2 \*"):
+        qpn2_prepack_dims(shaped(shape=(64, 48)), shaped(shape=(64, 6)))
+
+
+# ----------------------------------------------------------------------------- trusted entries
+
+
+class FakeArray:
+    """A stand-in for a cupy.ndarray: what the wrappers read (shape, dtype, flags, device, pointer)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: type, ptr: int = 0x10000) -> None:
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.ndim, self.size = len(self.shape), int(np.prod(self.shape))
+        self.strides = ()
+        self.flags = SimpleNamespace(c_contiguous=True)
+        self.device = SimpleNamespace(id=0)
+        self.data = SimpleNamespace(ptr=ptr)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """A stand-in `cupy` and a recording `kernel`: the list of (variant, arguments) launched."""
+    fake = SimpleNamespace(ndarray=FakeArray, cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    calls: list = []
+    for module in (D, L):
+        monkeypatch.setattr(module, "kernel", lambda variant: lambda grid, block, args: calls.append((variant, args)))
+    monkeypatch.setattr(L, "decode_split", lambda fmt, n, k: (1, 8, 4))  # one part: no workspace
+    return calls
+
+
+def _same_launches(calls: list, count: int) -> None:
+    assert len(calls) == 2 * count
+    for (variant_a, args_a), (variant_b, args_b) in zip(calls[:count], calls[count:]):
+        assert variant_a is variant_b
+        assert len(args_a) == len(args_b)
+        for a, b in zip(args_a, args_b):
+            assert a is b or (type(a) is type(b) and isinstance(a, np.generic) and a == b), (a, b)
+
+
+@pytest.mark.parametrize("g_shape", [(1,), (2,)])
+def test_qpn2_trusted_entries_launch_what_the_wrappers_launch(launches, g_shape):
+    n, k = 64, 128
+    codes, scales = FakeArray((n, k // 2), np.uint8), FakeArray((n, k // 16), np.uint8)
+    g, w16, x, y = FakeArray(g_shape, np.float32), FakeArray((n, k), np.float16), \
+        FakeArray((1, k), np.float16), FakeArray((1, n), np.float16)
+    D.qpn2_dequantize(codes, scales, g, n, k, out=w16, check=False)
+    L.qpn2_linear(x, codes, scales, g, out=y)
+    D.qpn2_dequantize_trusted(codes, scales, g, n, k, w16)
+    L.qpn2_linear_trusted(x, codes, scales, g, n, y)
+    _same_launches(launches, 2)
+    assert launches[0][1][3] == (0 if g_shape == (1,) else 1)  # the global scale's tile stride
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_qpn8_trusted_entries_launch_what_the_wrappers_launch(launches, block):
+    n, k = 128, 256
+    wf = QPN8_BLOCK if block else QPN8
+    codes, group_scales = FakeArray((n, k), np.uint8), FakeArray(wf.buffer("group_scales").shape(n, k), np.float16)
+    w16, x, y = FakeArray((n, k), np.float16), FakeArray((2, k), np.float16), FakeArray((2, n // 2), np.float16)
+    D.qpn8_dequantize(codes, group_scales, n, k, out=w16, check=False)
+    L.qpn8_linear(x, codes, group_scales, out=y, gated=True)
+    D.qpn8_dequantize_trusted(codes, group_scales, n, k, w16)
+    L.qpn8_linear_trusted(x, codes, group_scales, n, y, gated=True)
+    _same_launches(launches, 2)
+    assert launches[1][0] is L.QPN8_LINEAR[1, True, block]
+    assert launches[0][1][2] == (n // 32 if block else 0)  # the kb stride of the group scales
+
+
+def test_trusted_entries_still_check_the_alignment(launches):
+    """The torch ops check metadata only; a tensor's address is the GPU's rule, checked in the entry."""
+    n, k = 64, 128
+    scales, g = FakeArray((n, k // 16), np.uint8), FakeArray((1,), np.float32)
+    with pytest.raises(ValueError, match="codes must start on a 8-byte boundary"):
+        D.qpn2_dequantize_trusted(FakeArray((n, k // 2), np.uint8, ptr=0x10004), scales, g, n, k,
+                                  FakeArray((n, k), np.float16))
+    with pytest.raises(ValueError, match="x must start on a 8-byte boundary"):
+        L.qpn8_linear_trusted(FakeArray((1, k), np.float16, ptr=0x10002), FakeArray((n, k), np.uint8),
+                              FakeArray((1, n), np.float16), n, FakeArray((1, n), np.float16))
+    assert not launches
+
+
+# ----------------------------------------------------------------------------- torch_bridge/_cuda.py
+
+
+def test_the_cuda_backend_calls_the_trusted_entries(monkeypatch):
+    """ops.py validated the tensors: _cuda.py must not call the validating wrappers again."""
+    from qpn.torch_bridge import _cuda
+
+    called: list[str] = []
+
+    def entry(name, result=None):
+        def record(*args, **kwargs):
+            called.append(name)
+            return result
+        return record
+
+    n, k = 128, 256
+    kernels = SimpleNamespace(
+        prepack=SimpleNamespace(
+            qpn2_prepack_trusted=entry("qpn2_prepack_trusted", (torch.zeros(n, k // 2, dtype=torch.uint8),
+                                                                 torch.zeros(n, k // 16, dtype=torch.uint8))),
+            qpn8_prepack_trusted=entry("qpn8_prepack_trusted", (torch.zeros(n, k, dtype=torch.uint8),
+                                                                 torch.ones(1, n, dtype=torch.float16)))),
+        dequantize=SimpleNamespace(qpn2_dequantize_trusted=entry("qpn2_dequantize_trusted"),
+                                   qpn8_dequantize_trusted=entry("qpn8_dequantize_trusted")),
+        linear=SimpleNamespace(qpn2_linear_trusted=entry("qpn2_linear_trusted"),
+                               qpn8_linear_trusted=entry("qpn8_linear_trusted")),
+        decode_threshold=lambda fmt, n, k: 32,
+        decode_workspace_size=lambda fmt, m, n, k, gated: 0,
+    )
+    monkeypatch.setattr(_cuda, "_kernels", lambda: kernels)
+    monkeypatch.setattr(_cuda, "_on_torch_stream", lambda device: contextlib.nullcontext(lambda t: t))
+
+    u8, f16 = torch.uint8, torch.float16
+    codes2, scales2 = _cuda.nvfp4_prepack(torch.zeros(n, k // 2, dtype=u8), torch.zeros(n, k // 16, dtype=u8), n, k)
+    assert (codes2.shape, scales2.shape) == ((n, k // 2), (n, k // 16))
+    _cuda.fp8_prepack(torch.zeros(n, k, dtype=u8), torch.ones(n, dtype=torch.float32), n, k, (1, n))
+    _cuda.nvfp4_dequantize(codes2, scales2, torch.ones(1), n, k)
+    _cuda.fp8_dequantize(torch.zeros(n, k, dtype=u8), torch.ones(1, n, dtype=f16), n, k)
+    x = torch.zeros(1, k, dtype=f16)
+    _cuda.nvfp4_linear(x, codes2, scales2, torch.ones(1), n, k, n, False)
+    _cuda.fp8_linear(x, torch.zeros(n, k, dtype=u8), torch.ones(1, n, dtype=f16), n, k, n, False)
+    assert called == ["qpn2_prepack_trusted", "qpn8_prepack_trusted", "qpn2_dequantize_trusted",
+                      "qpn8_dequantize_trusted", "qpn2_linear_trusted", "qpn8_linear_trusted"]
