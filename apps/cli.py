@@ -42,6 +42,7 @@ from .. import __version__, checkpoints, ref
 from ..checkpoints import packed as packing
 from ..checkpoints.atomic import TargetError
 from ..checkpoints.packed import PackError
+from ..ref.formats import QPN2
 
 if TYPE_CHECKING:  # annotations only: torch is imported where a command needs it (the reference runs without)
     import torch
@@ -211,7 +212,8 @@ def open_source(path: str, *, check_values: bool = True) -> Source:
 
 
 def _format_name(fmt: str, granularity: str | None) -> str:
-    return "NVFP4" if fmt == "nvfp4" else f"FP8/{granularity}"
+    """NVFP4, FP8/tensor, ...: the public format name, as `qpn pack` prints it, and the FP8 scale granularity."""
+    return fmt.upper() if granularity is None else f"{fmt.upper()}/{granularity}"
 
 
 def _scale_summary(values: np.ndarray) -> str:
@@ -234,7 +236,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             layer = c.layers[name]
             n, k = layer.n, layer.k
             fmt, granularity, n_padded = layer.format, layer.granularity, layer.n_padded
-            scale = layer.nvfp4_global_scale()[:1] if fmt == "nvfp4" else layer.fp8_weight_scale()
+            scale = layer.nvfp4_global_scale()[:1] if layer.weight_format is QPN2 else layer.fp8_weight_scale()
             nbytes = sum(a.nbytes for a in layer.buffers().values())
             status = f"packed {layer.entry['layout']}"
         else:  # the checkpoint's tensors, and whether `qpn pack` can take them
@@ -245,7 +247,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             scale = linear.global_scale if isinstance(linear, checkpoints.NVFP4Linear) else linear.weight_scale
             nbytes = sum(t.nbytes for t in packing.source_tensors(linear).values())
             reason = packing.unpackable_reason(linear)
-            status = f"cannot pack: {reason}" if reason else f"ok ({'QPN2' if fmt == 'nvfp4' else 'QPN8'})"
+            status = f"cannot pack: {reason}" if reason else f"ok ({packing.weight_format_of(linear).layout})"
         if n_padded != n and not status.startswith("cannot"):
             status += f", N padded to {n_padded}"
         quantized_bytes += nbytes
@@ -375,16 +377,14 @@ def _torch_buffers(layer: packing.PackedLayer, device: torch.device) -> tuple[to
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(a)).to(device)  # a writable copy of the (read-only) mapped bytes
 
-    if layer.format == "nvfp4":
-        return t(layer.codes), t(layer.scales), t(layer.nvfp4_global_scale())
-    return t(layer.codes), t(layer.scales)
+    return tuple(t(a) for a in layer.kernel_buffers())
 
 
 def _dequantize_on(layer: packing.PackedLayer, device: torch.device) -> np.ndarray:
     import torch
 
     buffers = _torch_buffers(layer, device)
-    op = torch.ops.qpn.nvfp4_dequantize if layer.format == "nvfp4" else torch.ops.qpn.fp8_dequantize
+    op = getattr(torch.ops.qpn, f"{layer.format}_dequantize")  # the ops are named by the public format (ops.py)
     return op(*buffers)[: layer.n].cpu().numpy()
 
 
@@ -393,7 +393,7 @@ def _linear_on(layer: packing.PackedLayer, x: np.ndarray, device: torch.device) 
 
     buffers = _torch_buffers(layer, device)
     xt = torch.from_numpy(x).to(device)
-    op = torch.ops.qpn.nvfp4_linear if layer.format == "nvfp4" else torch.ops.qpn.fp8_linear
+    op = getattr(torch.ops.qpn, f"{layer.format}_linear")
     return op(xt, *buffers)[:, : layer.n].cpu().numpy()
 
 
@@ -417,12 +417,12 @@ def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.nda
 def _packed_layer_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear) -> packing.PackedLayer:
     """Prepack an original layer with qpn.ref, as `qpn pack` would (for verifying an original folder)."""
     buffers = packing.prepack_layer(linear)
-    fmt = packing.layer_format(linear)
+    wf = packing.weight_format_of(linear)
     entry = {} if isinstance(linear, checkpoints.NVFP4Linear) else {"granularity": linear.granularity,
                                                            "scale_name": linear.scale_name}
     return packing.PackedLayer(
-        linear.name, fmt, linear.n, linear.k, buffers[packing.CODES],
-        buffers[packing.SCALES] if fmt == "nvfp4" else buffers[packing.GROUP_SCALES],
+        linear.name, wf.format, linear.n, linear.k, buffers[packing.CODES],
+        buffers[packing.SCALES] if wf is QPN2 else buffers[packing.GROUP_SCALES],
         buffers.get(packing.GLOBAL_SCALE), buffers.get(packing.WEIGHT_SCALE), buffers.get(packing.INPUT_SCALE), entry)
 
 
@@ -547,7 +547,7 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
     result.cells.setdefault("linear", linear_cell)
 
     if upstream:
-        if layer.format == "nvfp4":
+        if layer.weight_format is QPN2:
             args = (layer.codes, layer.scales, layer.nvfp4_global_scale(), layer.n_padded, layer.k)
             p = ref.qpn2_dequantize_variant_p(*args)[:layer.n]
             e = ref.qpn2_dequantize_variant_e(*args)[:layer.n]

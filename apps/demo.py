@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .. import checkpoints, ref
+from ..ref.formats import QPN2
 
 if TYPE_CHECKING:  # annotations only: torch is imported when the demo runs
     import torch
@@ -114,7 +115,7 @@ def minilm_checkpoint(bert: BertModel, fmt: str, progress: Callable = lambda it,
     linears: dict[str, checkpoints.NVFP4Linear | checkpoints.FP8Linear] = {}
     for name in progress(names, desc=f"quantize {quant_algo}", total=len(names), unit="layer"):
         w = state.pop(f"{name}.weight")
-        if fmt == "nvfp4":
+        if fmt == QPN2.format:
             q4 = ref.nvfp4_quantize(w)
             linears[name] = checkpoints.NVFP4Linear(name, q4.weight_packed, q4.weight_scale, q4.weight_scale_2)
         else:

@@ -68,9 +68,18 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import __version__, ref
+from ..ref.formats import (
+    FORMAT_NAMES,
+    FP8_GRANULARITIES,
+    QPN2,
+    QPN8,
+    WEIGHT_FORMATS,
+    Buffer,
+    Shape,
+    WeightFormat,
+    weight_format,
+)
 from ..ref.geometry import GROUP_K, TILE_N
-from ..ref.qpn2 import QPN2_K_MULTIPLE
-from ..ref.qpn8 import QPN8_BLOCK
 from . import quantized, safetensors_io
 from .atomic import atomic_folder, recover_interrupted, require_writable_target, write_json
 from .quantized import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SAFETENSORS_METADATA, SINGLE_FILE
@@ -80,17 +89,22 @@ PACKED_VERSION = 1
 MANIFEST_FILE = "qpn_manifest.json"
 COPIED_CONFIG_FILES = (CONFIG_FILE, HF_QUANT_CONFIG_FILE)
 
-# suffixes of a packed linear's tensors
-CODES, SCALES, GLOBAL_SCALE = "qpn_codes", "qpn_scales", "qpn_global_scale"
-GROUP_SCALES, WEIGHT_SCALE, INPUT_SCALE = "qpn_group_scales", "qpn_weight_scale", "qpn_input_scale"
+
+def tensor_suffix(buffer: Buffer) -> str:
+    """The suffix a packed file stores a kernel buffer under: X.qpn_<buffer name of qpn.ref.formats>."""
+    return f"qpn_{buffer.name}"
+
+
+# suffixes of a packed linear's tensors: the kernel buffers of qpn.ref.formats, then the two scales
+# the kernels do not read (FP8's fp32 scale, which S16 rounds, and the activation scale)
+CODES, SCALES, GLOBAL_SCALE = (tensor_suffix(b) for b in QPN2.buffers)
+GROUP_SCALES = tensor_suffix(QPN8.buffer("group_scales"))
+WEIGHT_SCALE, INPUT_SCALE = "qpn_weight_scale", "qpn_input_scale"
 PACKED_SUFFIXES = (CODES, SCALES, GLOBAL_SCALE, GROUP_SCALES, WEIGHT_SCALE, INPUT_SCALE)
 
-# padding of N (the same bytes QPNLinear writes; tests/test_cli.py compares the two)
-NVFP4_PAD_CODE = 0x00
-NVFP4_PAD_SCALE_BYTE = 0x00  # e4m3 +0: every pad weight is +0 whatever its code
-FP8_PAD_CODE = 0x00
-FP8_PAD_SCALE = np.float32(1.0)
-
+# the e4m3 byte of QPN2's pad scale (+0: every pad weight is +0 whatever its code); pad rows are
+# the same bytes QPNLinear writes (tests/test_cli.py compares the two)
+_NVFP4_PAD_SCALE_BYTE = int(ref.encode_e4m3(np.float32(QPN2.pad_scale)))
 _HASH_CHUNK = 16 << 20  # bytes per read when hashing files
 
 Progress = Callable[..., Iterable]  # progress(iterable, desc=..., total=..., unit=...) -> iterable
@@ -114,26 +128,26 @@ class PackError(ValueError):
 # rules shared by pack, inspect and verify
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+def weight_format_of(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> WeightFormat:
+    """The qpn.ref.formats description of a layer: QPN2 for an NVFP4Linear, QPN8 / QPN8_BLOCK for an FP8Linear."""
+    if isinstance(linear, quantized.NVFP4Linear):
+        return QPN2
+    return weight_format("fp8", linear.granularity)
 
 
 def layer_format(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> str:
     """"nvfp4" for an NVFP4Linear, "fp8" for an FP8Linear."""
-    return "nvfp4" if isinstance(linear, quantized.NVFP4Linear) else "fp8"
+    return weight_format_of(linear).format
 
 
 def padded_rows(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> int:
-    """N_pad: N rounded up to 32 (to 128 for FP8 128x128 block scales)."""
-    block = isinstance(linear, quantized.FP8Linear) and linear.granularity == "block"
-    return _round_up(linear.n, QPN8_BLOCK if block else TILE_N)
+    """N_pad: N rounded up to the layout's N multiple."""
+    return weight_format_of(linear).padded_n(linear.n)
 
 
 def k_multiple(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> int:
-    """The K rule of the layer's layout: 64 (QPN2), 16 (QPN8), 128 (QPN8 with block scales)."""
-    if isinstance(linear, quantized.NVFP4Linear):
-        return QPN2_K_MULTIPLE
-    return QPN8_BLOCK if linear.granularity == "block" else GROUP_K
+    """The K rule of the layer's layout (qpn.ref.formats)."""
+    return weight_format_of(linear).k_multiple
 
 
 def unpackable_reason(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> str | None:
@@ -142,11 +156,9 @@ def unpackable_reason(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> st
     Reads shapes and scales only (never the codes), so it is cheap enough for `qpn inspect`.
     N never blocks packing (it is padded); K does, and so do scales whose weights overflow fp16.
     """
-    multiple = k_multiple(linear)
-    if linear.k % multiple != 0:
-        layout = "QPN2" if isinstance(linear, quantized.NVFP4Linear) else \
-            ("QPN8 with 128x128 block scales" if multiple == QPN8_BLOCK else "QPN8")
-        return f"K={linear.k} is not a multiple of {multiple} ({layout}); pad the input features with zero columns"
+    wf = weight_format_of(linear)
+    if linear.k % wf.k_multiple != 0:
+        return f"K={linear.k} is not a multiple of {wf.k_multiple} ({wf.label}); pad the input features with zero columns"
     try:
         if isinstance(linear, quantized.NVFP4Linear):
             ref.require_nvfp4_fits_fp16(linear.weight_scale, ref.global_scale_per_row(linear.global_scale, linear.n))
@@ -169,17 +181,19 @@ def prepack_layer(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> dict[s
 
     Raises ValueError if the layer cannot be packed (see `unpackable_reason`).
     """
-    n_pad = padded_rows(linear)
+    wf = weight_format_of(linear)
+    n_pad = wf.padded_n(linear.n)
     out: dict[str, np.ndarray] = {}
     if isinstance(linear, quantized.NVFP4Linear):
-        wp = _pad_rows(linear.weight_packed, n_pad, NVFP4_PAD_CODE)
-        ws = _pad_rows(linear.weight_scale, n_pad, NVFP4_PAD_SCALE_BYTE)
+        wp = _pad_rows(linear.weight_packed, n_pad, wf.pad_code)
+        ws = _pad_rows(linear.weight_scale, n_pad, _NVFP4_PAD_SCALE_BYTE)
         out[CODES], out[SCALES] = ref.qpn2_prepack(wp, ws)
-        out[GLOBAL_SCALE] = np.full((n_pad // TILE_N,), linear.global_scale, dtype=np.float32)
+        out[GLOBAL_SCALE] = np.full(wf.buffer("global_scale").shape(n_pad, linear.k), linear.global_scale,
+                                    dtype=np.float32)
     else:
-        w = _pad_rows(linear.weight, n_pad, FP8_PAD_CODE)
+        w = _pad_rows(linear.weight, n_pad, wf.pad_code)
         s = linear.weight_scale
-        s_pad = _pad_rows(s, n_pad, FP8_PAD_SCALE) if linear.granularity == "channel" else s
+        s_pad = _pad_rows(s, n_pad, wf.pad_scale) if linear.granularity == "channel" else s
         out[CODES], out[GROUP_SCALES] = ref.qpn8_prepack(w, s_pad, linear.granularity)
         out[WEIGHT_SCALE] = np.asarray(s, dtype=np.float32)
     if linear.input_scale is not None:
@@ -205,11 +219,9 @@ def sha256_file(path: str | os.PathLike[str], progress: Progress = _no_progress)
 
 def source_tensors(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> dict[str, safetensors_io.StoredTensor]:
     """The layer's quantized tensors by role, with the bytes and dtype tag the checkpoint stores."""
-    if isinstance(linear, quantized.NVFP4Linear):
-        return {"weight_packed": safetensors_io.StoredTensor(linear.weight_packed, "U8"),
-                "weight_scale": safetensors_io.StoredTensor(linear.weight_scale, "F8_E4M3")}
-    return {"weight": safetensors_io.StoredTensor(linear.weight, "F8_E4M3"),
-            "weight_scale": safetensors_io.StoredTensor(linear.weight_scale, "F32")}
+    # each role is the layer's attribute of that name (NVFP4Linear.weight_packed, FP8Linear.weight, ...)
+    return {role: safetensors_io.StoredTensor(getattr(linear, role), tag)
+            for role, tag in weight_format_of(linear).source_tags.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,12 +261,13 @@ def _file_of_layer(name: str, weight_map: Mapping[str, str] | None) -> str:
 
 def _layer_entry(name: str, linear: quantized.NVFP4Linear | quantized.FP8Linear, file: str,
                  buffers: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    wf = weight_format_of(linear)
     entry: dict[str, Any] = {
-        "format": layer_format(linear),
-        "layout": "QPN2" if isinstance(linear, quantized.NVFP4Linear) else "QPN8",
+        "format": wf.format,
+        "layout": wf.layout,
         "n": linear.n,
         "k": linear.k,
-        "n_padded": padded_rows(linear),
+        "n_padded": wf.padded_n(linear.n),
         "file": file,
         "source_tensors": {
             role: {"dtype": t.dtype, "shape": list(t.shape), "sha256": sha256_array(t.array)}
@@ -444,10 +457,15 @@ class PackedLayer:
     def granularity(self) -> str | None:
         return self.entry.get("granularity")
 
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The qpn.ref.formats description of the layer (ValueError for a granularity its format has not)."""
+        return weight_format(self.format, self.granularity)
+
     def buffers(self) -> dict[str, np.ndarray]:
         """{suffix: array} as `prepack_layer` returns them (for byte comparisons)."""
         out = {CODES: self.codes}
-        if self.format == "nvfp4":
+        if self.weight_format is QPN2:
             out[SCALES], out[GLOBAL_SCALE] = self.scales, self.nvfp4_global_scale()
         else:
             out[GROUP_SCALES], out[WEIGHT_SCALE] = self.scales, self.fp8_weight_scale()
@@ -462,6 +480,11 @@ class PackedLayer:
                              "None; read the layer with load_packed")
         return self.global_scale
 
+    def kernel_buffers(self) -> tuple[np.ndarray, ...]:
+        """The buffers the decode kernels take, in the description's order (qpn.ref.formats)."""
+        buffers = self.buffers()
+        return tuple(buffers[tensor_suffix(b)] for b in self.weight_format.buffers)
+
     def fp8_weight_scale(self) -> np.ndarray:
         """weight_scale of an fp8 layer (None only for nvfp4; load_packed always sets it for fp8)."""
         if self.weight_scale is None:
@@ -475,10 +498,10 @@ class PackedLayer:
         Raises ValueError if the pad rows are not the padding qpn writes or the per-tile global
         scales differ (neither can come out of `qpn pack`: the folder is corrupt).
         """
-        n, k, n_pad = self.n, self.k, self.n_padded
-        if self.format == "nvfp4":
+        n, k, n_pad, wf = self.n, self.k, self.n_padded, self.weight_format
+        if wf is QPN2:
             wp, ws = ref.qpn2_unpack(self.codes, self.scales, n_pad, k)
-            if np.any(wp[n:] != NVFP4_PAD_CODE) or np.any(ws[n:] != NVFP4_PAD_SCALE_BYTE):
+            if np.any(wp[n:] != wf.pad_code) or np.any(ws[n:] != _NVFP4_PAD_SCALE_BYTE):
                 raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is "
                                  "corrupt")
             g = self.nvfp4_global_scale()
@@ -487,7 +510,7 @@ class PackedLayer:
                                  "value per layer; the packed file is corrupt")
             return quantized.NVFP4Linear(self.name, wp[:n], ws[:n], g[0].copy(), self.input_scale)
         weight, _ = ref.qpn8_unpack(self.codes, self.scales, n_pad, k)
-        if np.any(weight[n:] != FP8_PAD_CODE):
+        if np.any(weight[n:] != wf.pad_code):
             raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is corrupt")
         return quantized.FP8Linear(self.name, weight[:n], self.fp8_weight_scale(), self.entry["granularity"], self.input_scale,
                              self.entry["scale_name"])
@@ -518,17 +541,15 @@ class PackedCheckpoint:
         return quantized.Checkpoint(self.format, self.quant_algo, linears, self.tensors, self.config, self.hf_quant_config)
 
 
-_EXPECTED = {  # suffix -> (dtype tag, shape(n_pad, k, entry) or None = any)
-    "nvfp4": {CODES: ("U8", lambda n, k, e: (n, k // 2)), SCALES: ("U8", lambda n, k, e: (n, k // GROUP_K)),
-              GLOBAL_SCALE: ("F32", lambda n, k, e: (n // TILE_N,))},
-    "fp8": {CODES: ("U8", lambda n, k, e: (n, k)),
-            GROUP_SCALES: ("F16", lambda n, k, e: (k // QPN8_BLOCK, n // TILE_N) if e["granularity"] == "block"
-                           else (1, n)),
-            WEIGHT_SCALE: ("F32", lambda n, k, e: tuple(e["source_tensors"]["weight_scale"]["shape"]))},
-}
-_LAYOUT_OF_FORMAT = {"nvfp4": "QPN2", "fp8": "QPN8"}
-_SOURCE_ROLES = {"nvfp4": {"weight_packed": "U8", "weight_scale": "F8_E4M3"},
-                 "fp8": {"weight": "F8_E4M3", "weight_scale": "F32"}}
+def _expected_tensors(wf: WeightFormat, n_pad: int, k: int, entry: Mapping[str, Any]) -> dict[str, tuple[str, Shape]]:
+    """suffix -> (dtype tag, shape) of a checked manifest entry's packed tensors (the input scale aside)."""
+    expected = {tensor_suffix(b): (b.tag, b.shape(n_pad, k)) for b in wf.buffers}
+    if wf is not QPN2:  # FP8 also keeps the source's fp32 scale as it was (S16 is rounded)
+        expected[WEIGHT_SCALE] = (wf.source_tags["weight_scale"], tuple(entry["source_tensors"]["weight_scale"]["shape"]))
+    return expected
+
+
+_LAYOUT_OF_FORMAT = {wf.format: wf.layout for wf in WEIGHT_FORMATS}  # one layout per format, whatever the granularity
 
 
 def _positive_int(value: object) -> TypeGuard[int]:
@@ -540,8 +561,8 @@ def _check_layer_entry(name: str, entry: object) -> None:
     if not isinstance(entry, dict):
         raise ValueError(f"the manifest entry must be an object, got {type(entry).__name__}")
     fmt = entry.get("format")
-    if fmt not in _EXPECTED:
-        raise ValueError(f"has format {fmt!r}; expected 'nvfp4' or 'fp8'")
+    if fmt not in FORMAT_NAMES:
+        raise ValueError(f"has format {fmt!r}; expected {' or '.join(map(repr, FORMAT_NAMES))}")
     if entry.get("layout") != _LAYOUT_OF_FORMAT[fmt]:
         raise ValueError(f"has layout {entry.get('layout')!r}; an {fmt} layer is {_LAYOUT_OF_FORMAT[fmt]}")
     n, k, n_pad = entry.get("n"), entry.get("k"), entry.get("n_padded")
@@ -550,33 +571,32 @@ def _check_layer_entry(name: str, entry: object) -> None:
     if not isinstance(entry.get("file"), str):
         raise ValueError(f"file must be a file name, got {entry.get('file')!r}")
     if fmt == "fp8":
-        if entry.get("granularity") not in quantized.FP8_GRANULARITIES:
-            raise ValueError(f"granularity must be one of {quantized.FP8_GRANULARITIES}, got "
+        if entry.get("granularity") not in FP8_GRANULARITIES:
+            raise ValueError(f"granularity must be one of {FP8_GRANULARITIES}, got "
                              f"{entry.get('granularity')!r}")
         if entry.get("scale_name") not in ("weight_scale", "weight_scale_inv"):
             raise ValueError(f"scale_name must be 'weight_scale' or 'weight_scale_inv', got {entry.get('scale_name')!r}")
-    block = fmt == "fp8" and entry["granularity"] == "block"
-    multiple = QPN2_K_MULTIPLE if fmt == "nvfp4" else (QPN8_BLOCK if block else GROUP_K)
-    if k % multiple != 0:
-        raise ValueError(f"k = {k} is not a multiple of {multiple}, which qpn pack never writes")
-    if n_pad != _round_up(n, QPN8_BLOCK if block else TILE_N):
-        raise ValueError(f"n_padded = {n_pad} but n = {n} pads to {_round_up(n, QPN8_BLOCK if block else TILE_N)}")
+    wf = weight_format(fmt, entry.get("granularity"))  # an nvfp4 entry naming a granularity is damaged too
+    if k % wf.k_multiple != 0:
+        raise ValueError(f"k = {k} is not a multiple of {wf.k_multiple}, which qpn pack never writes")
+    if n_pad != wf.padded_n(n):
+        raise ValueError(f"n_padded = {n_pad} but n = {n} pads to {wf.padded_n(n)}")
     for key in ("global_scale", "weight_scale", "input_scale"):
         _manifest_scalar(entry, key)
-    if fmt == "nvfp4" and "global_scale" not in entry:
+    if wf is QPN2 and "global_scale" not in entry:
         raise ValueError("an nvfp4 entry must record its global_scale")
-    if fmt == "fp8" and entry["granularity"] == "tensor" and "weight_scale" not in entry:
+    if wf is QPN8 and entry["granularity"] == "tensor" and "weight_scale" not in entry:
         raise ValueError("a per-tensor fp8 entry must record its weight_scale")
     sources = entry.get("source_tensors")
-    if not isinstance(sources, dict) or set(sources) != set(_SOURCE_ROLES[fmt]):
-        raise ValueError(f"source_tensors must describe exactly {sorted(_SOURCE_ROLES[fmt])}, got "
+    if not isinstance(sources, dict) or set(sources) != set(wf.source_tags):
+        raise ValueError(f"source_tensors must describe exactly {sorted(wf.source_tags)}, got "
                          f"{sorted(sources) if isinstance(sources, dict) else sources!r}")
     shapes: dict[str, list[tuple[int, ...]]] = {"weight_packed": [(n, k // 2)], "weight_scale": [(n, k // GROUP_K)], "weight": [(n, k)]}
-    if fmt == "fp8":
+    if wf is not QPN2:
         fp8_scale_shapes: dict[str, list[tuple[int, ...]]] = {"tensor": [(), (1,)], "channel": [(n,), (n, 1)],
                                                               "block": [ref.fp8.fp8_block_grid(n, k)]}
         shapes["weight_scale"] = fp8_scale_shapes[entry["granularity"]]
-    for role, dtype in _SOURCE_ROLES[fmt].items():
+    for role, dtype in wf.source_tags.items():
         info = sources[role]
         shape = tuple(info.get("shape", ())) if isinstance(info, dict) else None
         if not isinstance(info, dict) or info.get("dtype") != dtype or shape not in shapes[role]:
@@ -597,14 +617,14 @@ def _same_f32(a: npt.ArrayLike, b: npt.ArrayLike) -> bool:
 
 def _trailing_tile_rows(n: int, n_pad: int) -> int:
     """Rows of the whole 32-row tiles that hold the pad rows (QPN2 / QPN8 keep each tile's bytes in its rows)."""
-    return _round_up(n_pad - n, TILE_N)
+    return -(-(n_pad - n) // TILE_N) * TILE_N
 
 
 def _check_layer_values(layer: PackedLayer) -> None:
     """The cheap value checks of `qpn pack` on a packed layer (scales and pad rows, never the hashes); ValueError."""
     name, n, k, n_pad, entry = layer.name, layer.n, layer.k, layer.n_padded, layer.entry
-    rows = _trailing_tile_rows(n, n_pad)
-    if layer.format == "nvfp4":
+    rows, wf = _trailing_tile_rows(n, n_pad), layer.weight_format
+    if wf is QPN2:
         ref.checks.require_nvfp4_block_scales(f"{name}.{SCALES}", layer.scales)
         g = layer.nvfp4_global_scale()
         if not _same_f32(g, np.full(g.shape, g[0], np.float32)) or not _same_f32(g[0], entry["global_scale"][0]):
@@ -616,7 +636,7 @@ def _check_layer_values(layer: PackedLayer) -> None:
         if rows:
             wp, ws = ref.qpn2_unpack(layer.codes[-rows:], layer.scales[-rows:], rows, k)
             pad = slice(rows - (n_pad - n), rows)
-            if np.any(wp[pad] != NVFP4_PAD_CODE) or np.any(ws[pad] != NVFP4_PAD_SCALE_BYTE):
+            if np.any(wp[pad] != wf.pad_code) or np.any(ws[pad] != _NVFP4_PAD_SCALE_BYTE):
                 raise ValueError(f"pad rows {n}..{n_pad - 1} are not zero; qpn pack writes zeros there")
     else:
         s = layer.fp8_weight_scale()
@@ -631,7 +651,7 @@ def _check_layer_values(layer: PackedLayer) -> None:
         ref.checks.require_no_nan_e4m3(f"{name}.{CODES}", layer.codes)
         if rows:
             weight, _ = ref.qpn8_unpack(layer.codes[-rows:], np.ones((1, rows), np.float16), rows, k)
-            if np.any(weight[rows - (n_pad - n):] != FP8_PAD_CODE):
+            if np.any(weight[rows - (n_pad - n):] != wf.pad_code):
                 raise ValueError(f"pad rows {n}..{n_pad - 1} are not zero; qpn pack writes zeros there")
     if layer.input_scale is not None:
         if not _same_f32(layer.input_scale, entry["input_scale"][0]) or not float(layer.input_scale) > 0:
@@ -643,7 +663,7 @@ def prepack_group_scales(weight_scale: np.ndarray, granularity: str, n: int, n_p
     """The QPN8 group_scales `prepack_layer` writes for an fp32 scale (pad channels get scale 1.0)."""
     s = np.asarray(weight_scale, np.float32)
     if granularity == "channel":
-        s = _pad_rows(s.reshape(n), n_pad, FP8_PAD_SCALE)
+        s = _pad_rows(s.reshape(n), n_pad, QPN8.pad_scale)
     return ref.qpn8.qpn8_group_scales(s, n_pad, k, granularity)
 
 
@@ -709,11 +729,11 @@ def load_packed(path: str | os.PathLike[str], *, mmap: bool = True, check_values
     layers: dict[str, PackedLayer] = {}
     for name, entry in manifest["layers"].items():
         fmt, n, k, n_pad, file = entry["format"], entry["n"], entry["k"], entry["n_padded"], entry["file"]
+        wf = weight_format(fmt, entry.get("granularity"))
         arrays: dict[str, np.ndarray] = {}
-        for suffix, (tag, shape_of) in _EXPECTED[fmt].items():
+        for suffix, (tag, shape) in _expected_tensors(wf, n_pad, k, entry).items():
             tensor_name = f"{name}.{suffix}"
             tensor = in_file(tensor_name, file, name)
-            shape = shape_of(n_pad, k, entry)
             if tensor.dtype != tag or tensor.shape != shape:
                 raise PackError(os.path.join(folder, file), name,
                                 f"tensor {tensor_name!r} must be {tag} {list(shape)}, got {tensor.dtype} "
@@ -727,7 +747,7 @@ def load_packed(path: str | os.PathLike[str], *, mmap: bool = True, check_values
                                 f"tensor {name + '.' + INPUT_SCALE!r} must be F32 [] and recorded in the manifest, "
                                 f"got {tensor.dtype} {list(tensor.shape)}, manifest {entry.get('input_scale')!r}")
             input_scale = tensor.array
-        if fmt == "nvfp4":
+        if wf is QPN2:
             scales, global_scale, weight_scale = arrays[SCALES], arrays[GLOBAL_SCALE], None
         else:
             scales, global_scale, weight_scale = arrays[GROUP_SCALES], None, arrays[WEIGHT_SCALE]

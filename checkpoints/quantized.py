@@ -100,6 +100,7 @@ from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, overload
 import numpy as np
 
 from ..ref.checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
+from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES, QPN2, QPN8  # the first two: also kept for imports
 from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from ..ref.geometry import GROUP_K, TILE_N
 from .atomic import atomic_folder, require_writable_target, write_json
@@ -108,11 +109,9 @@ from .safetensors_io import StoredTensor, as_stored_tensor, read_safetensors, re
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 FP8_GRANULARITY_OF_ALGO = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
-FP8_GRANULARITIES = ("tensor", "channel", "block")
 LAYER_ALGOS = NVFP4_ALGOS + tuple(FP8_GRANULARITY_OF_ALGO)
 MODELOPT_ALGOS = LAYER_ALGOS + ("MIXED_PRECISION",)
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
-FP8_BLOCK = 128  # rows and columns per FP8 block scale
 
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
@@ -128,7 +127,8 @@ _MODELOPT_NVFP4 = {"weight_packed": "weight", "weight_scale": "weight_scale", "g
                    "input_scale": "input_scale"}
 _CT_NVFP4 = {"weight_packed": "weight_packed", "weight_scale": "weight_scale", "global_scale": "weight_global_scale",
              "input_scale": "input_global_scale"}
-_NVFP4_DTYPES = {"weight_packed": "U8", "weight_scale": "F8_E4M3", "global_scale": "F32", "input_scale": "F32"}
+_NVFP4_DTYPES = {**QPN2.source_tags, "global_scale": "F32", "input_scale": "F32"}
+_FP8_DTYPES = QPN8.source_tags  # the same at every granularity (QPN8_BLOCK's too)
 _FP8_SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 # every suffix that belongs to some quantized linear (a tensor of another layer with one of
 # these names could never be told apart from a linear's, so `tensors` may not use them)
@@ -733,7 +733,7 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
                 fail(f"{prefix}.weight_scale_inv", f"layer {prefix!r} has both weight_scale and weight_scale_inv; "
                                                    "keep the one the exporter wrote")
             names = {"weight": f"{prefix}.weight",
-                     "weight_scale": require(prefix, scale_names[0], "F32", present)}
+                     "weight_scale": require(prefix, scale_names[0], _FP8_DTYPES["weight_scale"], present)}
             if f"{prefix}.input_scale" in stored:
                 names["input_scale"] = require(prefix, "input_scale", "F32", present)
             names["granularity"] = names["scale_name"] = names["weight_scale"]
@@ -842,8 +842,8 @@ def _serialize(checkpoint: Checkpoint) -> dict[str, StoredTensor]:
         if isinstance(linear, NVFP4Linear):
             layout = _CT_NVFP4 if ct else _MODELOPT_NVFP4
             shape = (1,) if ct else ()
-            stored[f"{name}.{layout['weight_packed']}"] = StoredTensor(linear.weight_packed, "U8")
-            stored[f"{name}.{layout['weight_scale']}"] = StoredTensor(linear.weight_scale, "F8_E4M3")
+            for role in ("weight_packed", "weight_scale"):
+                stored[f"{name}.{layout[role]}"] = StoredTensor(getattr(linear, role), _NVFP4_DTYPES[role])
             for role in ("global_scale", "input_scale"):
                 value = getattr(linear, role)
                 if value is not None:  # compressed-tensors: back to the reciprocal, RN32(1/x)
@@ -853,8 +853,8 @@ def _serialize(checkpoint: Checkpoint) -> dict[str, StoredTensor]:
             if ct:
                 raise ValueError(f"linear {name!r} is FP8, but a compressed-tensors checkpoint here holds "
                                  f"{CT_NVFP4_FORMAT} layers only; save it as format='modelopt'")
-            stored[f"{name}.weight"] = StoredTensor(linear.weight, "F8_E4M3")
-            stored[f"{name}.{linear.scale_name}"] = StoredTensor(linear.weight_scale, "F32")
+            stored[f"{name}.weight"] = StoredTensor(linear.weight, _FP8_DTYPES["weight"])
+            stored[f"{name}.{linear.scale_name}"] = StoredTensor(linear.weight_scale, _FP8_DTYPES["weight_scale"])
             if linear.input_scale is not None:
                 stored[f"{name}.input_scale"] = StoredTensor(linear.input_scale, "F32")
     linear_names = set(checkpoint.linears)
