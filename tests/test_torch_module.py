@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qpn import ref
+from qpn.ref.formats import weight_format
 from qpn.torch_bridge import PackedWeight, QPNLinear, pack_fp8, pack_nvfp4
 
 # (out_features N, in_features K): aligned, N needing padding (40 -> 64, 100 -> 128), real MiniLM shapes
@@ -243,6 +246,31 @@ def test_state_dict_round_trips_through_safetensors(tmp_path, fmt, granularity, 
         assert torch.equal(fresh.state_dict()[name], buffer), name
     x = x_for(k)
     assert torch.equal(fresh(x), module(x))
+
+
+@pytest.mark.parametrize("fmt,granularity,n,k", [("nvfp4", None, 100, 128), ("fp8", "channel", 40, 48),
+                                                 ("fp8", "block", 200, 256)])
+def test_buffers_are_the_descriptions(fmt, granularity, n, k):
+    """QPNLinear's buffers are its format description's (qpn.ref.formats): names, dtypes, shapes of N padded."""
+    wf = weight_format(fmt, granularity)
+    module = QPNLinear(k, n, fmt, fp8_granularity=granularity or "channel")
+    assert module.weight_format is wf
+    buffers = {name: (b.dtype, tuple(b.shape)) for name, b in module.named_buffers()}
+    assert buffers == {b.name: (torch.from_numpy(np.empty(0, b.dtype)).dtype, b.shape(wf.padded_n(n), k))
+                       for b in wf.buffers}
+
+
+@pytest.mark.parametrize("fmt,granularity,n,k", [("nvfp4", None, 100, 128), ("fp8", "block", 200, 256)])
+def test_a_copied_or_pickled_layer_runs_the_same(tmp_path, fmt, granularity, n, k):
+    """copy.deepcopy and torch.save of the whole module keep the format description the one object
+    that forward dispatches on (`weight_format is QPN2`), so the copy computes the same bits."""
+    module = QPNLinear.from_linear(random_linear(n, k, seed=3), fmt, fp8_granularity=granularity or "channel")
+    path = tmp_path / "layer.pt"
+    torch.save(module, path)
+    x = x_for(k)
+    for copied in (copy.deepcopy(module), torch.load(path, weights_only=False)):
+        assert copied.weight_format is module.weight_format
+        assert torch.equal(copied(x), module(x))
 
 
 def test_pack_helpers_return_padded_buffers():

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_standin as st  # noqa: E402
 
 from qpn import ref  # noqa: E402
+from qpn.ref.formats import weight_format  # noqa: E402
 from qpn.torch_bridge import vllm as vm  # noqa: E402
 
 if vm.VLLM_AVAILABLE:
@@ -129,6 +130,20 @@ def test_unsharded_layers_equal_the_contract(block_checkpoints, algo):
         # the checkpoint-layout parameters are gone; only the prepacked buffers stay
         names = {n for n, _ in layer.named_parameters()}
         assert not names & {"weight", "weight_scale", "weight_scale_2", "input_scale"}, names
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_layers_carry_their_format_description(block_checkpoints, algo):
+    """process_weights_after_loading stores the format description (qpn.ref.formats) that apply
+    dispatches on, and the packed buffers have its shapes; qpn_format stays its public name."""
+    folder, _ = block_checkpoints[algo]
+    kind = vm.config.LAYER_ALGOS[algo]  # "nvfp4", "fp8_tensor", "fp8_channel"
+    wf = weight_format("nvfp4") if kind == "nvfp4" else weight_format("fp8", kind.removeprefix("fp8_"))
+    for name, layer in load_block(folder).items():
+        assert layer.qpn_weight_format is wf and layer.qpn_format == wf.format, name
+        shapes = wf.buffer_shapes(layer.qpn_codes.shape[0], layer.input_size_per_partition)
+        buffers = [layer.qpn_codes, layer.qpn_scales] + ([layer.qpn_global_scale] if wf.key == "qpn2" else [])
+        assert [tuple(b.shape) for b in buffers] == list(shapes.values()), name
 
 
 @pytest.mark.parametrize("algo", MAIN_ALGOS)

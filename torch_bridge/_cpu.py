@@ -50,6 +50,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from ..ref import decode_e4m3
+from ..ref.formats import FP8_BLOCK, QPN2, QPN8
 from ..ref.geometry import COLUMN_OF_LANE, GROUP_K, KORDER, TILE_N, position_of_k
 
 # llvmlite and numba ship no type information (mypy reads them as Any: pyproject.toml, [tool.mypy]);
@@ -83,9 +84,9 @@ _E4M3[0xFF] = np.float32(-480.0)
 _E2M1_BIT_TRICK_UNDO = np.float32(2.0**14)  # e2m1 * 2^-14 (fp16 bit trick) -> e2m1
 _POSITION_OF_K = position_of_k(np.arange(GROUP_K))  # k inside a group -> its position p
 _COLUMN = COLUMN_OF_LANE.astype(np.int64)  # lane -> its column inside the tile
-_QPN2_BYTES = GROUP_K // 2  # code bytes per lane and group in QPN2 (two nibbles each)
-_QPN8_BYTES = GROUP_K  # one byte per weight in QPN8
-_QPN8_GROUPS_PER_BLOCK = 128 // GROUP_K  # 8 groups share one 128x128 block scale
+_QPN2_BYTES = GROUP_K * QPN2.code_bits // 8  # 8 code bytes per lane and group in QPN2 (two nibbles each)
+_QPN8_BYTES = GROUP_K * QPN8.code_bits // 8  # 16: one byte per weight in QPN8
+_QPN8_GROUPS_PER_BLOCK = FP8_BLOCK // GROUP_K  # 8 groups share one 128x128 block scale
 _TILE_ACC = TILE_N * GROUP_K  # fused kernels: 16 partial sums per output column of a tile
 _QPN2_TABLE = 256 * GROUP_K  # W16 per (scale byte, code) for one g: 16 KiB of float32, L1-resident
 _CODES_0_TO_15 = np.array([(2 * b) | ((2 * b + 1) << 4) for b in range(8)], dtype=np.uint8)  # position p = code p
@@ -112,11 +113,11 @@ def _build() -> pytypes.SimpleNamespace:
     _HALF_CONVERSIONS_NATIVE, avx512 = _target_features(numba)
     globals().update(
         prange=numba.prange,
-        _qpn2_dot16=intrinsic(_dot16_typer(_DECODERS["qpn2"])),
-        _qpn8_dot16=intrinsic(_dot16_typer(_DECODERS["qpn8"])),
-        _qpn2_store16=intrinsic(_store16_typer(_DECODERS["qpn2"])),
-        _qpn8_store16=intrinsic(_store16_typer(_DECODERS["qpn8"])),
-        _qpn2_store16_positions=intrinsic(_store16_typer(_DECODERS["qpn2"], k_order=False)),
+        _qpn2_dot16=intrinsic(_dot16_typer(_DECODERS[QPN2.key])),
+        _qpn8_dot16=intrinsic(_dot16_typer(_DECODERS[QPN8.key])),
+        _qpn2_store16=intrinsic(_store16_typer(_DECODERS[QPN2.key])),
+        _qpn8_store16=intrinsic(_store16_typer(_DECODERS[QPN8.key])),
+        _qpn2_store16_positions=intrinsic(_store16_typer(_DECODERS[QPN2.key], k_order=False)),
         _qpn2_lut_dot16=intrinsic(_lut_dot16_typer),
         _tile_sums=njit(inline="always")(_tile_sums_py),
     )
@@ -297,7 +298,7 @@ def _qpn8_w16(builder: IRBuilder, raw: IRValue, s16: IRValue) -> IRValue:
     return _rn16(builder, builder.fmul(e4m3_2em8, _splat_value(builder, s16, GROUP_K)))  # exact product
 
 
-_DECODERS: dict[str, Decoder] = {"qpn2": (_qpn2_w16, _QPN2_BYTES), "qpn8": (_qpn8_w16, _QPN8_BYTES)}
+_DECODERS: dict[str, Decoder] = {QPN2.key: (_qpn2_w16, _QPN2_BYTES), QPN8.key: (_qpn8_w16, _QPN8_BYTES)}
 
 
 def _vector_pointer(context: IRContext, builder: IRBuilder, array_type: IRType, array: IRValue, index: IRValue,

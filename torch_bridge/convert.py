@@ -27,7 +27,8 @@ from torch import Tensor, nn
 
 from .. import checkpoints
 from ..checkpoints import packed
-from .module import FORMATS, PackedWeight, QPNLinear
+from ..ref.formats import FORMAT_NAMES
+from .module import PackedWeight, QPNLinear
 
 # what load_quantized reads: a folder, or a checkpoint already loaded by qpn.ref or qpn.checkpoints.packed
 Loaded: TypeAlias = checkpoints.Checkpoint | packed.PackedCheckpoint
@@ -62,8 +63,8 @@ def convert(model: nn.Module, format: str = "nvfp4", skip: Sequence[str] = (), *
     old layer's device; weights are quantized on the host.
     Returns [(module name, reason)] for every nn.Linear (or subclass) that was left as it was.
     """
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format not in FORMAT_NAMES:
+        raise ValueError(f"format must be one of {FORMAT_NAMES}, got {format!r}")
     if isinstance(skip, str):
         skip = (skip,)
     skipped: list[tuple[str, str]] = []

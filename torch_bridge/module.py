@@ -36,14 +36,16 @@ from torch import Tensor, nn
 
 from .. import checkpoints, ref
 from ..ref.checks import require_nvfp4_block_scales
+from ..ref.formats import FORMAT_NAMES, QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
+from ..ref.formats import FP8_GRANULARITIES as FP8_GRANULARITIES  # kept for imports
 from ..ref.fp8 import fp8_block_grid
-from . import ops  # registers the torch.ops.qpn.* ops
-from .ops import FP8_BLOCK, GROUP_K, TILE_N
+from ..ref.geometry import GROUP_K
+from .ops import PAD_INPUT_FEATURES_FIX  # importing ops registers the torch.ops.qpn.* ops
 
-FORMATS = ("nvfp4", "fp8")
-FP8_GRANULARITIES = ("tensor", "channel", "block")
-NVFP4_PAD_SCALE_BYTE = 0x00  # e4m3 +0: a pad weight is +0 whatever its code
-FP8_PAD_SCALE = 1.0
+# kept for imports: the pad values are ref.formats' (QPN2.pad_scale is e4m3 +0, byte 0x00)
+FORMATS = FORMAT_NAMES
+NVFP4_PAD_SCALE_BYTE = int(ref.encode_e4m3(QPN2.pad_scale))
+FP8_PAD_SCALE = QPN8.pad_scale
 
 # What the packers take: a checkpoint tensor as torch or numpy (qpn.ref's carriers); scales may be a
 # Python float too (read as fp32, _float32).
@@ -51,8 +53,24 @@ ArrayIn: TypeAlias = Tensor | np.ndarray | np.generic
 ScaleIn: TypeAlias = Tensor | np.ndarray | np.generic | float
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+def _format_of(format: str, fp8_granularity: str) -> WeightFormat:
+    """The description QPNLinear(format, fp8_granularity=...) runs; fp8_granularity must be valid
+    even for nvfp4 (where it is ignored: it is a keyword with a default)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if fp8_granularity not in FP8_GRANULARITIES:
+        raise ValueError(f"fp8_granularity must be one of {FP8_GRANULARITIES}, got {fp8_granularity!r}")
+    return weight_format(format, fp8_granularity if format == QPN8.format else None)
+
+
+def _require_k(name: str, k: int, wf: WeightFormat) -> None:
+    """K is never padded (it would change x): a K off the layout's multiple is refused with the fix."""
+    if k <= 0 or k % wf.k_multiple != 0:
+        block = wf is QPN8_BLOCK
+        fix = "pad the input features (and the scale grid) to whole 128x128 blocks" if block else \
+            PAD_INPUT_FEATURES_FIX
+        raise ValueError(f"{name} must be a positive multiple of {wf.k_multiple} for {wf.format}"
+                         f"{' with block scales' if block else ''}, got {k}; {fix}")
 
 
 def _as_tensor(name: str, value: object, device: torch.device | None = None) -> Tensor:
@@ -123,10 +141,8 @@ def pack_nvfp4(weight_packed: ArrayIn, weight_scale: ArrayIn, global_scale: Scal
     g = _float32("global_scale", global_scale, device)
     if wp.dtype != torch.uint8 or wp.dim() != 2:
         raise ValueError(f"weight_packed must be uint8 [N, K/2], got {wp.dtype} of shape {tuple(wp.shape)}")
-    n, k = int(wp.shape[0]), 2 * int(wp.shape[1])
-    if k % ops.NVFP4_K_MULTIPLE != 0 or k == 0:
-        raise ValueError(f"K must be a positive multiple of {ops.NVFP4_K_MULTIPLE} for QPN2, got K={k} "
-                         f"(K = 2 * weight_packed.shape[1]); pad the input features with zero columns")
+    n, k = int(wp.shape[0]), QPN2.k_of_codes(int(wp.shape[1]))
+    _require_k("K (2 * weight_packed.shape[1])", k, QPN2)
     if tuple(ws.shape) != (n, k // GROUP_K):
         raise ValueError(f"weight_scale must have shape (N, K/16) = ({n}, {k // GROUP_K}), got {tuple(ws.shape)}")
     # Values, with ref's rules (host copies of the small tensors): global scale finite and > 0,
@@ -137,10 +153,12 @@ def pack_nvfp4(weight_packed: ArrayIn, weight_scale: ArrayIn, global_scale: Scal
     require_nvfp4_block_scales("weight_scale", ws_host)
     ref.require_nvfp4_fits_fp16(ws_host, g_rows)
 
-    n_pad = _round_up(n, TILE_N)
-    g_tiles = g.reshape(1).expand(n_pad // TILE_N) if g.numel() == 1 else g.reshape(-1)
-    codes, scales = torch.ops.qpn.nvfp4_prepack(_pad_rows(wp, n_pad, 0), _pad_rows(ws, n_pad, NVFP4_PAD_SCALE_BYTE))
-    return PackedWeight("nvfp4", codes, scales, g_tiles.contiguous().clone(), k, n)
+    n_pad = QPN2.padded_n(n)
+    tiles = QPN2.buffer("global_scale").shape(n_pad, k)
+    g_tiles = g.reshape(1).expand(tiles) if g.numel() == 1 else g.reshape(-1)
+    codes, scales = torch.ops.qpn.nvfp4_prepack(_pad_rows(wp, n_pad, QPN2.pad_code),
+                                                _pad_rows(ws, n_pad, NVFP4_PAD_SCALE_BYTE))
+    return PackedWeight(QPN2.format, codes, scales, g_tiles.contiguous().clone(), k, n)
 
 
 def pack_fp8(weight: ArrayIn, weight_scale: ScaleIn, granularity: str | None = None) -> PackedWeight:
@@ -160,17 +178,12 @@ def pack_fp8(weight: ArrayIn, weight_scale: ScaleIn, granularity: str | None = N
         raise ValueError(f"granularity must be one of {FP8_GRANULARITIES} or None, got {granularity!r}")
     if granularity == "block" and s.numel() == 1:  # one block (ModelOpt writes it 0-d): the same weights per tensor
         granularity = "tensor"
-    if granularity == "block":
-        if k % FP8_BLOCK != 0:
-            raise ValueError(f"K must be a multiple of {FP8_BLOCK} for QPN8 with 128x128 block scales, got K={k}; "
-                             "pad the input features (and the scale grid) to whole blocks")
-        n_pad = _round_up(n, FP8_BLOCK)  # the scale grid already has ceil(N/128) rows
+    wf = weight_format(QPN8.format, granularity)
+    _require_k("K", k, wf)
+    n_pad = wf.padded_n(n)  # block scales: the scale grid already has ceil(N/128) rows
+    if wf is QPN8_BLOCK:
         s_pad = s.reshape(fp8_block_grid(n, k))  # ModelOpt's [N/128, 1, K/128, 1] holds the same values
     else:
-        if k % GROUP_K != 0:
-            raise ValueError(f"K must be a multiple of {GROUP_K} for QPN8, got K={k}; pad the input features with "
-                             "zero columns")
-        n_pad = _round_up(n, TILE_N)
         if granularity == "tensor":
             if s.numel() != 1:
                 raise ValueError(f"a per-tensor weight_scale must hold one value, got shape {tuple(s.shape)}")
@@ -178,9 +191,9 @@ def pack_fp8(weight: ArrayIn, weight_scale: ScaleIn, granularity: str | None = N
         else:
             if s.numel() != n:
                 raise ValueError(f"a per-channel weight_scale must hold N = {n} values, got shape {tuple(s.shape)}")
-            s_pad = _pad_rows(s.reshape(n), n_pad, FP8_PAD_SCALE)
-    codes, group_scales = torch.ops.qpn.fp8_prepack(_pad_rows(w, n_pad, 0), s_pad.contiguous())
-    return PackedWeight("fp8", codes, group_scales, None, k, n)
+            s_pad = _pad_rows(s.reshape(n), n_pad, wf.pad_scale)
+    codes, group_scales = torch.ops.qpn.fp8_prepack(_pad_rows(w, n_pad, wf.pad_code), s_pad.contiguous())
+    return PackedWeight(wf.format, codes, group_scales, None, k, n)
 
 
 class InputDtypeError(ValueError, RuntimeError):
@@ -201,12 +214,13 @@ def qpn_linear(x: Tensor, fmt: str, codes: Tensor, scales: Tensor, global_scale:
     if not x.is_floating_point():
         raise InputDtypeError(f"x must be a floating-point tensor (fp16, bf16 or fp32), got {x.dtype}; "
                               "nn.Linear refuses it too - convert token ids with an embedding, or cast x")
-    k = codes.shape[1] * 2 if fmt == "nvfp4" else codes.shape[1]
+    nvfp4 = fmt == QPN2.format  # fmt is the public name; every FP8 granularity runs fp8_linear
+    k = (QPN2 if nvfp4 else QPN8).k_of_codes(codes.shape[1])
     if x.shape[-1] != k:
         raise ValueError(f"x must have {k} input features in its last dimension, got shape {tuple(x.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).to(torch.float16).contiguous()
-    if fmt == "nvfp4":
+    if nvfp4:
         y = torch.ops.qpn.nvfp4_linear(x2, codes, scales, global_scale)
     else:
         y = torch.ops.qpn.fp8_linear(x2, codes, scales)
@@ -242,35 +256,18 @@ class QPNLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, format: str = "nvfp4", bias: bool = False, *,
                  fp8_granularity: str = "channel", device: torch.device | str | None = None) -> None:
         super().__init__()
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        if fp8_granularity not in FP8_GRANULARITIES:
-            raise ValueError(f"fp8_granularity must be one of {FP8_GRANULARITIES}, got {fp8_granularity!r}")
+        wf = _format_of(format, fp8_granularity)
         k, n = int(in_features), int(out_features)
         if n <= 0:
             raise ValueError(f"out_features must be >= 1, got {n}")
-        if format == "nvfp4":
-            rule, fix = ops.NVFP4_K_MULTIPLE, "pad the input features with zero columns"
-        elif fp8_granularity == "block":
-            rule, fix = FP8_BLOCK, "pad the input features (and the scale grid) to whole 128x128 blocks"
-        else:
-            rule, fix = GROUP_K, "pad the input features with zero columns"
-        if k <= 0 or k % rule != 0:
-            raise ValueError(f"in_features must be a positive multiple of {rule} for {format}"
-                             f"{' with block scales' if format == 'fp8' and fp8_granularity == 'block' else ''}, "
-                             f"got {k}; {fix}")
-        self.in_features, self.out_features, self.format = k, n, format
-        self.fp8_granularity = fp8_granularity if format == "fp8" else None
-        block = format == "fp8" and fp8_granularity == "block"
-        n_pad = _round_up(n, FP8_BLOCK if block else TILE_N)
-        if format == "nvfp4":
-            self.register_buffer("codes", torch.zeros((n_pad, k // 2), dtype=torch.uint8, device=device))
-            self.register_buffer("scales", torch.zeros((n_pad, k // GROUP_K), dtype=torch.uint8, device=device))
-            self.register_buffer("global_scale", torch.ones((n_pad // TILE_N,), dtype=torch.float32, device=device))
-        else:
-            gs_shape = (k // FP8_BLOCK, n_pad // TILE_N) if block else (1, n_pad)
-            self.register_buffer("codes", torch.zeros((n_pad, k), dtype=torch.uint8, device=device))
-            self.register_buffer("group_scales", torch.ones(gs_shape, dtype=torch.float16, device=device))
+        _require_k("in_features", k, wf)
+        self.in_features, self.out_features, self.format, self.weight_format = k, n, format, wf
+        self.fp8_granularity = fp8_granularity if wf.granularities else None
+        n_pad = wf.padded_n(n)
+        for b in wf.buffers:  # codes and scale bytes 0 (+0 weights), float scales 1.0 (a unit multiplier)
+            dtype = torch.from_numpy(np.empty(0, b.dtype)).dtype
+            init = torch.zeros if dtype == torch.uint8 else torch.ones
+            self.register_buffer(b.name, init(b.shape(n_pad, k), dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros((n,), dtype=torch.float32, device=device) if bias else None)
 
     # ------------------------------------------------------------------ constructors
@@ -283,7 +280,7 @@ class QPNLinear(nn.Module):
                      fp8_granularity=fp8_granularity, device=device)
         with torch.no_grad():
             module.codes.copy_(packed.codes)
-            if packed.format == "nvfp4":
+            if module.weight_format is QPN2:
                 if packed.global_scale is None:
                     raise ValueError("packed.global_scale must be float32 [N_pad/32] for an nvfp4 PackedWeight, got "
                                      "None; build the PackedWeight with pack_nvfp4")
@@ -326,7 +323,8 @@ class QPNLinear(nn.Module):
         """ModelOpt / DeepSeek FP8: weight (e4m3 [N, K]) and a float32 multiplier scale per tensor
         (()), channel ((N,) / (N, 1)) or 128x128 block ((ceil(N/128), ceil(K/128)))."""
         packed = pack_fp8(weight, weight_scale, granularity)
-        block = tuple(packed.scales.shape) != (1, packed.padded_out_features)
+        channel = QPN8.buffer("group_scales").shape(packed.padded_out_features, packed.in_features)
+        block = tuple(packed.scales.shape) != channel
         return cls.from_packed(packed, bias, fp8_granularity="block" if block else "channel")
 
     @classmethod
@@ -345,16 +343,11 @@ class QPNLinear(nn.Module):
         / bf16 / fp32). The new module is on linear.weight's device; bias is kept (as float32)."""
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        k = linear.in_features
-        rule = ops.NVFP4_K_MULTIPLE if format == "nvfp4" else (FP8_BLOCK if fp8_granularity == "block" else GROUP_K)
-        if k % rule != 0:
-            raise ValueError(f"in_features must be a multiple of {rule} for {format}"
-                             f"{'/' + fp8_granularity if format == 'fp8' else ''}, got {k}; pad the input features")
+        wf = _format_of(format, fp8_granularity)
+        _require_k("in_features", linear.in_features, wf)  # before quantizing: the constructor would refuse it
         device = linear.weight.device
         w = linear.weight.detach().to("cpu", torch.float32).numpy()
-        if format == "nvfp4":
+        if wf is QPN2:
             q4 = ref.nvfp4_quantize(w)
             packed = pack_nvfp4(q4.weight_packed, q4.weight_scale, q4.weight_scale_2)
         else:
@@ -378,19 +371,19 @@ class QPNLinear(nn.Module):
 
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.format == "nvfp4":
-            return qpn_linear(x, "nvfp4", self.codes, self.scales, self.global_scale, self.out_features, self.bias)
-        return qpn_linear(x, "fp8", self.codes, self.group_scales, None, self.out_features, self.bias)
+        if self.weight_format is QPN2:
+            return qpn_linear(x, QPN2.format, self.codes, self.scales, self.global_scale, self.out_features, self.bias)
+        return qpn_linear(x, QPN8.format, self.codes, self.group_scales, None, self.out_features, self.bias)
 
     def dequantized_weight(self) -> Tensor:
         """float16 [N, K]: the W16 every path of this layer computes with (pad rows cropped)."""
-        if self.format == "nvfp4":
+        if self.weight_format is QPN2:
             w16 = torch.ops.qpn.nvfp4_dequantize(self.codes, self.scales, self.global_scale)
         else:
             w16 = torch.ops.qpn.fp8_dequantize(self.codes, self.group_scales)
         return w16[: self.out_features]
 
     def extra_repr(self) -> str:
-        extra = f", fp8_granularity={self.fp8_granularity!r}" if self.format == "fp8" else ""
+        extra = f", fp8_granularity={self.fp8_granularity!r}" if self.fp8_granularity is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format!r}"
                 f"{extra}, bias={self.bias is not None}")

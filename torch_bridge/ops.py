@@ -49,14 +49,17 @@ import torch
 from torch import Tensor
 
 from .. import ref
+from ..ref.checks import require_multiple
+from ..ref.formats import FP8_BLOCK as FP8_BLOCK  # kept for imports
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ..ref.geometry import GROUP_K, TILE_N
 from . import _cpu
 
-NVFP4_N_MULTIPLE = TILE_N  # 32
-NVFP4_K_MULTIPLE = 64  # docs/QPN2.md
-FP8_N_MULTIPLE = TILE_N  # 32 (channel / tensor scales)
-FP8_K_MULTIPLE = GROUP_K  # 16 (channel / tensor scales)
-FP8_BLOCK = 128  # 128x128 block scales need N % 128 and K % 128
+# kept for imports: the rules are ref.formats' (QPN2, QPN8, QPN8_BLOCK)
+NVFP4_N_MULTIPLE = QPN2.n_multiple
+NVFP4_K_MULTIPLE = QPN2.k_multiple
+FP8_N_MULTIPLE = QPN8.n_multiple
+FP8_K_MULTIPLE = QPN8.k_multiple
 
 _E4M3_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 
@@ -102,23 +105,23 @@ def _require_same_device(**tensors: Tensor) -> torch.device:
     return first
 
 
-def _require_multiple(name: str, value: int, multiple: int, layout: str, fix: str) -> None:
-    if value <= 0 or value % multiple != 0:
-        _fail(f"{name} must be a positive multiple of {multiple} for {layout}, got {name}={value}; {fix}")
+# K is the input features here: the fix says so (ref's k_fix says "pad K"); a padded K changes x
+PAD_INPUT_FEATURES_FIX = "pad the input features with zero columns"
 
 
-_PAD_N = "pad the output features (QPNLinear pads N to a multiple of 32 and crops)"
-_PAD_K = "pad the input features with zero columns"
+def _require_dims(wf: WeightFormat, n: int, k: int, n_where: str, k_where: str) -> None:
+    """wf.require_dims, with the K fix in the words of a torch user."""
+    require_multiple("N", n, wf.n_multiple, wf.layout_label(n_where), wf.n_fix)
+    require_multiple("K", k, wf.k_multiple, wf.layout_label(k_where), PAD_INPUT_FEATURES_FIX)
 
 
 def _nvfp4_dims_of_checkpoint(weight_packed: Tensor, weight_scale: Tensor) -> tuple[int, int]:
     _require_tensor("weight_packed", weight_packed, (torch.uint8,), ndim=2)
     _require_tensor("weight_scale", weight_scale, _E4M3_DTYPES, ndim=2)
     _require_same_device(weight_packed=weight_packed, weight_scale=weight_scale)
-    n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
-    _require_multiple("N", n, NVFP4_N_MULTIPLE, "QPN2 (weight_packed.shape[0])", _PAD_N)
-    _require_multiple("K", k, NVFP4_K_MULTIPLE, "QPN2 (K = 2 * weight_packed.shape[1])", _PAD_K)
-    if tuple(weight_scale.shape) != (n, k // GROUP_K):
+    n, k = weight_packed.shape[0], QPN2.k_of_codes(weight_packed.shape[1])
+    _require_dims(QPN2, n, k, "weight_packed.shape[0]", "K = 2 * weight_packed.shape[1]")
+    if tuple(weight_scale.shape) != (n, k // GROUP_K):  # the checkpoint's: one e4m3 scale per 16 weights
         _fail(f"weight_scale must have shape (N, K/16) = ({n}, {k // GROUP_K}) for weight_packed of shape "
               f"{tuple(weight_packed.shape)}, got {tuple(weight_scale.shape)}; NVFP4 has one scale per 16 weights")
     return n, k
@@ -129,17 +132,16 @@ def _nvfp4_dims(codes: Tensor, scales: Tensor, global_scale: Tensor) -> tuple[in
     _require_tensor("codes", codes, (torch.uint8,), ndim=2)
     _require_tensor("scales", scales, (torch.uint8,), ndim=2)
     _require_tensor("global_scale", global_scale, (torch.float32,), ndim=(0, 1))
-    n, k = codes.shape[0], 2 * codes.shape[1]
-    _require_multiple("N", n, NVFP4_N_MULTIPLE, "QPN2 (codes.shape[0])", _PAD_N)
-    _require_multiple("K", k, NVFP4_K_MULTIPLE, "QPN2 (K = 2 * codes.shape[1])", _PAD_K)
-    if tuple(scales.shape) != (n, k // GROUP_K):
-        _fail(f"scales must have shape (N, K/16) = ({n}, {k // GROUP_K}) for codes of shape {tuple(codes.shape)}, "
+    n, k = codes.shape[0], QPN2.k_of_codes(codes.shape[1])
+    _require_dims(QPN2, n, k, "codes.shape[0]", "K = 2 * codes.shape[1]")
+    shapes = QPN2.buffer_shapes(n, k)
+    if tuple(scales.shape) != shapes["scales"]:
+        _fail(f"scales must have shape (N, K/16) = {shapes['scales']} for codes of shape {tuple(codes.shape)}, "
               f"got {tuple(scales.shape)}; pass the pair that nvfp4_prepack returned")
-    g = global_scale.numel()
-    if g != 1 and (global_scale.dim() != 1 or g != n // TILE_N):
+    if global_scale.numel() != 1 and tuple(global_scale.shape) != shapes["global_scale"]:
         _fail(f"global_scale must hold one float32 (shape () or (1,)) or one per 32-column tile (shape "
-              f"({n // TILE_N},) for N={n}), got shape {tuple(global_scale.shape)}; give each fused shard its "
-              "own value per tile of 32 rows")
+              f"{shapes['global_scale']} for N={n}), got shape {tuple(global_scale.shape)}; give each fused shard "
+              "its own value per tile of 32 rows")
     return n, k
 
 
@@ -154,22 +156,23 @@ def _fp8_dims_of_checkpoint(weight: Tensor, weight_scale: Tensor) -> tuple[int, 
     return n, k, granularity
 
 
-def _fp8_group_scales_shape(n: int, k: int, granularity: str) -> tuple[int, int]:
-    return (k // FP8_BLOCK, n // TILE_N) if granularity == "block" else (1, n)
+def _fp8_group_scales_shape(n: int, k: int, granularity: str) -> tuple[int, ...]:
+    return weight_format("fp8", granularity).buffer("group_scales").shape(n, k)
 
 
 def _fp8_dims(codes: Tensor, group_scales: Tensor) -> tuple[int, int]:
     """Validate QPN8 buffers; returns (N, K)."""
     _require_tensor("codes", codes, (torch.uint8,), ndim=2)
     _require_tensor("group_scales", group_scales, (torch.float16,), ndim=2)
-    n, k = codes.shape[0], codes.shape[1]
-    _require_multiple("N", n, FP8_N_MULTIPLE, "QPN8 (codes.shape[0])", _PAD_N)
-    _require_multiple("K", k, FP8_K_MULTIPLE, "QPN8 (codes.shape[1])", _PAD_K)
+    n, k = codes.shape[0], QPN8.k_of_codes(codes.shape[1])
+    # QPN8's N / K rule for every granularity: a fused layer of 64-row block-scaled shards keeps
+    # N % 32 (QPN8_BLOCK's N % 128 is the packer's, per shard); block scales add K % 128
+    _require_dims(QPN8, n, k, "codes.shape[0]", "codes.shape[1]")
     shape = tuple(group_scales.shape)
-    block = k % FP8_BLOCK == 0 and shape == (k // FP8_BLOCK, n // TILE_N)
-    if shape != (1, n) and not block:
-        _fail(f"group_scales must be float16 [1, N] = [1, {n}] (channel / tensor scales) or [K/128, N/32] = "
-              f"[{k // FP8_BLOCK}, {n // TILE_N}] (128x128 block scales, K % 128 == 0) for codes of shape "
+    channel, block = (wf.buffer("group_scales").shape(n, k) for wf in (QPN8, QPN8_BLOCK))
+    if shape != channel and not (k % QPN8_BLOCK.k_multiple == 0 and shape == block):
+        _fail(f"group_scales must be float16 [1, N] = {list(channel)} (channel / tensor scales) or [K/128, N/32] = "
+              f"{list(block)} (128x128 block scales, K % 128 == 0) for codes of shape "
               f"{tuple(codes.shape)}, got {list(shape)}; pass what fp8_prepack returned")
     return n, k
 
@@ -180,8 +183,8 @@ def _linear_out_features(x: Tensor, n: int, k: int, gated: bool) -> int:
         _fail(f"x must be [M, K] with K = {k} (the weight's input features), got shape {tuple(x.shape)}; "
               "flatten leading dimensions into M (QPNLinear does this)")
     if gated:
-        _require_multiple("N", n, 2 * TILE_N, "gated=True (gate rows [0, N/2) and up rows [N/2, N) each "
-                          "whole 32-column tiles)", "pad gate and up to a multiple of 32 rows each")
+        require_multiple("N", n, 2 * TILE_N, "gated=True (gate rows [0, N/2) and up rows [N/2, N) each "
+                         "whole 32-column tiles)", "pad gate and up to a multiple of 32 rows each")
         return n // 2
     return n
 
@@ -214,7 +217,8 @@ def _cpu_nvfp4_operands(codes: Tensor, scales: Tensor, global_scale: Tensor,
 
 def _cpu_fp8_operands(codes: Tensor, group_scales: Tensor, n: int) -> tuple[np.ndarray, np.ndarray, bool]:
     """numpy (codes, S16 as float32, channel?) for the QPN8 kernels ([1, N] = channel, else block)."""
-    return codes.reshape(-1).numpy(), group_scales.float().numpy(), tuple(group_scales.shape) == (1, n)
+    channel = tuple(group_scales.shape) == QPN8.buffer("group_scales").shape(n, codes.shape[1])
+    return codes.reshape(-1).numpy(), group_scales.float().numpy(), channel
 
 
 def _cpu_w16_f32(decode_rows: DecodeRows, n: int, k: int) -> Tensor:
@@ -307,8 +311,9 @@ def _nvfp4_prepack_cuda(weight_packed: Tensor, weight_scale: Tensor) -> tuple[Te
 @nvfp4_prepack.register_fake
 def _nvfp4_prepack_fake(weight_packed: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
     n, k = _nvfp4_dims_of_checkpoint(weight_packed, weight_scale)
-    return (weight_packed.new_empty((n, k // 2), dtype=torch.uint8),
-            weight_packed.new_empty((n, k // GROUP_K), dtype=torch.uint8))
+    shapes = QPN2.buffer_shapes(n, k)
+    return (weight_packed.new_empty(shapes["codes"], dtype=torch.uint8),
+            weight_packed.new_empty(shapes["scales"], dtype=torch.uint8))
 
 
 @torch.library.custom_op("qpn::fp8_prepack", mutates_args=(), device_types="cpu")
@@ -334,7 +339,7 @@ def _fp8_prepack_cuda(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, Ten
 @fp8_prepack.register_fake
 def _fp8_prepack_fake(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
     n, k, granularity = _fp8_dims_of_checkpoint(weight, weight_scale)
-    return (weight.new_empty((n, k), dtype=torch.uint8),
+    return (weight.new_empty(QPN8.buffer("codes").shape(n, k), dtype=torch.uint8),
             weight.new_empty(_fp8_group_scales_shape(n, k, granularity), dtype=torch.float16))
 
 

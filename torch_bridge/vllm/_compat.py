@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 if TYPE_CHECKING:
+    from ...ref.formats import WeightFormat
     from .sharding import ShardGeometry
 
 
@@ -27,7 +28,8 @@ class QPNLayer(Protocol):
     create_weights registers the checkpoint Parameters (weight, weight_scale, ...) and sets
     qpn_geometry and the three attributes vLLM's ModelOpt methods set; process_weights_after_loading
     replaces the checkpoint Parameters with qpn_codes / qpn_scales (/ qpn_global_scale) and sets
-    qpn_format and qpn_out_features, which apply reads.
+    qpn_weight_format (ref.formats' description; qpn_format its public name) and qpn_out_features,
+    which apply reads.
     """
 
     qpn_geometry: ShardGeometry
@@ -37,7 +39,8 @@ class QPNLayer(Protocol):
     weight: Tensor
     weight_scale: Tensor
     weight_scale_2: Tensor
-    qpn_format: str
+    qpn_format: str  # qpn_weight_format.format, kept for code that reads the public name
+    qpn_weight_format: WeightFormat
     qpn_codes: Tensor
     qpn_scales: Tensor
     qpn_global_scale: Tensor  # NVFP4 only

@@ -50,9 +50,9 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from ...ref.formats import FP8_GRANULARITIES, QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ...ref.geometry import GROUP_K, TILE_N
-from .. import ops  # registers torch.ops.qpn.*
-from ..module import PackedWeight, pack_fp8, pack_nvfp4
+from ..module import PackedWeight, pack_fp8, pack_nvfp4  # importing module registers torch.ops.qpn.*
 from ._compat import LinearMethodBase, QPNLayer, QuantizeMethod, _VllmKVCacheMethod, _VllmUnquantizedLinearMethod
 from .sharding import (
     _BLOCK_GRID,
@@ -69,20 +69,22 @@ from .sharding import (
 if TYPE_CHECKING:
     from .config import QPNConfig
 
-NVFP4_GROUP_SIZE = GROUP_K  # 16
-NVFP4_K_MULTIPLE = ops.NVFP4_K_MULTIPLE  # 64 (QPN2)
-FP8_K_MULTIPLE = ops.FP8_K_MULTIPLE  # 16 (QPN8, channel scales)
+NVFP4_GROUP_SIZE = GROUP_K  # 16: ModelOpt's NVFP4 group_size, the one qpn runs
+# kept for imports: the rules are ref.formats' (QPN2, QPN8, QPN8_BLOCK)
+NVFP4_K_MULTIPLE = QPN2.k_multiple
+FP8_K_MULTIPLE = QPN8.k_multiple
 _UNLOADED = float("nan")  # initial value of per-shard slots (the loaded-slot bookkeeping is what counts)
 
 
 def _begin_create(layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: Sequence[int],
-                  k_multiple: int, fmt: str) -> ShardGeometry:
+                  wf: WeightFormat) -> ShardGeometry:
     geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes)
     k = geom.k_partition
-    if k <= 0 or k % k_multiple != 0:
+    if k <= 0 or k % wf.k_multiple != 0:
         input_size = getattr(layer, "input_size", "?")
         raise ValueError(
-            f"layer {geom.prefix!r}: {fmt} needs the input features per partition to be a multiple of {k_multiple}, "
+            f"layer {geom.prefix!r}: {wf.format.upper()} ({wf.layout} layout) needs the input features per "
+            f"partition to be a multiple of {wf.k_multiple}, "
             f"got K_part={k} (input_size={input_size}, tp_size={geom.tp_size}, {geom.kind}-parallel); pick a "
             "tensor-parallel size that keeps K_part a multiple of it, or exclude this layer from quantization")
     layer.qpn_geometry = geom
@@ -93,11 +95,12 @@ def _begin_create(layer: QPNLayer, input_size_per_partition: int, output_partiti
     return geom
 
 
-def _finish(layer: QPNLayer, fmt: str, packed: PackedWeight, deleted: tuple[str, ...]) -> None:
+def _finish(layer: QPNLayer, wf: WeightFormat, packed: PackedWeight, deleted: tuple[str, ...]) -> None:
     for name in deleted:
         if hasattr(layer, name):
             delattr(layer, name)
-    layer.qpn_format = fmt
+    layer.qpn_weight_format = wf
+    layer.qpn_format = wf.format  # kept for code that reads the public name
     layer.qpn_codes = Parameter(packed.codes, requires_grad=False)
     layer.qpn_scales = Parameter(packed.scales, requires_grad=False)
     if packed.global_scale is not None:
@@ -115,7 +118,7 @@ def _apply(layer: QPNLayer, x: Tensor, bias: Tensor | None, gated: bool = False)
     x2 = x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if layer.qpn_format == "nvfp4":
+    if layer.qpn_weight_format is QPN2:
         y = torch.ops.qpn.nvfp4_linear(x2, layer.qpn_codes, layer.qpn_scales, layer.qpn_global_scale, gated)
     else:
         y = torch.ops.qpn.fp8_linear(x2, layer.qpn_codes, layer.qpn_scales, gated)
@@ -130,7 +133,8 @@ def _apply(layer: QPNLayer, x: Tensor, bias: Tensor | None, gated: bool = False)
 class _QPNLinearMethodBase(LinearMethodBase):
     """Shared apply / apply_gated / dequantized_weight of the two qpn methods."""
 
-    fmt = ""
+    fmt = ""  # kept for code that reads it: weight_format.format
+    weight_format: WeightFormat
 
     def __init__(self, quant_config: QPNConfig | None = None):
         self.quant_config = quant_config
@@ -154,7 +158,7 @@ class _QPNLinearMethodBase(LinearMethodBase):
 
     def dequantized_weight(self, layer: QPNLayer) -> Tensor:
         """float16 [N_part, K_part]: the W16 this rank computes with (padding cropped)."""
-        if layer.qpn_format == "nvfp4":
+        if layer.qpn_weight_format is QPN2:
             w16 = torch.ops.qpn.nvfp4_dequantize(layer.qpn_codes, layer.qpn_scales, layer.qpn_global_scale)
         else:
             w16 = torch.ops.qpn.fp8_dequantize(layer.qpn_codes, layer.qpn_scales)
@@ -164,14 +168,14 @@ class _QPNLinearMethodBase(LinearMethodBase):
 class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
     """ModelOpt NVFP4 / W4A16_NVFP4 weights, run weight-only through the QPN2 ops (module docstring)."""
 
-    fmt = "nvfp4"
+    fmt = QPN2.format
+    weight_format = QPN2
 
     def create_weights(self, layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
         del input_size, output_size, params_dtype
-        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, NVFP4_K_MULTIPLE,
-                             "NVFP4 (QPN2 layout)")
+        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, self.weight_format)
         n, k, s = geom.n_partition, geom.k_partition, len(geom.partitions)
         _register(layer, geom, "weight", torch.empty((n, k // 2), dtype=torch.uint8), _ROWS, extra_weight_attrs)
         _register(layer, geom, "weight_scale", torch.empty((n, k // NVFP4_GROUP_SIZE), dtype=torch.float8_e4m3fn),
@@ -186,29 +190,28 @@ class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
         _require_loaded(layer, geom, ("weight", "weight_scale", "weight_scale_2"))
         global_scale = _nvfp4_global_scale(geom, layer.weight_scale_2.data)
         packed = pack_nvfp4(layer.weight.data, layer.weight_scale.data, global_scale)
-        _finish(layer, self.fmt, packed, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
+        _finish(layer, self.weight_format, packed, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
 
 
 class QPNFP8LinearMethod(_QPNLinearMethodBase):
     """ModelOpt FP8 (per-tensor, per shard), FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO (128x128 blocks)
     weights, run weight-only through the QPN8 ops (module docstring)."""
 
-    fmt = "fp8"
+    fmt = QPN8.format
 
     def __init__(self, quant_config: QPNConfig | None = None, granularity: str = "tensor"):
         super().__init__(quant_config)
-        if granularity not in ("tensor", "channel", "block"):
+        if granularity not in FP8_GRANULARITIES:
             raise ValueError(f"granularity must be 'tensor', 'channel' or 'block' (ModelOpt FP8 / "
                              f"FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO), got {granularity!r}")
         self.granularity = granularity
+        self.weight_format = weight_format(self.fmt, granularity)
 
     def create_weights(self, layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
         del input_size, output_size, params_dtype
-        block = self.granularity == "block"
-        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes,
-                             FP8_BLOCK if block else FP8_K_MULTIPLE, "FP8 (QPN8 layout)")
+        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, self.weight_format)
         n, k, s = geom.n_partition, geom.k_partition, len(geom.partitions)
         _register(layer, geom, "weight", torch.empty((n, k), dtype=torch.float8_e4m3fn), _ROWS, extra_weight_attrs)
         if self.granularity == "tensor":
@@ -227,14 +230,14 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
         geom: ShardGeometry = layer.qpn_geometry
         _require_loaded(layer, geom, ("weight", "weight_scale"))
         s = layer.weight_scale.data
-        if self.granularity == "block":
+        if self.weight_format is QPN8_BLOCK:
             packed = _pack_fp8_block_shards(layer.weight.data, s, geom)
         else:
             if self.granularity == "tensor":  # each row keeps its own shard's multiplier: exact
                 rows = torch.tensor(list(geom.partitions), device=s.device)
                 s = torch.repeat_interleave(s, rows)
             packed = pack_fp8(layer.weight.data, s.contiguous(), "channel")
-        _finish(layer, self.fmt, packed, ("weight", "weight_scale", "input_scale"))
+        _finish(layer, self.weight_format, packed, ("weight", "weight_scale", "input_scale"))
 
 
 def _nvfp4_global_scale(geom: ShardGeometry, g: Tensor) -> Tensor:
@@ -278,7 +281,7 @@ def _pack_fp8_block_shards(weight: Tensor, grid: Tensor, geom: ShardGeometry) ->
         part = pack_fp8(weight.narrow(0, offset, rows), grid.narrow(0, start, count).contiguous(), "block")
         codes.append(part.codes[:rows])
         scales.append(part.scales[:, : rows // TILE_N])
-    return PackedWeight("fp8", torch.cat(codes).contiguous(), torch.cat(scales, dim=1).contiguous(), None,
+    return PackedWeight(QPN8.format, torch.cat(codes).contiguous(), torch.cat(scales, dim=1).contiguous(), None,
                         int(weight.shape[1]), geom.n_partition)
 
 

@@ -32,13 +32,12 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from ...ref.formats import FP8_BLOCK as FP8_BLOCK  # kept for imports: FP8_PB_WO scales one 128x128 block each
 from ...ref.fp8 import fp8_block_grid, fp8_block_grid_4d
-from .. import ops
 
 if TYPE_CHECKING:
     from ._compat import QPNLayer
 
-FP8_BLOCK = ops.FP8_BLOCK  # 128: FP8_PB_WO scales one 128x128 block each
 QKV_SHARD_IDS = ("q", "k", "v")
 
 _ROWS = "rows"  # parameter role: rows follow the output partition (weight, block scales, channel scales)
