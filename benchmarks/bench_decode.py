@@ -1,6 +1,6 @@
 """Decode-kernel benchmark (qpn2_linear / qpn8_linear, M <= 32): a script for the GPU machine.
 
-    python benchmarks/bench_decode.py [--sections ceiling,decode,variants,ablate,targets] [--quick]
+    python benchmarks/bench_decode.py [--sections ceiling,decode,variants,ablate,targets,gemm] [--quick]
                                       [--shapes 4096x4096,...]
                                       [--out benchmarks/results] [--name decode_h200]
 
@@ -180,7 +180,8 @@ def section_decode(ctx: bk.Context) -> bk.Section:
                 us["cublas"] = _torch_linear_us(ctx, x, w16)
                 t["cublas"]["method"] = "torch graph"
             except Exception as exc:  # noqa: BLE001 - no torch: keep cupy.matmul's timing, say so
-                sec.notes.append(f"torch F.linear timing failed ({type(exc).__name__}: {exc}); cuBLAS = cupy.matmul loop")
+                sec.notes.append(f"torch F.linear timing failed ({type(exc).__name__}: {exc}); "
+                                 "cuBLAS = cupy.matmul loop")
             row = {"n": n, "k": k, "m": m, **{f"{name}_us": v for name, v in us.items()},
                    "method": "/".join(sorted({v["method"] for v in t.values()})), "slots": slots}
             for name in ("qpn2", "qpn8"):
@@ -321,7 +322,8 @@ def section_mid(ctx: bk.Context) -> bk.Section:
             yield label, {**shipped_macros(fmt, -(-m // 8)), **dict(extra)}, None
 
     shapes = [s for s in MID_SHAPES if s in ctx.shapes] or ctx.shapes
-    return _build_rows(ctx, "mid", "Decode kernels at M = 1-32: x rows or fragments, load batches", shapes, MID_MS, builds)
+    title = "Decode kernels at M = 1-32: x rows or fragments, load batches"
+    return _build_rows(ctx, "mid", title, shapes, MID_MS, builds)
 
 
 # (format, label): where the time goes (method: leave one stage out). "full" is the shipped kernel;
@@ -365,7 +367,8 @@ M32_VS_CUBLAS = {"qpn2": 1.4, "qpn8": 1.6}  # issue 13: M = 32 x cuBLAS fp16 at 
 def section_targets(ctx: bk.Context) -> bk.Section:
     """Issues 4 and 13's targets checked against this run's "decode" rows (run that section first)."""
     sec = bk.Section("targets", "Targets (issues 4 and 13), from the decode rows of this run", [
-        bk.Column("target", "target"), bk.Column("shape", "shape"), bk.Column("measured", "measured"), bk.Column("met", "met"),
+        bk.Column("target", "target"), bk.Column("shape", "shape"), bk.Column("measured", "measured"),
+        bk.Column("met", "met"),
     ])
     decode = next((sec_ for sec_ in ctx.sections if sec_.name == "decode"), None)
     if decode is None:
@@ -395,8 +398,9 @@ def section_targets(ctx: bk.Context) -> bk.Section:
             for m, most in FLAT_TARGETS:
                 if (n, k, m) in rows:
                     ratio = rows[n, k, m][f"{fmt}_us"] / rows[n, k, 1][f"{fmt}_us"]
-                    sec.rows.append({"target": f"{fmt.upper()} time(M={m}) <= {most:g} x time(M=1)", "shape": f"{n}x{k}",
-                                     "measured": f"{ratio:.2f}x", "met": "yes" if ratio <= most else "no"})
+                    target = f"{fmt.upper()} time(M={m}) <= {most:g} x time(M=1)"
+                    sec.rows.append({"target": target, "shape": f"{n}x{k}", "measured": f"{ratio:.2f}x",
+                                     "met": "yes" if ratio <= most else "no"})
             if (n, k, 32) in rows:
                 add(fmt, n, k, 32, "x", M32_VS_CUBLAS[fmt])
     (n, k), m, metric, threshold = SMALL_TARGET
@@ -414,8 +418,74 @@ def section_targets(ctx: bk.Context) -> bk.Section:
     return sec
 
 
-SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants, "ablate": section_ablate,
-            "mid": section_mid, "targets": section_targets}
+GEMM_MS = (48, 64, 96, 128, 256, 512, 1024, 2048)
+GEMM_SHAPES = ((28672, 8192), (34816, 5120), (5120, 17408))  # >= 64 MB of QPN2 weight, and a split-K shape
+
+
+def section_gemm(ctx: bk.Context) -> bk.Section:
+    """The fused-dequantize GEMM vs the dense path (dequantize + cuBLAS) and cuBLAS fp16, M in GEMM_MS,
+    with the tier the dispatch picks (decode_threshold / gemm_threshold) and the faster one measured."""
+    from qpn.cupy_kernels import (
+        gemm_threshold,
+        qpn2_dense_linear,
+        qpn2_dequantize,
+        qpn2_gemm_linear,
+        qpn8_dense_linear,
+        qpn8_dequantize,
+        qpn8_gemm_linear,
+    )
+
+    cp = ctx.cp
+    g_dev = cp.full(1, G, dtype=cp.float32)
+    sec = bk.Section("gemm", "Fused-dequantize GEMM (M > 32) vs the dense path and cuBLAS fp16, same weights", [
+        bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
+        bk.Column("cublas_us", "cuBLAS fp16 us", "{:.1f}"),
+        bk.Column("gemm2_us", "qpn2 GEMM us", "{:.1f}"), bk.Column("dense2_us", "qpn2 dense us", "{:.1f}"),
+        bk.Column("gemm2_x", "qpn2 GEMM x cuBLAS", "{:.2f}"),
+        bk.Column("gemm8_us", "qpn8 GEMM us", "{:.1f}"), bk.Column("dense8_us", "qpn8 dense us", "{:.1f}"),
+        bk.Column("gemm8_x", "qpn8 GEMM x cuBLAS", "{:.2f}"),
+        bk.Column("faster", "faster (qpn2/qpn8)"), bk.Column("picked", "dispatch picks"), bk.Column("method", "timing"),
+    ])
+    shapes = [s for s in GEMM_SHAPES if s in ctx.shapes] or ctx.shapes
+    for n, k in shapes:
+        slots, bufs = _buffers(ctx, n, k)
+        q2, q8 = bufs["qpn2"], bufs["qpn8"]
+        w_slots = ctx.rotations(2 * n * k, minimum=2, maximum=16)
+        w16 = [qpn2_dequantize(*q2[i % slots], G, n, k) for i in range(w_slots)]
+        w16_8 = qpn8_dequantize(*q8[0], n, k)
+        workspace = cp.empty((n, k), cp.float16)
+        for m in GEMM_MS:
+            x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
+            y = cp.empty((m, n), cp.float16)
+            _check(ctx, f"qpn2_gemm_linear N={n} K={k} M={m}", qpn2_gemm_linear(x, *q2[0], g_dev, out=y), x, w16[0], 64)
+            _check(ctx, f"qpn8_gemm_linear N={n} K={k} M={m}", qpn8_gemm_linear(x, *q8[0], out=y), x, w16_8, 64)
+            configs = {
+                "gemm2": lambda i: qpn2_gemm_linear(x, *q2[i % slots], g_dev, out=y),
+                "gemm8": lambda i: qpn8_gemm_linear(x, *q8[i % slots], out=y),
+                "dense2": lambda i: qpn2_dense_linear(x, *q2[i % slots], g_dev, out=y, workspace=workspace),
+                "dense8": lambda i: qpn8_dense_linear(x, *q8[i % slots], out=y, workspace=workspace),
+            }
+            t = {name: ctx.time_calls(fn, slots) for name, fn in configs.items()}
+            us = {name: v["us"] for name, v in t.items()}
+            us["cublas"] = _torch_linear_us(ctx, x, w16)
+            faster = "/".join("gemm" if us[f"gemm{f}"] < us[f"dense{f}"] else "dense" for f in "28")
+            picked = "gemm" if m <= gemm_threshold("nvfp4", n, k) else "dense"
+            sec.rows.append({"n": n, "k": k, "m": m, **{f"{name}_us": v for name, v in us.items()},
+                             "gemm2_x": us["cublas"] / us["gemm2"], "gemm8_x": us["cublas"] / us["gemm8"],
+                             "faster": faster, "picked": picked,
+                             "method": "/".join(sorted({v["method"] for v in t.values()})) + "/torch graph"})
+        del bufs, q2, q8, w16, w16_8, workspace
+        cp.get_default_memory_pool().free_all_blocks()
+    sec.notes.append(
+        "cuBLAS fp16 = torch.nn.functional.linear on the same W16 (rotated copies), a replayed torch CUDA graph; "
+        "GEMM and dense = the CuPy wrappers in a CUDA graph (dense: cupy.matmul in a launch loop where capture "
+        "fails); 'dispatch picks' = the tier qpn's ops choose at that M (gemm_threshold on this GPU)."
+    )
+    return sec
+
+
+SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants,
+            "ablate": section_ablate, "mid": section_mid, "targets": section_targets, "gemm": section_gemm}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,10 +15,14 @@ Public functions (CuPy arrays in and out, launched on the current CuPy stream):
   `qpn8_linear(...)`: the decode kernels, M in [1, 32]; `decode_threshold(fmt, n, k)`: the largest
   M they should serve; `decode_workspace_size(fmt, m, n, k, gated)`: fp32 elements of the split-K
   workspace a call needs (0: none), for callers that allocate it themselves
+- `qpn2_gemm_linear(...)`, `qpn8_gemm_linear(...)`: the fused-dequantize GEMM (the decode kernels'
+  GEMM build), any M, built for 33-512; `gemm_threshold(fmt, n, k)`: the largest M it should serve
+  on the current device; `gemm_workspace_size(fmt, m, n, k, gated)`
 """
 
 from .dense import qpn2_dense_linear, qpn8_dense_linear
 from .dequantize import qpn2_dequantize, qpn8_dequantize
+from .gemm import gemm_threshold, gemm_workspace_size, qpn2_gemm_linear, qpn8_gemm_linear
 from .linear import decode_threshold, decode_workspace_size, qpn2_linear, qpn8_linear
 from .loader import get_function
 from .prepack import qpn2_prepack, qpn8_prepack

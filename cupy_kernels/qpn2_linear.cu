@@ -176,8 +176,10 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     int gs_stride, const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
     int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
+#if !QPN_GEMM
     __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
-    __shared__ qpn_u32 xy_table[QPN_HT][256];  // {X, Y} of every scale byte for each tile's g
+#endif
+    __shared__ qpn_u32 xy_table[QPN_WARP_TILES * QPN_HT][256];  // {X, Y} of every scale byte for each tile's g
     const int lane = threadIdx.x & 31;
     const QpnSlice sl = qpn_block_slice(n, k, groups_per_warp);
     const int n_local = sl.n_local;
@@ -187,12 +189,19 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     for (int h = 0; h < QPN_HT; ++h) gval[h] = gscale[(long long)sl.tile[h] * gs_stride];
     // The block constants depend only on (scale byte, g): a 256-entry table per tile replaces
     // ~15 instructions per lane and group (2 cvt, 3 fmul, packs, 2 fp16 ops) by one LDS.
-    for (int i = threadIdx.x; i < QPN_HT * 256; i += blockDim.x) {
+    for (int i = threadIdx.x; i < QPN_WARP_TILES * QPN_HT * 256; i += blockDim.x) {
+#if QPN_GEMM  // one table per warp's tile(s): entry i belongs to warp (i >> 8) / QPN_HT
+        const int tile = qpn_tile_of_slot(n, qpn_slot_of_warp(n, (i >> 8) / QPN_HT), (i >> 8) % QPN_HT);
+        const float g = gscale[(long long)tile * gs_stride];
+#else
+        const float g = i < 256 ? gval[0] : gval[QPN_HT - 1];
+#endif
         float s;
-        const qpn_u32 xy = qpn2_block_xy(i & 255, i < 256 ? gval[0] : gval[QPN_HT - 1], s);
+        const qpn_u32 xy = qpn2_block_xy(i & 255, g, s);
         xy_table[i >> 8][i & 255] = ((fabsf(s) < 0x1p-13f && s != 0.0f) || (xy & QPN2_SLOW_FLAG)) ? QPN2_SLOW_XY : xy;
     }
     __syncthreads();
+    qpn_u32 (*const tables)[256] = xy_table + (QPN_GEMM ? (threadIdx.x >> 5) * QPN_HT : 0);  // this warp's
 
     // per-tile / per-token-block base pointers at the slice's first group (see qpn2_load_slot)
     const qpn_u8* pc[QPN_HT];
@@ -261,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         for (int u = 0; u < QPN_UNROLL; ++u)
 #pragma unroll
             for (int tt = 0; tt < QPN_HT; ++tt) {
-                xy[u][tt] = xy_table[tt][b.scale[u][tt]];
+                xy[u][tt] = tables[tt][b.scale[u][tt]];
                 any_xy |= xy[u][tt];
             }
         auto run = [&](bool exact_path) {
@@ -284,6 +293,14 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         Qpn2Batch b;
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u) qpn2_load_slot(b, u, pc, ps);
+#if QPN_GEMM && QPN_GEMM_PREFETCH
+        if (i + (QPN_GEMM_PREFETCH + 1) * QPN_UNROLL <= n_local)
+#pragma unroll
+            for (int h = 0; h < QPN_HT; ++h) {  // 256 code bytes and 32 scale bytes per group
+                qpn_prefetch_l2(pc[h] - 8 * lane + 256 * QPN_UNROLL * QPN_GEMM_PREFETCH, 2 * QPN_UNROLL);
+                if (lane == 0) qpn_prefetch_l2(ps[h] + 32 * QPN_UNROLL * QPN_GEMM_PREFETCH, 1);
+            }
+#endif
         compute(b, 0, true);
 #pragma unroll
         for (int h = 0; h < QPN_HT; ++h) {
@@ -293,5 +310,9 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         qpn_x_advance(xs, QPN_UNROLL);
     }
 
+#if QPN_GEMM
+    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
+#else
     qpn_reduce_store(red, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
+#endif
 }

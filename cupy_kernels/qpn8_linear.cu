@@ -75,7 +75,6 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
     int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
-    __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
     const int lane = threadIdx.x & 31;
     const int quad = lane >> 2;
     const QpnSlice sl = qpn_block_slice(n, k, groups_per_warp);
@@ -94,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #pragma unroll
     for (int tt = 0; tt < QPN_HT; ++tt)
         pc[tt] = codes + (((long long)sl.tile[tt] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane) * 16;
-    const QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin);
+    QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin);
 
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;
     const qpn_u32 sel_keep = q0 ? QPN_PRMT_HIGH_HALVES : QPN_PRMT_LOW_HALVES;
@@ -147,7 +146,20 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
             }
         }
     };
-    qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) { qpn8_load_slot(b, u, i, valid, pc); }, compute);
+    qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) {
+        qpn8_load_slot(b, u, i, valid, pc);
+#if QPN_GEMM && QPN_GEMM_PREFETCH
+        if (u == 0 && i + (QPN_GEMM_PREFETCH + 1) * QPN_UNROLL <= n_local)
+#pragma unroll
+            for (int h = 0; h < QPN_HT; ++h)  // 512 code bytes per group
+                qpn_prefetch_l2(pc[h] - 16 * lane + 512 * ((long long)i + QPN_UNROLL * QPN_GEMM_PREFETCH), 4 * QPN_UNROLL);
+#endif
+    }, compute);
 
+#if QPN_GEMM
+    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
+#else
+    __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
     qpn_reduce_store(red, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
+#endif
 }

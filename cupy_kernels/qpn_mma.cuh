@@ -47,6 +47,23 @@
 
 #define QPN_HT (QPN_GATED ? 2 : 1)  // tiles per block and warp: gated, the gate tile and the up tile
 
+// QPN_GEMM = 1: the same kernels as a tiled GEMM for M = 33-512 (cupy_kernels/gemm.py). What changes:
+//   work split  warp w of block (b, part, z) owns tile slot QPN_WARPS * b + w and the part's whole K range
+//               (groups [part * gpp, (part + 1) * gpp)), for the 8 * QPN_NB tokens [8 QPN_NB z, ...);
+//               no split-K inside the block, parts across blocks as the decode kernels (gridDim.y);
+//   x           the block stages each batch's x fragments (x_fragments.cu order, all M rows) into
+//               shared memory once, and its QPN_WARPS tiles read them from there (qpn_x_batch_start);
+//   store       each warp rounds and stores its own tile (qpn_gemm_store).
+// The weight loads, the decode and the mma of a group-tile are the decode kernels' own code.
+#ifndef QPN_GEMM
+#define QPN_GEMM 0
+#endif
+#if QPN_GEMM
+#define QPN_WARP_TILES QPN_WARPS  // tile slots per block (each warp its own)
+#else
+#define QPN_WARP_TILES 1  // every warp of a block works on the block's one slot
+#endif
+
 // The fragments of one lane (the register map above), per group-tile (16 k x 32 columns):
 //   QpnFragA  the weights, two rowblocks of the quad's columns: [rb][0] = a0 and [rb][1] = a1 of
 //             mma step A (k 4t, 4t+1), [rb][2] = a0 and [rb][3] = a1 of step B (k 4t+2, 4t+3);
@@ -108,16 +125,53 @@ struct QpnSlice {
     int tile[QPN_HT];
     int g_begin;
     int n_local;
+    int slot;   // the tile slot (gated: the gate tile's index = the output tile's)
+    bool live;  // QPN_GEMM: the warp's slot exists (a last block may have more warps than slots left)
 };
+
+// Tile h of slot `slot` (gated: the gate tile, then the up tile N/64 tiles further).
+__device__ __forceinline__ int qpn_tile_of_slot(int n, int slot, int h) {
+    return slot + h * (n / QPN_TILE_N / 2);
+}
+
+// Slot of warp w of this block (QPN_GEMM: clamped to the last slot, whose work it then repeats
+// without storing it: every warp must take part in the block's x staging).
+__device__ __forceinline__ int qpn_slot_of_warp(int n, int w) {
+#if QPN_GEMM
+    return min((int)blockIdx.x * QPN_WARPS + w, n / QPN_TILE_N / QPN_HT - 1);
+#else
+    (void)n, (void)w;
+    return blockIdx.x;
+#endif
+}
 
 __device__ __forceinline__ QpnSlice qpn_block_slice(int n, int k, int groups_per_warp) {
     QpnSlice sl;
-    const int n_tiles = n / QPN_TILE_N;
+    const int warp = threadIdx.x >> 5;
+    const int slot = qpn_slot_of_warp(n, warp);
+    sl.slot = slot;
 #pragma unroll
-    for (int h = 0; h < QPN_HT; ++h) sl.tile[h] = blockIdx.x + h * (n_tiles / 2);
-    sl.g_begin = (blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)) * groups_per_warp;
+    for (int h = 0; h < QPN_HT; ++h) sl.tile[h] = qpn_tile_of_slot(n, slot, h);
+#if QPN_GEMM
+    sl.live = (int)blockIdx.x * QPN_WARPS + warp < n / QPN_TILE_N / QPN_HT;
+    sl.g_begin = blockIdx.y * groups_per_warp;  // the part's groups: every warp of the block the same
+#else
+    sl.live = true;
+    sl.g_begin = (blockIdx.y * (blockDim.x >> 5) + warp) * groups_per_warp;
+#endif
     sl.n_local = min(k / QPN_GROUP_K, sl.g_begin + groups_per_warp) - sl.g_begin;
     return sl;
+}
+
+// QPN_GEMM_PREFETCH = D > 0: the warp asks L2 for its tile's weights D batches ahead (lanes 0 ..
+// lines - 1, one 128-byte line each): the block's barrier per batch leaves the DRAM latency of
+// the batch's own loads exposed otherwise. `p`: the warp's first byte of the batch D ahead.
+#ifndef QPN_GEMM_PREFETCH
+#define QPN_GEMM_PREFETCH 0
+#endif
+__device__ __forceinline__ void qpn_prefetch_l2(const void* p, int lines) {
+    const int lane = threadIdx.x & 31;
+    if (lane < lines) asm volatile("prefetch.global.L2 [%0];" :: "l"(static_cast<const char*>(p) + 128 * lane));
 }
 
 // Streaming loads of the weights (read once: evict-first, do not pollute L1/L2 for x).
@@ -153,8 +207,24 @@ __device__ __forceinline__ uint4 qpn_ldcs_u4(const void* p) {
 #endif
 #define QPN_NB2 ((QPN_NB + 1) / 2)  // 16-byte fragment pairs per group (QPN_X_FRAG = 1)
 
+// QPN_GEMM: x from shared memory. The block's tokens are pairs [QPN_NB2 z, QPN_NB2 (z + 1)) of the
+// call's nb2_all = ceil(M / 16) fragment pairs; each batch (QPN_UNROLL groups) is staged by the
+// whole block into one of two buffers (QPN_UNROLL x QPN_NB2 x 32 x 16 bytes: 8 KiB at 4 groups and
+// 64 tokens), so one __syncthreads per batch orders it (qpn_x_batch_start). Pairs past M are zeros.
+#if QPN_GEMM
+#undef QPN_X_BATCH
+#define QPN_X_BATCH 0  // the batch's x is in shared memory: each group's fragments are read right before it
+#define QPN_X_STAGE (QPN_UNROLL * QPN_NB2 * 32)  // 16-byte units per staged batch
+#endif
+
 struct QpnX {  // the warp's x at its slice's first group; loads add the group as an immediate
-#if QPN_X_FRAG
+#if QPN_GEMM
+    const uint4* g;  // global fragments of the slice's first group, the block's first pair
+    uint4* s;        // shared memory: two staging buffers of QPN_X_STAGE units
+    int nb2_all;     // fragment pairs per group in the call (ceil(M / 16))
+    int pairs;       // of them, this block's (<= QPN_NB2)
+    int buf;         // the buffer the next batch goes to
+#elif QPN_X_FRAG
     const uint4* p;
 #else
     const qpn_u16* p[QPN_NB];
@@ -164,7 +234,16 @@ struct QpnX {  // the warp's x at its slice's first group; loads add the group a
 __device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_rows, int k, int g_begin) {
     QpnX xs;
     const int lane = threadIdx.x & 31;
-#if QPN_X_FRAG
+#if QPN_GEMM
+    __shared__ uint4 x_stage[2 * QPN_X_STAGE];
+    (void)k, (void)lane;
+    xs.nb2_all = (m_rows + 15) / 16;
+    const int pair0 = QPN_NB2 * blockIdx.z;
+    xs.pairs = min(QPN_NB2, xs.nb2_all - pair0);
+    xs.g = static_cast<const uint4*>(x) + (long long)g_begin * xs.nb2_all * 32 + pair0 * 32;
+    xs.s = x_stage;
+    xs.buf = 0;
+#elif QPN_X_FRAG
     xs.p = static_cast<const uint4*>(x) + (long long)g_begin * QPN_NB2 * 32 + lane;
 #else
 #pragma unroll
@@ -178,7 +257,9 @@ __device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_r
 
 // advance by `groups` groups (the QPN2 K loop moves its pointers one batch at a time)
 __device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
-#if QPN_X_FRAG
+#if QPN_GEMM
+    xs.g += (long long)groups * xs.nb2_all * 32;
+#elif QPN_X_FRAG
     xs.p += groups * QPN_NB2 * 32;
 #else
 #pragma unroll
@@ -190,7 +271,16 @@ __device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
 // 8-token block j; g0 is a per-batch base, u an immediate.
 __device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, int g0, int u, bool valid)
 {
-#if QPN_X_FRAG
+#if QPN_GEMM
+    (void)g0;  // the staged batch starts at group g0: u indexes it
+    const uint4* p = xs.s + (1 - xs.buf) * QPN_X_STAGE + u * QPN_NB2 * 32 + (threadIdx.x & 31);
+#pragma unroll
+    for (int jp = 0; jp < QPN_NB2; ++jp) {
+        const uint4 v = valid ? p[jp * 32] : make_uint4(0u, 0u, 0u, 0u);
+        xf[2 * jp] = make_uint2(v.x, v.y);
+        if (2 * jp + 1 < QPN_NB) xf[2 * jp + 1] = make_uint2(v.z, v.w);
+    }
+#elif QPN_X_FRAG
 #pragma unroll
     for (int jp = 0; jp < QPN_NB2; ++jp) {
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -223,9 +313,23 @@ struct QpnBatchX {
     QpnFragB f[QPN_X_BATCH ? QPN_UNROLL : 1];
 };
 
-__device__ __forceinline__ void qpn_x_batch_start(QpnBatchX& xb, const QpnX& xs, int i, bool full, int n_local)
+// QPN_GEMM: stage batch i (groups i .. i + U - 1 of the slice) into the next buffer, then one barrier:
+// every warp has finished the batch before the previous one, the last reader of that buffer.
+__device__ __forceinline__ void qpn_x_batch_start(QpnBatchX& xb, QpnX& xs, int i, bool full, int n_local)
 {
-#if QPN_X_BATCH
+#if QPN_GEMM
+    (void)xb, (void)full;
+    uint4* dst = xs.s + xs.buf * QPN_X_STAGE;
+    for (int v = threadIdx.x; v < QPN_X_STAGE; v += QPN_WARPS * 32) {
+        const int u = v / (QPN_NB2 * 32), jp = (v / 32) % QPN_NB2;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (i + u < n_local && jp < xs.pairs)
+            val = __ldcg(xs.g + (long long)(i + u) * xs.nb2_all * 32 + jp * 32 + (v & 31));  // L2: other blocks' x
+        dst[v] = val;
+    }
+    xs.buf ^= 1;
+    __syncthreads();
+#elif QPN_X_BATCH
 #pragma unroll
     for (int u = 0; u < QPN_UNROLL; ++u) qpn_load_x_group(xb.f[u], xs, i, u, full || i + u < n_local);
 #endif
@@ -379,3 +483,81 @@ __device__ __forceinline__ void qpn_reduce_store(
         y[at] = qpn_output(s);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// QPN_GEMM epilogue: each warp holds whole sums of its own tile(s) for the part's K range, so it
+// rounds and stores them itself. Lane (gid, t) holds, per 8-token block j and rowblock rb, the
+// columns col(4 gid + 2 rb) (acc [0], [1]) and col(4 gid + 2 rb) + 1 (acc [2], [3]) -- adjacent,
+// stored as one 32-bit pair -- for tokens 8 j + 2 t (acc [0], [2]) and 8 j + 2 t + 1 ([1], [3]).
+// Parts (gridDim.y > 1): every block writes its fp32 sums to partial[part][h][m][y_cols]; the last
+// block of a (slot block, token block) to arrive (ticket) adds the parts in ascending order, the
+// same order whatever the arrival order. The parts depend on N, K and the SM count, never on M, and
+// a token's sums never meet another token's: a row gives the same bits in every GEMM call.
+#if QPN_GEMM
+__device__ __forceinline__ void qpn_gemm_store(
+    const QpnAcc (&acc)[QPN_HT], const QpnSlice& sl, qpn_u16* __restrict__ y, int m_rows, int y_cols,
+    float* __restrict__ partial, unsigned* __restrict__ tickets)
+{
+    __shared__ unsigned last_part;
+    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+    const int parts = gridDim.y, part = blockIdx.y;
+    const int col_base = 32 * sl.slot + 8 * (gid & 3) + 4 * (gid >> 2);  // col(4 gid + 2 rb) - 2 rb
+    const int m_base = 8 * QPN_NB * blockIdx.z + 2 * t;
+    const long long plane = (long long)m_rows * y_cols;
+    if (parts > 1) {
+        if (sl.live) {
+#pragma unroll
+            for (int j = 0; j < QPN_NB; ++j)
+#pragma unroll
+                for (int tok = 0; tok < 2; ++tok) {
+                    const int m = m_base + 8 * j + tok;
+                    if (m >= m_rows) continue;
+#pragma unroll
+                    for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+                        for (int h = 0; h < QPN_HT; ++h) {
+                            float* p = partial + ((long long)part * QPN_HT + h) * plane + (long long)m * y_cols + col_base + 2 * rb;
+                            *reinterpret_cast<float2*>(p) = make_float2(acc[h][j][rb][tok], acc[h][j][rb][2 + tok]);
+                        }
+                }
+        }
+        __threadfence();  // this block's partials are visible device-wide before its ticket
+        __syncthreads();
+        if (threadIdx.x == 0)
+            last_part = atomicAdd(&tickets[blockIdx.z * gridDim.x + blockIdx.x], 1u) == (unsigned)(parts - 1);
+        __syncthreads();
+        if (!last_part) return;
+        __threadfence();
+    }
+    if (!sl.live) return;
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j)
+#pragma unroll
+        for (int tok = 0; tok < 2; ++tok) {
+            const int m = m_base + 8 * j + tok;
+            if (m >= m_rows) continue;
+#pragma unroll
+            for (int rb = 0; rb < 2; ++rb) {
+                const long long at = (long long)m * y_cols + col_base + 2 * rb;
+                float s0[QPN_HT], s1[QPN_HT];
+#pragma unroll
+                for (int h = 0; h < QPN_HT; ++h) {
+                    if (parts == 1) {
+                        s0[h] = acc[h][j][rb][tok];
+                        s1[h] = acc[h][j][rb][2 + tok];
+                    } else {
+                        const float* p = partial + (long long)h * plane + at;
+                        float2 v = __ldcg(reinterpret_cast<const float2*>(p));  // L2: written by other SMs
+                        for (int q = 1; q < parts; ++q) {
+                            const float2 w = __ldcg(reinterpret_cast<const float2*>(p + (long long)q * QPN_HT * plane));
+                            v = make_float2(__fadd_rn(v.x, w.x), __fadd_rn(v.y, w.y));
+                        }
+                        s0[h] = v.x;
+                        s1[h] = v.y;
+                    }
+                }
+                *reinterpret_cast<qpn_u32*>(y + at) = (qpn_u32)qpn_output(s0) | ((qpn_u32)qpn_output(s1) << 16);
+            }
+        }
+}
+#endif

@@ -118,10 +118,10 @@ def launches(monkeypatch):
 
 def _same_launches(calls: list, count: int) -> None:
     assert len(calls) == 2 * count
-    for (variant_a, args_a), (variant_b, args_b) in zip(calls[:count], calls[count:]):
+    for (variant_a, args_a), (variant_b, args_b) in zip(calls[:count], calls[count:], strict=True):
         assert variant_a is variant_b
         assert len(args_a) == len(args_b)
-        for a, b in zip(args_a, args_b):
+        for a, b in zip(args_a, args_b, strict=True):
             assert a is b or (type(a) is type(b) and isinstance(a, np.generic) and a == b), (a, b)
 
 
@@ -193,11 +193,14 @@ def test_the_cuda_backend_calls_the_trusted_entries(monkeypatch):
                                    qpn8_dequantize_trusted=entry("qpn8_dequantize_trusted")),
         linear=SimpleNamespace(qpn2_linear_trusted=entry("qpn2_linear_trusted"),
                                qpn8_linear_trusted=entry("qpn8_linear_trusted")),
+        gemm=SimpleNamespace(qpn2_gemm_trusted=entry("qpn2_gemm_trusted"), qpn8_gemm_trusted=entry("qpn8_gemm_trusted"),
+                             gemm_threshold=lambda fmt, n, k: 64, gemm_workspace_size=lambda fmt, m, n, k, gated: 0),
         decode_threshold=lambda fmt, n, k: 32,
         decode_workspace_size=lambda fmt, m, n, k, gated: 0,
     )
     monkeypatch.setattr(_cuda, "_kernels", lambda: kernels)
     monkeypatch.setattr(_cuda, "_on_torch_stream", lambda device: contextlib.nullcontext(lambda t: t))
+    monkeypatch.setattr(_cuda, "_mm_rn16", lambda x, w16: torch.zeros(x.shape[0], w16.shape[0], dtype=torch.float16))
 
     u8, f16 = torch.uint8, torch.float16
     codes2, scales2 = _cuda.nvfp4_prepack(torch.zeros(n, k // 2, dtype=u8), torch.zeros(n, k // 16, dtype=u8), n, k)
@@ -205,8 +208,11 @@ def test_the_cuda_backend_calls_the_trusted_entries(monkeypatch):
     _cuda.fp8_prepack(torch.zeros(n, k, dtype=u8), torch.ones(n, dtype=torch.float32), n, k, (1, n))
     _cuda.nvfp4_dequantize(codes2, scales2, torch.ones(1), n, k)
     _cuda.fp8_dequantize(torch.zeros(n, k, dtype=u8), torch.ones(1, n, dtype=f16), n, k)
-    x = torch.zeros(1, k, dtype=f16)
-    _cuda.nvfp4_linear(x, codes2, scales2, torch.ones(1), n, k, n, False)
-    _cuda.fp8_linear(x, torch.zeros(n, k, dtype=u8), torch.ones(1, n, dtype=f16), n, k, n, False)
+    for m in (1, 32, 33, 64, 65):  # the three tiers: decode (M <= 32), GEMM (M <= 64 here), dense
+        x = torch.zeros(m, k, dtype=f16)
+        _cuda.nvfp4_linear(x, codes2, scales2, torch.ones(1), n, k, n, False)
+        _cuda.fp8_linear(x, torch.zeros(n, k, dtype=u8), torch.ones(1, n, dtype=f16), n, k, n, False)
     assert called == ["qpn2_prepack_trusted", "qpn8_prepack_trusted", "qpn2_dequantize_trusted",
-                      "qpn8_dequantize_trusted", "qpn2_linear_trusted", "qpn8_linear_trusted"]
+                      "qpn8_dequantize_trusted", *["qpn2_linear_trusted", "qpn8_linear_trusted"] * 2,
+                      *["qpn2_gemm_trusted", "qpn8_gemm_trusted"] * 2, "qpn2_dequantize_trusted",
+                      "qpn8_dequantize_trusted"]

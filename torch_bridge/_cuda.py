@@ -20,9 +20,11 @@ Discipline (docs/STYLE.md, item 9), in this order for every call:
    a captured graph. `_SameStream` therefore exports with `stream=-1` (DLPack's "consumer
    uses the producer's stream, no synchronization"), which is the truth here by construction.
 
-Linear: M <= `qpn.cupy_kernels.decode_threshold(fmt, N, K)` (at most 32, the decode kernels'
-range) runs the decode kernel; larger M dequantizes the whole weight into a per-call fp16
-[N, K] torch tensor and multiplies with torch:
+Linear, three tiers by M (thresholds measured, host arithmetic: safe under graph capture):
+M <= `qpn.cupy_kernels.decode_threshold(fmt, N, K)` (32, the decode kernels' range) runs the
+decode kernel; M <= `gemm_threshold(fmt, N, K)` the fused-dequantize GEMM (cupy_kernels/gemm.py);
+larger M dequantizes the whole weight into a per-call fp16 [N, K] torch tensor and multiplies
+with torch:
 
     y = RN16(torch.mm(x, W16^T, out_dtype=float32))
 
@@ -71,6 +73,12 @@ def decode_threshold(fmt: str, n: int, k: int) -> int:
     """Largest M that runs the decode kernel for an [N, K] weight of format "nvfp4" | "fp8"
     (qpn.cupy_kernels.decode_threshold, chosen by measurement; host arithmetic only)."""
     return _kernels().decode_threshold(fmt, n, k)
+
+
+def gemm_threshold(fmt: str, n: int, k: int) -> int:
+    """Largest M that runs the fused-dequantize GEMM on the current device (above: dequantize +
+    cuBLAS; qpn.cupy_kernels.gemm.gemm_threshold, from the measured crossover)."""
+    return _kernels().gemm.gemm_threshold(fmt, n, k)
 
 
 @contextlib.contextmanager
@@ -175,15 +183,17 @@ def fp8_dequantize(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tenso
 # ----------------------------------------------------------------------------- linear
 
 
-def _decode(wf: WeightFormat, x: Tensor, n: int, k: int, n_out: int, gated: bool,
-            launch: Callable[..., None]) -> Tensor:
-    """The decode kernel's call: output and split-K workspace from torch's allocator (graph-safe).
-    `launch` calls the CuPy wrapper's *_trusted entry: ops.py validated the arguments."""
+def _fused(wf: WeightFormat, x: Tensor, n: int, k: int, n_out: int, gated: bool, gemm: bool,
+           launch: Callable[..., None]) -> Tensor:
+    """A decode kernel's or the GEMM's call: output and workspace (x fragments, split-K state) from
+    torch's allocator (graph-safe). `launch` calls the CuPy wrapper's *_trusted entry: ops.py
+    validated the arguments."""
     kernels = _kernels()
     m = x.shape[0]
     out = torch.empty((m, n_out), dtype=torch.float16, device=x.device)
+    workspace_size = kernels.gemm.gemm_workspace_size if gemm else kernels.decode_workspace_size
     with _on_torch_stream(x.device) as as_cupy:
-        size = kernels.decode_workspace_size(wf.key, m, n, k, gated)  # the split depends on x's device
+        size = workspace_size(wf.key, m, n, k, gated)  # the split depends on x's device
         workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
         launch(kernels, as_cupy, out=as_cupy(out), gated=gated, workspace=workspace)
     return out
@@ -196,9 +206,14 @@ def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, n_out))
-    if m <= decode_threshold(QPN2.format, n, k):
-        return _decode(QPN2, x, n, k, n_out, gated, lambda kernels, as_cupy, **kw: kernels.linear.qpn2_linear_trusted(
-            as_cupy(x), as_cupy(codes), as_cupy(scales), as_cupy(global_scale.reshape(-1)), n, **kw))
+    if m <= gemm_threshold(QPN2.format, n, k):
+        gemm = m > decode_threshold(QPN2.format, n, k)
+
+        def launch(kernels: ModuleType, as_cupy: AsCupy, **kw: Any) -> None:
+            entry = kernels.gemm.qpn2_gemm_trusted if gemm else kernels.linear.qpn2_linear_trusted
+            entry(as_cupy(x), as_cupy(codes), as_cupy(scales), as_cupy(global_scale.reshape(-1)), n, **kw)
+
+        return _fused(QPN2, x, n, k, n_out, gated, gemm, launch)
     y = _mm_rn16(x, nvfp4_dequantize(codes, scales, global_scale, n, k))
     return silu_and_mul(y) if gated else y
 
@@ -209,8 +224,13 @@ def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, n: int, k: int, n
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, n_out))
-    if m <= decode_threshold(QPN8.format, n, k):
-        return _decode(QPN8, x, n, k, n_out, gated, lambda kernels, as_cupy, **kw: kernels.linear.qpn8_linear_trusted(
-            as_cupy(x), as_cupy(codes), as_cupy(group_scales), n, **kw))
+    if m <= gemm_threshold(QPN8.format, n, k):
+        gemm = m > decode_threshold(QPN8.format, n, k)
+
+        def launch(kernels: ModuleType, as_cupy: AsCupy, **kw: Any) -> None:
+            entry = kernels.gemm.qpn8_gemm_trusted if gemm else kernels.linear.qpn8_linear_trusted
+            entry(as_cupy(x), as_cupy(codes), as_cupy(group_scales), n, **kw)
+
+        return _fused(QPN8, x, n, k, n_out, gated, gemm, launch)
     y = _mm_rn16(x, fp8_dequantize(codes, group_scales, n, k))
     return silu_and_mul(y) if gated else y

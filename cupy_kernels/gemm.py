@@ -1,0 +1,242 @@
+"""The fused-dequantize GEMM for M = 33-512: the decode kernels built as a tiled GEMM (QPN_GEMM).
+
+The weights are streamed once from their QPN2 / QPN8 bytes and decoded in registers to the
+contract's exact W16 by the decode kernels' own code (qpn2_linear.cu, qpn8_linear.cu); what the
+GEMM build changes is the work split and where x comes from (qpn_mma.cuh, "QPN_GEMM"):
+
+- a block is GEMM_WARPS warps, each owning one 32-column tile (gated: a gate tile and its up
+  tile), for 8 * nb tokens (nb = 8 plain, 4 gated: 64 fp32 accumulators per lane either way);
+- the block stages each batch's x fragments (x_fragments.cu order) into shared memory once and
+  all its tiles read them there: x crosses L2 -> SM once per 256 columns instead of once per 32;
+- K is split across blocks into `parts` only to fill the GPU (gemm_split); the parts are added in
+  a fixed order by the last block to arrive, as in the decode kernels.
+
+Numerics: the contract's W16, fp32 accumulation in the tensor core (m16n8k8), one RN16 per output.
+Batch invariance: each output is the fp32 sum over the part's groups in ascending order, then the
+parts in ascending order; the split depends on N, K and the SM count only, and tokens never share
+a sum, so a row gives the same bits in every GEMM call whatever M. It may differ from the same row
+run through the decode kernels (M <= 32) in the last bits before rounding: those split K between
+warps as well (decode_split), a different order of the same fp32 additions, within the contract's
+bound (qpn.ref.linear_bounds). Keeping the decode order here would cost a second set of 64
+accumulators per lane.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
+from ..ref.geometry import GROUP_K, TILE_N
+from ._validate import CupyArray, global_scale_stride, output_array, require_cupy
+from .dequantize import (
+    prepare_qpn2,
+    prepare_qpn8,
+    qpn8_group_scales_format,
+    qpn8_strides,
+    require_qpn2_aligned,
+    require_qpn8_aligned,
+)
+from .linear import (
+    MAX_M,
+    SLICE_MULTIPLE,
+    TOKENS_PER_BLOCK,
+    _fragment_elements,
+    _gated_rows,
+    _require_group_scales_aligned,
+    _require_x_aligned,
+    _rows_of,
+    _x_fragments,
+    _zeroed_tickets,
+    decode_threshold,
+)
+from .loader import kernel
+from .variants import KernelVariant
+
+GEMM_WARPS = 8  # tiles per block: 256 columns share one staging of x
+# groups per load batch, per kernel family: 4 spill at 128 registers on sm_75 (44-92 bytes of stack),
+# and so does 2 with 128x128 block scales (a scale load per group-tile: 48 bytes)
+GEMM_UNROLL = {QPN2.key: 2, QPN8.key: 2, QPN8_BLOCK.key: 1}
+GEMM_MIN_BLOCKS = 2  # 2 blocks of 8 warps per SM: <= 128 registers
+GEMM_MAX_PARTS = 8
+GEMM_MIN_GROUPS_PER_PART = 64  # 1024 k: a part's staging and epilogue stay small next to its loop
+# Cost of one more part, in passes over the weight (gemm_split). Measured on the H200, M = 64, QPN2 /
+# QPN8 us with 1, 2, 3, 4, 7, 8 parts: 28672x8192 (112 column blocks, 264 block slots) 323/300,
+# 213/206, 278/252, 226/221, 236/226, 261/245; 5120x17408 (20 blocks) 711/655, 358/332, 256/243,
+# 204/187, 156/150, 148/143. The waves alone pick 7 parts for the first (0.43 waves per part);
+# 0.02 per part picks 2 and 7 (within 5 % of the best 8) for the second.
+GEMM_PART_COST = 0.02
+
+# Largest M the GEMM serves (above it: dequantize + cuBLAS), per compute capability, from the
+# crossover measured in benchmarks/results/gemm_h200.md (sm_80 and newer: the H200, where cuBLAS
+# has wgmma and the dense path wins from M ~ 96) and, for Turing, the sm_75 model
+# (benchmarks/results/turing_model.md, "GEMM"): there cuBLAS runs the same HMMA as this kernel,
+# and the projected GEMM stays at the fp16 tensor-core limit up to M = 512 while the dense path
+# also writes and re-reads the fp16 weight. Turing is a projection, not a measurement.
+GEMM_MAX_M = {7: 512, 8: 64, 9: 64, 10: 64, 12: 64}
+GEMM_MAX_M_OTHER = 64
+
+
+def gemm_nb(gated: bool) -> int:
+    """8-token blocks per GEMM block: 64 fp32 accumulators per lane (gated holds two tiles)."""
+    return 4 if gated else 8
+
+
+def _macros(gated: bool, block_scales: bool | None) -> tuple[tuple[str, str], ...]:
+    family = QPN2 if block_scales is None else (QPN8_BLOCK if block_scales else QPN8)
+    return tuple(sorted((
+        ("QPN_GEMM", "1"),
+        ("QPN_GATED", str(int(gated))),
+        ("QPN_NB", str(gemm_nb(gated))),
+        ("QPN_WARPS", str(GEMM_WARPS)),
+        ("QPN_UNROLL", str(GEMM_UNROLL[family.key])),
+        ("QPN_MIN_BLOCKS", str(GEMM_MIN_BLOCKS)),
+        ("QPN_X_FRAG", "1"),
+        ("QPN_X_BATCH", "0"),
+        *((("QPN8_BLOCK_SCALES", str(int(block_scales))),) if block_scales is not None else ()),
+    )))
+
+
+QPN2_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", _macros(gated, None), archs=("sm_75",))
+             for gated in (False, True)}
+QPN8_GEMM = {(gated, block): KernelVariant("qpn8_linear.cu", "qpn8_linear", _macros(gated, block), archs=("sm_75",))
+             for gated in (False, True) for block in (False, True)}
+KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values())
+
+_DEVICE: dict[int, tuple[int, int]] = {}  # device id -> (multiprocessors, compute capability major)
+
+
+def _device() -> tuple[int, int]:
+    import cupy  # noqa: PLC0415
+
+    device = cupy.cuda.Device()
+    if device.id not in _DEVICE:
+        _DEVICE[device.id] = (int(device.attributes["MultiProcessorCount"]), int(device.compute_capability[:-1]))
+    return _DEVICE[device.id]
+
+
+def gemm_threshold(fmt: str, n: int, k: int) -> int:
+    """Largest M that should run the GEMM on the current device (GEMM_MAX_M); the decode kernels
+    take M <= decode_threshold, dequantize + cuBLAS everything above. Host arithmetic only."""
+    decode_threshold(fmt, n, k)  # the same argument rules
+    return max(MAX_M, GEMM_MAX_M.get(_device()[1], GEMM_MAX_M_OTHER))
+
+
+def gemm_split(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, int]:
+    """(parts, groups per part) for N/32 tiles and K/16 groups on `sms` SMs; never depends on M, nor
+    on gated (the gated build then sums each tile exactly as the plain one).
+
+    Parts fill the GPU when the column blocks alone cannot (GEMM_MIN_BLOCKS per SM resident): the
+    parts that minimise ceil(parts * blocks / slots) / parts + GEMM_PART_COST * parts -- the waves
+    per unit of work of one 64-token row of blocks (M <= 64, the GEMM's usual range), plus what each
+    part adds (its blocks' table build, staging start, partial sums and ticket) -- fewest on ties,
+    each part >= GEMM_MIN_GROUPS_PER_PART groups, rounded up to whole load batches (`multiple`).
+    """
+    blocks = -(-n_tiles // GEMM_WARPS)
+    slots = max(1, GEMM_MIN_BLOCKS * sms)
+    fits = [p for p in range(1, GEMM_MAX_PARTS + 1) if p == 1 or p * GEMM_MIN_GROUPS_PER_PART <= groups]
+    parts = min(fits, key=lambda p: (-(-p * blocks // slots) / p + GEMM_PART_COST * p, p)) if sms else 1
+    per_part = -(-groups // parts)
+    per_part = -(-per_part // multiple) * multiple
+    return -(-groups // per_part), per_part
+
+
+def _grid(n: int, m: int, gated: bool, parts: int) -> tuple[int, int, int]:
+    slots = n // TILE_N // (2 if gated else 1)
+    return -(-slots // GEMM_WARPS), parts, -(-m // (TOKENS_PER_BLOCK * gemm_nb(gated)))
+
+
+def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
+    """(parts, groups per part, fragment end, partial end, ticket end): the call's split and its
+    workspace layout in fp32 elements -- x fragments, then split-K partials and tickets (parts > 1)."""
+    parts, per_part = gemm_split(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[wf.key], _device()[0])
+    frag = _fragment_elements(m, k)
+    if parts == 1:
+        return parts, per_part, frag, frag, frag
+    bx, _, bz = _grid(n, m, gated, parts)
+    partial = frag + parts * (2 if gated else 1) * m * _gated_rows(n, gated)
+    return parts, per_part, frag, partial, partial + bx * bz
+
+
+def gemm_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False) -> int:
+    """fp32 elements of the workspace a GEMM call needs (x fragments, split-K partials, tickets):
+    pass one of at least this size where allocations must come from the caller (graph capture)."""
+    return _workspace_ends(QPN2 if fmt == QPN2.key else QPN8, m, n, k, gated)[-1]
+
+
+def _launch(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int, gated: bool,
+            workspace: CupyArray | None) -> None:
+    """Queue one GEMM call: x fragments, the tickets' reset (parts > 1), the kernel."""
+    import cupy  # noqa: PLC0415
+
+    m, k = x.shape
+    parts, per_part, frag_end, partial_end, size = _workspace_ends(wf, m, n, k, gated)
+    if workspace is None:
+        workspace = cupy.empty(size, dtype=np.float32)
+    else:
+        require_cupy("workspace", workspace, np.float32)
+        if workspace.size < size or not workspace.flags.c_contiguous:
+            raise ValueError(f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
+                             f"(gemm_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one")
+    x_frag = workspace[:frag_end]
+    _x_fragments(x, x_frag)
+    partial, tickets = np.uint64(0), np.uint64(0)
+    if parts > 1:
+        partial = workspace[frag_end:partial_end]
+        tickets = _zeroed_tickets(workspace[partial_end:size])
+    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(per_part), partial, tickets)
+    kernel(variant)(_grid(n, m, gated, parts), (32 * GEMM_WARPS,), (*weights, x_frag, y, *tail))
+
+
+def _activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:
+    require_cupy("x", x, np.float16, ndim=2)
+    m, k = x.shape
+    if m < 1:
+        raise ValueError(f"x must have M >= 1 rows, got shape {tuple(x.shape)}; an empty batch needs no call")
+    wf.require_dims(TILE_N, k)  # K's rule (N is checked on the weights)
+    _require_x_aligned(x)
+    return m, k
+
+
+def qpn2_gemm_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray,
+                     out: CupyArray | None = None, gated: bool = False,
+                     workspace: CupyArray | None = None) -> CupyArray:
+    """y = x @ W16^T for a QPN2 (NVFP4) weight, any M >= 1 (built for 33-512; module docstring);
+    arguments as qpn2_linear, workspace sized by gemm_workspace_size."""
+    m, k = _activation(x, QPN2)
+    n = _rows_of(codes, k, QPN2.code_bits / 8)
+    n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
+    y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
+    _launch(QPN2, QPN2_GEMM[bool(gated)], (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace)
+    return y
+
+
+def qpn2_gemm_trusted(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: CupyArray, n: int,
+                      out: CupyArray, gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
+    """`qpn2_gemm_linear` of arguments the torch op validated (as linear.qpn2_linear_trusted, any M)."""
+    _require_x_aligned(x)
+    require_qpn2_aligned(codes, scales)
+    weights = (codes, scales, global_scale, np.int32(global_scale_stride(global_scale)))
+    _launch(QPN2, QPN2_GEMM[bool(gated)], weights, x, out, n, gated, workspace)
+    return out
+
+
+def qpn8_gemm_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None,
+                     gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
+    """y = x @ W16^T for a QPN8 (FP8) weight, any M >= 1 (built for 33-512); arguments as qpn8_linear."""
+    m, k = _activation(x, QPN8)
+    n = _rows_of(codes, k, QPN8.code_bits / 8)
+    n, k, _ = prepare_qpn8(codes, group_scales, n, k)
+    y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
+    return qpn8_gemm_trusted(x, codes, group_scales, n, y, gated, workspace)
+
+
+def qpn8_gemm_trusted(x: CupyArray, codes: CupyArray, group_scales: CupyArray, n: int, out: CupyArray,
+                      gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
+    """`qpn8_gemm_linear` of arguments the torch op validated (as linear.qpn8_linear_trusted, any M)."""
+    wf = qpn8_group_scales_format(group_scales.shape, n, x.shape[1])
+    _require_x_aligned(x)
+    require_qpn8_aligned(codes)
+    _require_group_scales_aligned(group_scales, wf)
+    weights = (codes, group_scales, np.int32(qpn8_strides(wf, n)[0]))
+    _launch(QPN8, QPN8_GEMM[bool(gated), wf is QPN8_BLOCK], weights, x, out, n, gated, workspace)
+    return out

@@ -1,0 +1,259 @@
+"""The fused-dequantize GEMM (cupy_kernels/gemm.py): the decode kernels' GEMM build, M = 33-512.
+
+1. Accuracy contract: y inside qpn.ref.linear_bounds(x, W16) for the contract's W16, for every M of
+   a sweep that crosses the decode / GEMM / dense thresholds, plain and ragged shapes (tile slots
+   that do not fill the last block, K split into parts, a partial last token block).
+2. Batch invariance within the GEMM: row i of an M-row call equals the row computed alone by the
+   GEMM and inside calls of other M, bit for bit (the split depends on N, K and the SM count only).
+   The decode kernels (M <= 32) split K differently: their rows agree within the bound, not bitwise
+   (gemm.py's docstring says why).
+3. Gated: silu_and_mul on the plain GEMM's gate / up outputs.
+4. The torch ops route M in (decode_threshold, gemm_threshold] to the GEMM: bit-equal to a direct call.
+5. CPU: the split never depends on M and covers K in whole batches; every GEMM build is in the
+   Turing compile check's registry.
+The sanitizer run: `--drive` at the bottom (tests/test_cupy_sanitizer.py style).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_cupy_linear import (  # noqa: E402  (the decode kernels' data and checks)
+    G_SCALAR,
+    activations,
+    assert_gated_matches,
+    assert_in_bounds,
+    qpn2_buffers,
+    qpn8_buffers,
+)
+
+from qpn.ref import qpn2_dequantize, qpn8_dequantize  # noqa: E402
+
+GEMM_MS = (33, 40, 63, 64, 65, 96, 128, 200, 257)
+# (N, K): one block of 8 slots; 3 slots (a block with 5 idle warps); ragged slots (12 tiles: 1.5 blocks);
+# K split into parts on any GPU of more than 2 SMs (few tiles, many groups)
+SHAPES = [(256, 512), (96, 1024), (384, 192), (64, 8192)]
+QPN8_CASES = [(256, 512, False), (96, 1024, False), (384, 256, True), (128, 8192, True), (64, 2064, False)]
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def test_split_covers_k_in_whole_batches_and_ignores_m():
+    from qpn.cupy_kernels.gemm import GEMM_MAX_PARTS, GEMM_MIN_GROUPS_PER_PART, gemm_split
+
+    for tiles in (1, 3, 12, 160, 896, 1088):
+        for groups in (4, 12, 64, 129, 320, 512, 1088):
+            for multiple in (1, 4):
+                if groups % multiple:
+                    continue
+                for sms in (0, 40, 132):
+                    parts, per_part = gemm_split(tiles, groups, multiple, sms)
+                    assert 1 <= parts <= GEMM_MAX_PARTS and per_part % multiple == 0
+                    assert (parts - 1) * per_part < groups <= parts * per_part  # every part holds groups
+                    assert parts == 1 or per_part >= GEMM_MIN_GROUPS_PER_PART - multiple
+
+
+def test_gemm_builds_are_in_the_compile_registry():
+    from qpn.cupy_kernels import gemm
+    from qpn.cupy_kernels.variants import all_variants
+
+    registered = all_variants()
+    assert gemm.KERNEL_VARIANTS and all(v in registered for v in gemm.KERNEL_VARIANTS)
+    assert all(dict(v.defines)["QPN_GEMM"] == "1" for v in gemm.KERNEL_VARIANTS)
+
+
+# ----------------------------------------------------------------------------- GPU: accuracy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", GEMM_MS)
+def test_qpn2_gemm_in_bounds(cp, n, k, m):
+    from qpn.cupy_kernels import qpn2_gemm_linear
+
+    rng = np.random.default_rng(7 * n + k + m)
+    codes, scales = qpn2_buffers(rng, n, k)
+    x = activations(rng, m, k)
+    y = qpn2_gemm_linear(cp.asarray(x), cp.asarray(codes), cp.asarray(scales), G_SCALAR).get()
+    assert y.shape == (m, n) and y.dtype == np.float16
+    assert_in_bounds(y, x, qpn2_dequantize(codes, scales, G_SCALAR, n, k), f"qpn2 gemm N={n} K={k} M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,block", QPN8_CASES)
+@pytest.mark.parametrize("m", GEMM_MS)
+def test_qpn8_gemm_in_bounds(cp, n, k, block, m):
+    from qpn.cupy_kernels import qpn8_gemm_linear
+
+    rng = np.random.default_rng(7 * n + k + m + block)
+    codes, gs = qpn8_buffers(rng, n, k, block)
+    x = activations(rng, m, k)
+    y = qpn8_gemm_linear(cp.asarray(x), cp.asarray(codes), cp.asarray(gs)).get()
+    assert y.shape == (m, n)
+    assert_in_bounds(y, x, qpn8_dequantize(codes, gs, n, k), f"qpn8 gemm N={n} K={k} M={m} block={block}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (40, 300))
+def test_qpn2_gemm_per_tile_global_scale_and_tiny_blocks(cp, m):
+    """One global scale per tile, and blocks below the fast decode's range (|S| < 2^-13: the exact path)."""
+    from qpn.cupy_kernels import qpn2_gemm_linear
+
+    n, k = 256, 1024
+    rng = np.random.default_rng(m)
+    codes, scales = qpn2_buffers(rng, n, k, scale_lo=0x01, scale_hi=0x7E)
+    g = np.exp2(rng.uniform(-20, -8, size=n // 32)).astype(np.float32)
+    x = activations(rng, m, k)
+    y = qpn2_gemm_linear(cp.asarray(x), cp.asarray(codes), cp.asarray(scales), cp.asarray(g)).get()
+    assert_in_bounds(y, x, qpn2_dequantize(codes, scales, g, n, k), f"qpn2 gemm per-tile g M={m}")
+
+
+# ----------------------------------------------------------------------------- GPU: invariance, gated
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["qpn2", "qpn8", "qpn8-block"])
+@pytest.mark.parametrize("n,k", [(512, 2048), (128, 8192)])
+def test_gemm_batch_invariance(cp, fmt, n, k):
+    """Row i of M = 200 equals the row alone (M = 1 through the GEMM) and inside M = 37 and M = 64 calls."""
+    from qpn.cupy_kernels import qpn2_gemm_linear, qpn8_gemm_linear
+
+    rng = np.random.default_rng(3)
+    x = activations(rng, 200, k)
+    if fmt == "qpn2":
+        codes, scales = qpn2_buffers(rng, n, k)
+        weights = (cp.asarray(codes), cp.asarray(scales), G_SCALAR)
+        f = qpn2_gemm_linear
+    else:
+        codes, gs = qpn8_buffers(rng, n, k, block=fmt.endswith("block"))
+        weights = (cp.asarray(codes), cp.asarray(gs))
+        f = qpn8_gemm_linear
+    y = f(cp.asarray(x), *weights).get()
+    for i in (0, 36, 63, 64, 199):
+        alone = f(cp.asarray(x[i:i + 1]), *weights).get()
+        assert np.array_equal(_bits(alone[0]), _bits(y[i])), f"{fmt}: row {i} alone differs"
+    for m in (37, 64):
+        part = f(cp.asarray(x[:m]), *weights).get()
+        assert np.array_equal(_bits(part), _bits(y[:m])), f"{fmt}: rows of the M={m} call differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["qpn2", "qpn8", "qpn8-block"])
+@pytest.mark.parametrize("m", (33, 100))
+def test_gemm_gated(cp, fmt, m):
+    from qpn.cupy_kernels import qpn2_gemm_linear, qpn8_gemm_linear
+
+    n, k = 512, 1024
+    rng = np.random.default_rng(11 + m)
+    x = activations(rng, m, k)
+    if fmt == "qpn2":
+        codes, scales = qpn2_buffers(rng, n, k)
+        w16 = qpn2_dequantize(codes, scales, G_SCALAR, n, k)
+        args = (cp.asarray(x), cp.asarray(codes), cp.asarray(scales), G_SCALAR)
+        f = qpn2_gemm_linear
+    else:
+        codes, gs = qpn8_buffers(rng, n, k, block=fmt.endswith("block"))
+        w16 = qpn8_dequantize(codes, gs, n, k)
+        args = (cp.asarray(x), cp.asarray(codes), cp.asarray(gs))
+        f = qpn8_gemm_linear
+    y = f(*args).get()
+    assert_in_bounds(y, x, w16, f"{fmt} gemm plain M={m}")
+    out = f(*args, gated=True).get()
+    assert out.shape == (m, n // 2)
+    assert_gated_matches(out, y, f"{fmt} gemm gated M={m}")
+
+
+@pytest.mark.gpu
+def test_gemm_workspace_from_the_caller(cp):
+    """A caller-provided workspace of gemm_workspace_size elements gives the same bits; a smaller one is refused."""
+    from qpn.cupy_kernels import gemm_workspace_size, qpn2_gemm_linear
+
+    n, k, m = 64, 8192, 70  # parts > 1: fragments, partials and tickets all in the workspace
+    rng = np.random.default_rng(5)
+    codes, scales = qpn2_buffers(rng, n, k)
+    args = (cp.asarray(activations(rng, m, k)), cp.asarray(codes), cp.asarray(scales), G_SCALAR)
+    size = gemm_workspace_size("qpn2", m, n, k)
+    y = qpn2_gemm_linear(*args, workspace=cp.full(size, np.nan, dtype=np.float32)).get()
+    assert np.array_equal(_bits(y), _bits(qpn2_gemm_linear(*args).get()))
+    with pytest.raises(ValueError, match="gemm_workspace_size"):
+        qpn2_gemm_linear(*args, workspace=cp.empty(size - 1, dtype=np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_ops_route_the_gemm_range_to_the_gemm(cp, fmt):
+    """torch.ops.qpn.*_linear at M in (32, gemm_threshold] equals the GEMM's own call, bit for bit."""
+    torch = pytest.importorskip("torch")
+    import qpn.torch_bridge  # noqa: F401  (registers the ops)
+    from qpn.cupy_kernels import gemm_threshold, qpn2_gemm_linear, qpn8_gemm_linear
+
+    n, k = 256, 1024
+    m = min(48, gemm_threshold(fmt, n, k))
+    rng = np.random.default_rng(9)
+    x = activations(rng, m, k)
+    xt = torch.from_numpy(x).cuda()
+    if fmt == "nvfp4":
+        codes, scales = qpn2_buffers(rng, n, k)
+        g = np.full(n // 32, G_SCALAR, np.float32)
+        y = torch.ops.qpn.nvfp4_linear(xt, torch.from_numpy(codes).cuda(), torch.from_numpy(scales).cuda(),
+                                        torch.from_numpy(g).cuda()).cpu().numpy()
+        ref = qpn2_gemm_linear(cp.asarray(x), cp.asarray(codes), cp.asarray(scales), cp.asarray(g)).get()
+    else:
+        codes, gs = qpn8_buffers(rng, n, k)
+        y = torch.ops.qpn.fp8_linear(xt, torch.from_numpy(codes).cuda(), torch.from_numpy(gs).cuda()).cpu().numpy()
+        ref = qpn8_gemm_linear(cp.asarray(x), cp.asarray(codes), cp.asarray(gs)).get()
+    assert m > 32 and np.array_equal(_bits(y), _bits(ref))
+
+
+# ----------------------------------------------------------------------------- sanitizer
+
+
+def drive() -> None:
+    """Every GEMM build on small and ragged shapes, parts > 1 included, partial last token blocks."""
+    import cupy
+
+    from qpn.cupy_kernels import qpn2_gemm_linear, qpn8_gemm_linear
+
+    cupy.cuda.set_allocator(None)  # exact-size allocations: memcheck sees every overrun
+    rng = np.random.default_rng(0)
+    for m in (33, 70):
+        for n, k in [(96, 1024), (384, 192), (64, 8192)]:
+            codes, scales = qpn2_buffers(rng, n, k)
+            args = (cupy.asarray(activations(rng, m, k)), cupy.asarray(codes), cupy.asarray(scales), G_SCALAR)
+            qpn2_gemm_linear(*args, gated=n % 64 == 0)
+            qpn2_gemm_linear(*args)
+        for n, k, block in [(96, 1024, False), (384, 256, True), (128, 8192, True)]:
+            codes, gs = qpn8_buffers(rng, n, k, block)
+            args = (cupy.asarray(activations(rng, m, k)), cupy.asarray(codes), cupy.asarray(gs))
+            qpn8_gemm_linear(*args, gated=n % 64 == 0)
+            qpn8_gemm_linear(*args)
+    cupy.cuda.runtime.deviceSynchronize()
+    print("driver done")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_sanitizer_clean(tool, compute_sanitizer):
+    compute_sanitizer(tool, __file__)
+
+
+if __name__ == "__main__" and "--drive" in sys.argv:
+    drive()
