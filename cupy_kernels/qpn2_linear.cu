@@ -293,14 +293,6 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         Qpn2Batch b;
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u) qpn2_load_slot(b, u, pc, ps);
-#if QPN_GEMM && QPN_GEMM_PREFETCH
-        if (i + (QPN_GEMM_PREFETCH + 1) * QPN_UNROLL <= n_local)
-#pragma unroll
-            for (int h = 0; h < QPN_HT; ++h) {  // 256 code bytes and 32 scale bytes per group
-                qpn_prefetch_l2(pc[h] - 8 * lane + 256 * QPN_UNROLL * QPN_GEMM_PREFETCH, 2 * QPN_UNROLL);
-                if (lane == 0) qpn_prefetch_l2(ps[h] + 32 * QPN_UNROLL * QPN_GEMM_PREFETCH, 1);
-            }
-#endif
         compute(b, 0, true);
 #pragma unroll
         for (int h = 0; h < QPN_HT; ++h) {

@@ -146,15 +146,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
             }
         }
     };
-    qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) {
-        qpn8_load_slot(b, u, i, valid, pc);
-#if QPN_GEMM && QPN_GEMM_PREFETCH
-        if (u == 0 && i + (QPN_GEMM_PREFETCH + 1) * QPN_UNROLL <= n_local)
-#pragma unroll
-            for (int h = 0; h < QPN_HT; ++h)  // 512 code bytes per group
-                qpn_prefetch_l2(pc[h] - 16 * lane + 512 * ((long long)i + QPN_UNROLL * QPN_GEMM_PREFETCH), 4 * QPN_UNROLL);
-#endif
-    }, compute);
+    qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) { qpn8_load_slot(b, u, i, valid, pc); }, compute);
 
 #if QPN_GEMM
     qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);

@@ -163,17 +163,6 @@ __device__ __forceinline__ QpnSlice qpn_block_slice(int n, int k, int groups_per
     return sl;
 }
 
-// QPN_GEMM_PREFETCH = D > 0: the warp asks L2 for its tile's weights D batches ahead (lanes 0 ..
-// lines - 1, one 128-byte line each): the block's barrier per batch leaves the DRAM latency of
-// the batch's own loads exposed otherwise. `p`: the warp's first byte of the batch D ahead.
-#ifndef QPN_GEMM_PREFETCH
-#define QPN_GEMM_PREFETCH 0
-#endif
-__device__ __forceinline__ void qpn_prefetch_l2(const void* p, int lines) {
-    const int lane = threadIdx.x & 31;
-    if (lane < lines) asm volatile("prefetch.global.L2 [%0];" :: "l"(static_cast<const char*>(p) + 128 * lane));
-}
-
 // Streaming loads of the weights (read once: evict-first, do not pollute L1/L2 for x).
 __device__ __forceinline__ uint2 qpn_ldcs_u2(const void* p) {
     uint2 v;
