@@ -97,6 +97,9 @@ def progress_bars(enabled: bool) -> Callable:
     return bar
 
 
+_NO_BARS = progress_bars(False)  # verify_source's default: one shared pass-through, built once at import
+
+
 def _progress_of(args: argparse.Namespace) -> Callable:
     return progress_bars(not args.quiet and sys.stderr.isatty())
 
@@ -562,7 +565,7 @@ def _u8(a: np.ndarray) -> np.ndarray:
 
 
 def verify_source(source: Source, *, ms: Sequence[int] = DEFAULT_MS, seed: int = DEFAULT_SEED,
-                  upstream: bool = False, progress: Callable = progress_bars(False),
+                  upstream: bool = False, progress: Callable = _NO_BARS,
                   backends: Backends | None = None,
                   on_result: Callable[[LayerResult], None] = lambda _: None) -> tuple[list[LayerResult], list[str]]:
     """(per-layer results, problems outside the layers: copied tensors and config files of a packed folder).
@@ -619,7 +622,8 @@ def verify_report_head(source: Source, backends: Backends, ms: Sequence[int]) ->
             f"reference; linear = x[M, K] @ W16^T with M in {list(ms)} inside the fp32-accumulation bound"]
 
 
-def verify_report_tail(source: Source, results: Sequence[LayerResult], other: Sequence[str], upstream: bool) -> list[str]:
+def verify_report_tail(source: Source, results: Sequence[LayerResult], other: Sequence[str],
+                       upstream: bool) -> list[str]:
     lines = []
     if upstream:
         lines.append("(upstream differs: share of weights where upstream's decode roundings P / E (NVFP4) or the "
@@ -760,8 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
                        usage="qpn bench [-h] [kernels | decode | model] [SCRIPT ARGS...]",
                        description="Run benchmarks/bench_kernels.py (prepack, dequantize, dense path; the default) "
                                    "or benchmarks/bench_decode.py (the M <= 32 decode kernels) or "
-                                   "benchmarks/bench_model.py (Llama-3.1-8B-shaped decode, tokens/s vs fp16). Every other "
-                                   "argument goes to the script, e.g. `qpn bench --quick`, "
+                                   "benchmarks/bench_model.py (Llama-3.1-8B-shaped decode, tokens/s vs fp16). "
+                                   "Every other argument goes to the script, e.g. `qpn bench --quick`, "
                                    "`qpn bench decode --quick --out results`.")
     p.set_defaults(func=cmd_bench, bench_args=[])  # the script's own arguments are taken as they come
 

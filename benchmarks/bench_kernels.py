@@ -207,9 +207,12 @@ def section_ceiling(ctx: Context) -> Section:
                   [Column("kernel", "kernel"), Column("blocks_per_sm", "blocks/SM"), Column("us", "us", "{:.1f}"),
                    Column("gbps", "GB/s", "{:.0f}"), Column("method", "timing")])
     kernels = {
-        "read": (get_function(source, "stream_read"), lambda k, grid: k(grid, (256,), (src, np.int64(n_vec), sink)), 1),
-        "write": (get_function(source, "stream_write"), lambda k, grid: k(grid, (256,), (dst, np.int64(n_vec), np.uint32(7))), 1),
-        "copy": (get_function(source, "stream_copy"), lambda k, grid: k(grid, (256,), (src, dst, np.int64(n_vec))), 2),
+        "read": (get_function(source, "stream_read"),
+                 lambda k, grid: k(grid, (256,), (src, np.int64(n_vec), sink)), 1),
+        "write": (get_function(source, "stream_write"),
+                  lambda k, grid: k(grid, (256,), (dst, np.int64(n_vec), np.uint32(7))), 1),
+        "copy": (get_function(source, "stream_copy"),
+                 lambda k, grid: k(grid, (256,), (src, dst, np.int64(n_vec))), 2),
     }
     for name, (kern, call, traffic) in kernels.items():
         best = None
@@ -222,7 +225,8 @@ def section_ceiling(ctx: Context) -> Section:
             if best is None or row["gbps"] > best["gbps"]:
                 best = row
         ctx.ceiling[name] = best["gbps"]
-    sec.notes.append("ceilings used below (best grid): " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in ctx.ceiling.items()))
+    ceilings = ", ".join(f"{k} {v:.0f} GB/s" for k, v in ctx.ceiling.items())
+    sec.notes.append("ceilings used below (best grid): " + ceilings)
     del src, dst
     return sec
 
@@ -337,7 +341,8 @@ def section_layouts(ctx: Context) -> Section:
             codes, group_scales = packed[i % slots]
             qpn8_dequantize(codes, group_scales, n, k, out=outs[i % slots], check=False)
 
-        for op, fn, traffic in (("prepack", prepack8, 2 * q_bytes + 6 * n), ("dequantize", dequant8, q_bytes + 2 * n + w_bytes)):
+        for op, fn, traffic in (("prepack", prepack8, 2 * q_bytes + 6 * n),
+                                ("dequantize", dequant8, q_bytes + 2 * n + w_bytes)):
             add_row("qpn8", n, k, q_bytes, op, fn, traffic, slots)
         del inputs, packed, outs
         cp.get_default_memory_pool().free_all_blocks()
@@ -475,13 +480,15 @@ def section_sweep(ctx: Context) -> Section:
             outs = [cp.empty((n, k), cp.float16) for _ in range(slots)]
             g = cp.full(1, 1e-3, cp.float32)
             for gpt, stage in SWEEP_CONFIGS:
-                macros = {"QPN_GROUPS_PER_THREAD": gpt, "QPN_STAGE_GROUPS": stage, "QPN_WARPS_PER_BLOCK": THREADS_PER_BLOCK // 32}
+                macros = {"QPN_GROUPS_PER_THREAD": gpt, "QPN_STAGE_GROUPS": stage,
+                          "QPN_WARPS_PER_BLOCK": THREADS_PER_BLOCK // 32}
                 kern = get_function(f"{fmt}_dequantize.cu", f"{fmt}_dequantize", macros)
                 grid = ((n_tiles * (-(-groups // gpt)) * 32 + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK,)
                 if fmt == "qpn2":
                     def launch(i, kern=kern, grid=grid):
                         c, s = packed[i % slots]
-                        kern(grid, (THREADS_PER_BLOCK,), (c, s, g, np.int32(0), outs[i % slots], np.int32(n_tiles), np.int32(groups)))
+                        kern(grid, (THREADS_PER_BLOCK,), (c, s, g, np.int32(0), outs[i % slots],
+                                                          np.int32(n_tiles), np.int32(groups)))
                 else:
                     def launch(i, kern=kern, grid=grid):
                         c, s = packed[i % slots]
@@ -574,7 +581,8 @@ def environment(ctx: Context) -> dict:
         "gpu": ctx.gpu_name, "sm_count": ctx.sm_count, "l2_bytes": ctx.l2_bytes,
         "driver_version": rt.driverGetVersion(), "runtime_version": rt.runtimeGetVersion(),
         "cupy": cupy.__version__, "numpy": np.__version__, "python": platform.python_version(),
-        "kernel_build": loader.describe(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kernel_build": loader.describe(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "l2_defeat_factor": L2_DEFEAT_FACTOR, "repeats": REPEATS, "quick": ctx.quick,
         "capture_failures": sorted({" | ".join(r) for r in ctx.capture_failures}),
     }
@@ -639,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted.insert(0, "ceiling")  # every ratio needs it
     ctx = Context(args.quick)
     env = environment(ctx)
-    print(f"{ctx.gpu_name}: {ctx.sm_count} SMs, L2 {ctx.l2_bytes / 2**20:.0f} MiB; {env['kernel_build']['built_as']}", flush=True)
+    print(f"{ctx.gpu_name}: {ctx.sm_count} SMs, L2 {ctx.l2_bytes / 2**20:.0f} MiB; {env['kernel_build']['built_as']}",
+          flush=True)
     for name in wanted:
         sec = SECTIONS[name](ctx)
         ctx.sections.append(sec)

@@ -26,8 +26,9 @@ Graph methods (--graphs, each a separate set of rows; the row's "graphs" column 
 - compile: the same step around `torch.compile(model)` (inductor, default mode: fused norms,
   rotary and SiLU), captured by hand the same way (inductor's own cudagraph trees would refuse
   the step's in-place position updates; the prefill stays eager, so only the step compiles).
-  Compiles cost tens of seconds each (one per format and batch, dynamic=False); past --compile-budget-s the remaining compile rows are skipped, and a
-  failing compile leaves that row to the manual rows (the fallback), saying why.
+  Compiles cost tens of seconds each (one per format and batch, dynamic=False); past
+  --compile-budget-s the remaining compile rows are skipped, and a failing compile leaves that
+  row to the manual rows (the fallback), saying why.
 
 Before timing, every model's prefill logits (the same prompt) are compared with fp16's by cosine
 ("logits cos"): a broken kernel shows as cos near 0, quantization error as cos a little below 1.
@@ -134,7 +135,7 @@ def variants(model) -> dict:
 
 def install(model, linears: list) -> None:
     """Put one variant's linears into the model (module swaps: no copies)."""
-    for layer, modules in zip(model.model.layers, linears):
+    for layer, modules in zip(model.model.layers, linears, strict=True):
         for name, module in modules.items():
             parent, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(parent), attr, module)
@@ -162,7 +163,8 @@ def static_cache(model, batch: int, max_len: int, device):
 
     params = _accepted(StaticCache.__init__)
     kwargs = {"config": model.config, "max_cache_len": max_len}
-    batch_kw = next((name for name in ("max_batch_size", "batch_size") if name in params), None)  # 4.4x: one is deprecated
+    # transformers 4.4x: one of the two names is deprecated
+    batch_kw = next((name for name in ("max_batch_size", "batch_size") if name in params), None)
     for name, value in ((batch_kw, batch), ("device", device), ("dtype", torch.float16)):
         if name in params:
             kwargs[name] = value
@@ -409,8 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The arguments (`qpn bench model` checks them before it looks for a GPU: a typo exits 2, not 3)."""
     parser = argparse.ArgumentParser(prog="bench_model.py", description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=_positive, default=None,
-                        help=f"decoder layers (default {LLAMA_8B['num_hidden_layers']}; --tiny: {TINY['num_hidden_layers']})")
-    parser.add_argument("--batches", type=_batches, default=BATCHES, help="comma-separated batch sizes (default 1,8,32)")
+                        help=f"decoder layers (default {LLAMA_8B['num_hidden_layers']}; "
+                             f"--tiny: {TINY['num_hidden_layers']})")
+    parser.add_argument("--batches", type=_batches, default=BATCHES,
+                        help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--graphs", type=_methods, default=GRAPH_METHODS, help="comma-separated: manual,compile")
     parser.add_argument("--compile-budget-s", type=float, default=180.0,
                         help="skip the remaining compile rows once the run has spent this long on them")

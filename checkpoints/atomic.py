@@ -260,8 +260,8 @@ def _signals_blocked() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike[str], *, overwrite: bool = False, flag: str = "overwrite=True", ours: Ours | None = None,
-                  protected: Sequence[str] = (), what: str = "output") -> Iterator[str]:
+def atomic_folder(path: str | os.PathLike[str], *, overwrite: bool = False, flag: str = "overwrite=True",
+                  ours: Ours | None = None, protected: Sequence[str] = (), what: str = "output") -> Iterator[str]:
     """Yield a temporary sibling folder to fill; on a normal exit it becomes `path` (module docstring).
 
     First finishes or rolls back interrupted writes into the parent folder, then applies

@@ -158,7 +158,8 @@ def unpackable_reason(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> st
     """
     wf = weight_format_of(linear)
     if linear.k % wf.k_multiple != 0:
-        return f"K={linear.k} is not a multiple of {wf.k_multiple} ({wf.label}); pad the input features with zero columns"
+        return (f"K={linear.k} is not a multiple of {wf.k_multiple} ({wf.label}); "
+                "pad the input features with zero columns")
     try:
         if isinstance(linear, quantized.NVFP4Linear):
             ref.require_nvfp4_fits_fp16(linear.weight_scale, ref.global_scale_per_row(linear.global_scale, linear.n))
@@ -512,8 +513,8 @@ class PackedLayer:
         weight, _ = ref.qpn8_unpack(self.codes, self.scales, n_pad, k)
         if np.any(weight[n:] != wf.pad_code):
             raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is corrupt")
-        return quantized.FP8Linear(self.name, weight[:n], self.fp8_weight_scale(), self.entry["granularity"], self.input_scale,
-                             self.entry["scale_name"])
+        return quantized.FP8Linear(self.name, weight[:n], self.fp8_weight_scale(), self.entry["granularity"],
+                                   self.input_scale, self.entry["scale_name"])
 
 
 @dataclass(frozen=True, eq=False)
@@ -538,14 +539,16 @@ class PackedCheckpoint:
     def to_checkpoint(self) -> quantized.Checkpoint:
         """The source checkpoint (qpn.ref.Checkpoint), every layer unpacked: save_checkpoint writes it back."""
         linears = {name: layer.unpack() for name, layer in self.layers.items()}
-        return quantized.Checkpoint(self.format, self.quant_algo, linears, self.tensors, self.config, self.hf_quant_config)
+        return quantized.Checkpoint(self.format, self.quant_algo, linears, self.tensors, self.config,
+                                    self.hf_quant_config)
 
 
 def _expected_tensors(wf: WeightFormat, n_pad: int, k: int, entry: Mapping[str, Any]) -> dict[str, tuple[str, Shape]]:
     """suffix -> (dtype tag, shape) of a checked manifest entry's packed tensors (the input scale aside)."""
     expected = {tensor_suffix(b): (b.tag, b.shape(n_pad, k)) for b in wf.buffers}
     if wf is not QPN2:  # FP8 also keeps the source's fp32 scale as it was (S16 is rounded)
-        expected[WEIGHT_SCALE] = (wf.source_tags["weight_scale"], tuple(entry["source_tensors"]["weight_scale"]["shape"]))
+        source_shape = tuple(entry["source_tensors"]["weight_scale"]["shape"])
+        expected[WEIGHT_SCALE] = (wf.source_tags["weight_scale"], source_shape)
     return expected
 
 
@@ -575,7 +578,8 @@ def _check_layer_entry(name: str, entry: object) -> None:
             raise ValueError(f"granularity must be one of {FP8_GRANULARITIES}, got "
                              f"{entry.get('granularity')!r}")
         if entry.get("scale_name") not in ("weight_scale", "weight_scale_inv"):
-            raise ValueError(f"scale_name must be 'weight_scale' or 'weight_scale_inv', got {entry.get('scale_name')!r}")
+            raise ValueError("scale_name must be 'weight_scale' or 'weight_scale_inv', "
+                             f"got {entry.get('scale_name')!r}")
     wf = weight_format(fmt, entry.get("granularity"))  # an nvfp4 entry naming a granularity is damaged too
     if k % wf.k_multiple != 0:
         raise ValueError(f"k = {k} is not a multiple of {wf.k_multiple}, which qpn pack never writes")
@@ -591,7 +595,8 @@ def _check_layer_entry(name: str, entry: object) -> None:
     if not isinstance(sources, dict) or set(sources) != set(wf.source_tags):
         raise ValueError(f"source_tensors must describe exactly {sorted(wf.source_tags)}, got "
                          f"{sorted(sources) if isinstance(sources, dict) else sources!r}")
-    shapes: dict[str, list[tuple[int, ...]]] = {"weight_packed": [(n, k // 2)], "weight_scale": [(n, k // GROUP_K)], "weight": [(n, k)]}
+    shapes: dict[str, list[tuple[int, ...]]] = {
+        "weight_packed": [(n, k // 2)], "weight_scale": [(n, k // GROUP_K)], "weight": [(n, k)]}
     if wf is not QPN2:
         fp8_scale_shapes: dict[str, list[tuple[int, ...]]] = {"tensor": [(), (1,)], "channel": [(n,), (n, 1)],
                                                               "block": [ref.fp8.fp8_block_grid(n, k)]}

@@ -16,8 +16,9 @@ Data model (frozen dataclasses; arrays are numpy, e4m3 travels as uint8 bit patt
   weight uint8 e4m3 bits [N, K]; weight_scale float32, a multiplier: 0-d ("tensor"), [N]
   ("channel"; [N, 1] on disk is accepted and flattened) or [ceil(N/128), ceil(K/128)]
   ("block"; ModelOpt 0.47's FP8_PB_WO export writes [ceil(N/128), 1, ceil(K/128), 1], and a 0-d
-  scale for a weight of one block: both accepted and reshaped, same values, same order). `scale_name` is the on-disk name, "weight_scale" or "weight_scale_inv" (block
-  checkpoints in the DeepSeek style; a multiplier despite the name), kept so saving writes it back.
+  scale for a weight of one block: both accepted and reshaped, same values, same order).
+  `scale_name` is the on-disk name, "weight_scale" or "weight_scale_inv" (block checkpoints in
+  the DeepSeek style; a multiplier despite the name), kept so saving writes it back.
 - `Checkpoint(format, quant_algo, linears, tensors, config, hf_quant_config=None)`:
   format "modelopt" | "compressed-tensors"; quant_algo as the config says it, upper-cased
   ("NVFP4", "W4A16_NVFP4", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MIXED_PRECISION";
@@ -82,8 +83,9 @@ folder and renames it into place (an existing non-empty folder is refused unless
 overwrite=True, which moves the old folder aside, renames the new one into place and only then
 deletes the old one; recoverably, see qpn.checkpoints.atomic). overwrite=True replaces only a folder
 save_checkpoint wrote: nothing but its file names, every safetensors file carrying the metadata
-"writer": "qpn" (SAVED_METADATA); a user's own checkpoint folder is refused. On any failure the temporary folder is removed and the target is
-untouched. Output bytes are deterministic (sorted JSON, sorted tensors, fixed shard names).
+"writer": "qpn" (SAVED_METADATA); a user's own checkpoint folder is refused. On any failure the
+temporary folder is removed and the target is untouched. Output bytes are deterministic (sorted
+JSON, sorted tensors, fixed shard names).
 """
 
 from __future__ import annotations

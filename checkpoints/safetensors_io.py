@@ -366,7 +366,8 @@ def _write_tensor_bytes(f: BinaryIO, tensor: StoredTensor) -> None:
         f.write(array.view(np.uint8).data)  # a memoryview of the bytes: no copy
 
 
-def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, object], metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, object],
+                      metadata: Mapping[str, str] | None = None) -> None:
     """Atomically write `tensors` ({name: StoredTensor | np.ndarray}) to `path`.
 
     Validates everything first (names, dtypes, metadata), then tmp file -> fsync -> os.replace.

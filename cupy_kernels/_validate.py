@@ -38,7 +38,8 @@ def require_cupy(name: str, value: object, dtype: npt.DTypeLike, ndim: int | Non
             f"move it there with cupy.asarray(...) (dtype {dtype})"
         )
     if value.dtype != dtype:
-        hint = "e4m3 bytes travel as uint8 bit patterns (view float8 data as uint8)" if dtype == np.uint8 else "cast it explicitly"
+        hint = ("e4m3 bytes travel as uint8 bit patterns (view float8 data as uint8)" if dtype == np.uint8
+                else "cast it explicitly")
         raise ValueError(f"{name} must have dtype {dtype}, got {value.dtype}; {hint}")
     if ndim is not None and value.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {value.shape}")

@@ -137,7 +137,7 @@ def check_module(
         return reports
     stats = parse_ptxas_log(result.log)
     spilling = sorted(f for f, s in stats.items() if s.spill_stores or s.spill_loads)
-    for r, (_, kernel_name, max_stack) in zip(reports, kernels):
+    for r, (_, kernel_name, max_stack) in zip(reports, kernels, strict=True):
         r.stats = stats.get(kernel_name)
         if r.stats is None or r.stats.registers is None:
             r.problems.append(f"kernel {kernel_name!r} not found in the {arch} build (is it extern \"C\" __global__?)")
@@ -206,7 +206,7 @@ def format_table(reports: list[KernelReport]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
     lines = []
     for i, row in enumerate(rows):
-        lines.append(" | ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + " | " + row[-1])
+        lines.append(" | ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + " | " + row[-1])
         if i == 0:
             lines.append("-+-".join("-" * w for w in widths) + "-+-" + "-" * 6)
     return "\n".join(lines)

@@ -44,7 +44,8 @@ def _weight_rows(codes: CupyArray, k: int, bytes_per_row: float, name: str = "co
     if codes.ndim == 2:
         if codes.shape[1] != int(k * bytes_per_row):
             raise ValueError(
-                f"{name} has shape {tuple(codes.shape)}, which holds rows of {codes.shape[1] / bytes_per_row:g} inputs, "
+                f"{name} has shape {tuple(codes.shape)}, which holds rows of "
+                f"{codes.shape[1] / bytes_per_row:g} inputs, "
                 f"but x has K={k}; pass the buffers prepacked for this layer"
             )
         return codes.shape[0]
@@ -69,8 +70,9 @@ def _matmul(x: CupyArray, w: CupyArray, out: CupyArray) -> CupyArray:
     return cupy.matmul(x, w.T, out=out)  # cublasGemmEx, CUBLAS_COMPUTE_32F; w.T read in place
 
 
-def qpn2_dense_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, out: CupyArray | None = None,
-                      workspace: CupyArray | None = None, check: bool = False) -> CupyArray:
+def qpn2_dense_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray,
+                      out: CupyArray | None = None, workspace: CupyArray | None = None,
+                      check: bool = False) -> CupyArray:
     """y = x @ W16^T for a QPN2 weight: dequantize to fp16, then cuBLAS (fp32 accumulate).
 
     x: fp16 [M, K] CuPy; codes, scales as qpn2_prepack returns them; global_scale: float32
@@ -87,8 +89,8 @@ def qpn2_dense_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_
     return _matmul(x, w, out)
 
 
-def qpn8_dense_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None, workspace: CupyArray | None = None,
-                      check: bool = False) -> CupyArray:
+def qpn8_dense_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None,
+                      workspace: CupyArray | None = None, check: bool = False) -> CupyArray:
     """y = x @ W16^T for a QPN8 weight: dequantize to fp16, then cuBLAS (fp32 accumulate).
 
     x: fp16 [M, K] CuPy; codes, group_scales as qpn8_prepack returns them. Returns fp16 [M, N].

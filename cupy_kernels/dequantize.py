@@ -82,7 +82,8 @@ def require_qpn2_aligned(codes: CupyArray, scales: CupyArray) -> None:
     require_aligned("scales", scales, 4)  # the check kernel reads 4 bytes at a time
 
 
-def check_qpn2(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int, k: int, global_scale: float | np.ndarray | CupyArray) -> None:
+def check_qpn2(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int, k: int,
+               global_scale: float | np.ndarray | CupyArray) -> None:
     """The reference's value rules on the GPU; raises the reference's ValueError (one host sync)."""
     import cupy  # noqa: PLC0415
 
@@ -96,22 +97,25 @@ def check_qpn2(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int,
         from ..ref.qpn2 import qpn2_dequantize as reference  # noqa: PLC0415
 
         raise_reference_error(
-            reference, codes, scales, global_scale, n, k, flagged="a NaN scale byte, an overflowing block or a bad global scale"
+            reference, codes, scales, global_scale, n, k,
+            flagged="a NaN scale byte, an overflowing block or a bad global scale",
         )
 
 
-def launch_qpn2_dequantize(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, out: CupyArray, n: int, k: int) -> None:
+def launch_qpn2_dequantize(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, out: CupyArray, n: int,
+                           k: int) -> None:
     """grid -> launch for validated arguments (no checks, no sync)."""
     n_tiles, groups = n // TILE_N, k // GROUP_K
     # grid: one warp per (tile, GROUPS_PER_THREAD groups)
     chunks = -(-groups // GROUPS_PER_THREAD)
     grid = (launch_blocks(n_tiles * chunks * 32, THREADS_PER_BLOCK),)
     block = (THREADS_PER_BLOCK,)
-    kernel(QPN2_DEQUANTIZE)(grid, block, (codes, scales, g, np.int32(g_stride), out, np.int32(n_tiles), np.int32(groups)))
+    args = (codes, scales, g, np.int32(g_stride), out, np.int32(n_tiles), np.int32(groups))
+    kernel(QPN2_DEQUANTIZE)(grid, block, args)
 
 
-def qpn2_dequantize(codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, n: int, k: int, out: CupyArray | None = None,
-                    check: bool = True) -> CupyArray:
+def qpn2_dequantize(codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, n: int, k: int,
+                    out: CupyArray | None = None, check: bool = True) -> CupyArray:
     """QPN2 buffers (CuPy) -> fp16 [n, k] under the qpn contract (= qpn.ref.qpn2_dequantize).
 
     codes: uint8 [n, k/2] or flat; scales: uint8 [n, k/16] or flat (as qpn2_prepack returns);
@@ -171,11 +175,12 @@ def check_qpn8(codes: CupyArray, group_scales: CupyArray, n: int, k: int) -> Non
     if int(flags.get()[0]):  # the one sync of a checked call
         from ..ref.qpn8 import qpn8_dequantize as reference  # noqa: PLC0415
 
-        raise_reference_error(reference, codes, group_scales, n, k, flagged="a NaN code byte or a bad / overflowing group scale")
+        raise_reference_error(reference, codes, group_scales, n, k,
+                              flagged="a NaN code byte or a bad / overflowing group scale")
 
 
-def launch_qpn8_dequantize(codes: CupyArray, group_scales: CupyArray, strides: tuple[int, int, int], out: CupyArray, n: int, k: int
-                           ) -> None:
+def launch_qpn8_dequantize(codes: CupyArray, group_scales: CupyArray, strides: tuple[int, int, int], out: CupyArray,
+                           n: int, k: int) -> None:
     """grid -> launch for validated arguments (no checks, no sync)."""
     kb_stride, tile_stride, col_stride = strides
     n_tiles, groups = n // TILE_N, k // GROUP_K
@@ -191,8 +196,8 @@ def launch_qpn8_dequantize(codes: CupyArray, group_scales: CupyArray, strides: t
     )
 
 
-def qpn8_dequantize(codes: CupyArray, group_scales: CupyArray, n: int, k: int, out: CupyArray | None = None, check: bool = True
-                    ) -> CupyArray:
+def qpn8_dequantize(codes: CupyArray, group_scales: CupyArray, n: int, k: int, out: CupyArray | None = None,
+                    check: bool = True) -> CupyArray:
     """QPN8 buffers (CuPy) -> fp16 [n, k], W16 = RN16(e4m3 * 2^-8 * S16) (= qpn.ref.qpn8_dequantize).
 
     codes: uint8 [n, k] or flat; group_scales: float16 [1, n] or [k/128, n/32] (as

@@ -75,7 +75,8 @@ PIPELINE = {
     **{("qpn2", nb, False): {1: (4, 2), 2: (2, 2), 3: (4, 1), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
     **{("qpn8", nb, False): {1: (4, 2), 2: (4, 2), 3: (2, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
     **{("qpn8_block", nb, False): {1: (4, 2), 2: (2, 2), 3: (1, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
-    **{(family, nb, True): (2 if nb <= 2 else 1, 1) for family in ("qpn2", "qpn8", "qpn8_block") for nb in (1, 2, 3, 4)},
+    **{(family, nb, True): (2 if nb <= 2 else 1, 1)
+       for family in ("qpn2", "qpn8", "qpn8_block") for nb in (1, 2, 3, 4)},
 }
 QPN8_K_MULTIPLE = QPN8.k_multiple  # kept for imports
 
@@ -336,8 +337,8 @@ def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArra
     fn(grid, (32 * split,), (*weights, x_arg, y, *tail))
 
 
-def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, out: CupyArray | None = None,
-                gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
+def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray,
+                out: CupyArray | None = None, gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
     """y = x @ W16^T for a QPN2 (NVFP4) weight, M in [1, 32] (module docstring).
 
     x: fp16 [M, K], K % 64 == 0; codes uint8 [N, K/2] or flat; scales uint8 [N, K/16] or flat;
@@ -353,8 +354,8 @@ def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale:
     return y
 
 
-def qpn2_linear_trusted(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: CupyArray, n: int, out: CupyArray,
-                        gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
+def qpn2_linear_trusted(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: CupyArray, n: int,
+                        out: CupyArray, gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
     """`qpn2_linear` of arguments its caller validated (the torch op: dtypes, shapes, QPN2 multiples,
     M in [1, 32], gated halves in whole tiles, one device, C-contiguous; global_scale a device
     float32 of one value or one per tile; out a fresh fp16 [M, N] or [M, N/2]); checks only the
@@ -372,8 +373,8 @@ def _qpn2_decode(x: CupyArray, codes: CupyArray, scales: CupyArray, g: CupyArray
     _launch(QPN2.key, fn, (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace, X_FRAG[QPN2.key, nb])
 
 
-def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None, gated: bool = False,
-                workspace: CupyArray | None = None) -> CupyArray:
+def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None,
+                gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
     """y = x @ W16^T for a QPN8 (FP8) weight, M in [1, 32] (module docstring).
 
     x: fp16 [M, K], K % 16 == 0 (128x128 block scales: K % 128 == 0); codes uint8 [N, K] or flat;
@@ -390,8 +391,8 @@ def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: Cu
     return y
 
 
-def qpn8_linear_trusted(x: CupyArray, codes: CupyArray, group_scales: CupyArray, n: int, out: CupyArray, gated: bool = False,
-                        workspace: CupyArray | None = None) -> CupyArray:
+def qpn8_linear_trusted(x: CupyArray, codes: CupyArray, group_scales: CupyArray, n: int, out: CupyArray,
+                        gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
     """`qpn8_linear` of arguments its caller validated (the torch op: dtypes, shapes, QPN8 multiples,
     group scales [1, N] or [K/128, N/32], M in [1, 32], gated halves in whole tiles, one device,
     C-contiguous; out a fresh fp16 [M, N] or [M, N/2]); checks only the alignment, which the op's

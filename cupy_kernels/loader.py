@@ -234,7 +234,8 @@ class CudaBindingsNVRTC:
                 want_cubin: bool) -> CompileResult:
         n = self._n
         err, prog = n.nvrtcCreateProgram(
-            text.encode(), name.encode(), len(headers), [h.encode() for _, h in headers], [i.encode() for i, _ in headers]
+            text.encode(), name.encode(), len(headers),
+            [h.encode() for _, h in headers], [i.encode() for i, _ in headers],
         )
         self._check(err, "nvrtcCreateProgram")
         try:
@@ -290,7 +291,8 @@ class CtypesNVRTC:
 
     def _log(self, prog: Any) -> str:
         lib = self._lib
-        return self._get(prog, lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog).rstrip(b"\0").decode(errors="replace")
+        log = self._get(prog, lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog)
+        return log.rstrip(b"\0").decode(errors="replace")
 
     def compile(self, text: str, name: str, options: Sequence[str], headers: Sequence[tuple[str, str]],
                 want_cubin: bool) -> CompileResult:

@@ -87,7 +87,8 @@ def qpn2_prepack_trusted(weight_packed: CupyArray, weight_scale: CupyArray) -> t
     return codes, scales
 
 
-def launch_qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray, codes: CupyArray, scales: CupyArray, flags: CupyArray) -> None:
+def launch_qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray, codes: CupyArray, scales: CupyArray,
+                        flags: CupyArray) -> None:
     """grid -> launch for validated arguments (no sync; the benchmark times this directly)."""
     n, half_k = weight_packed.shape
     n_tiles, groups = n // TILE_N, 2 * half_k // GROUP_K
@@ -95,10 +96,12 @@ def launch_qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray, codes
     threads = n * (groups // QPN2_PREPACK_GROUPS_PER_THREAD)
     grid = (launch_blocks(threads, THREADS_PER_BLOCK),)
     block = (THREADS_PER_BLOCK,)
-    kernel(QPN2_PREPACK)(grid, block, (weight_packed, weight_scale, codes, scales, np.int32(n_tiles), np.int32(groups), flags))
+    args = (weight_packed, weight_scale, codes, scales, np.int32(n_tiles), np.int32(groups), flags)
+    kernel(QPN2_PREPACK)(grid, block, args)
 
 
-def qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str | None = None) -> tuple[CupyArray, CupyArray]:
+def qpn8_prepack(weight: CupyArray, weight_scale: CupyArray,
+                 granularity: str | None = None) -> tuple[CupyArray, CupyArray]:
     """FP8 tensors on the GPU -> QPN8 (codes uint8 [N, K], group_scales float16).
 
     weight: cupy uint8 e4m3 bits [N, K]; weight_scale: float32 (cupy or numpy) per tensor
@@ -114,7 +117,8 @@ def qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str | 
     require_cupy("weight", weight, np.uint8, ndim=2)
     if isinstance(weight_scale, (np.ndarray, np.float32)):
         if np.asarray(weight_scale).dtype != np.float32:
-            raise ValueError(f"weight_scale must have dtype float32, got {np.asarray(weight_scale).dtype}; cast it explicitly")
+            raise ValueError(f"weight_scale must have dtype float32, got {np.asarray(weight_scale).dtype}; "
+                             "cast it explicitly")
         weight_scale = cupy.asarray(np.ascontiguousarray(weight_scale))
     require_cupy("weight_scale", weight_scale, np.float32)
     n, k = weight.shape
@@ -142,13 +146,14 @@ def qpn8_prepack_trusted(weight: CupyArray, weight_scale: CupyArray, granularity
     if bad:
         from ..ref.qpn8 import qpn8_prepack as reference  # noqa: PLC0415
 
-        what = {FLAG_NAN: "a NaN weight byte", FLAG_BAD_SCALE: "a non-finite or non-positive scale"}.get(bad, "an overflowing scale")
+        what = {FLAG_NAN: "a NaN weight byte",
+                FLAG_BAD_SCALE: "a non-finite or non-positive scale"}.get(bad, "an overflowing scale")
         raise_reference_error(reference, weight, weight_scale, granularity=granularity, flagged=what)
     return codes, group_scales
 
 
-def launch_qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str, codes: CupyArray, group_scales: CupyArray,
-                        flags: CupyArray) -> None:
+def launch_qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str, codes: CupyArray,
+                        group_scales: CupyArray, flags: CupyArray) -> None:
     """grid -> launch for validated arguments (no sync; the benchmark times this directly)."""
     n, k = weight.shape
     groups = k // GROUP_K

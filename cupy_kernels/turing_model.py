@@ -440,7 +440,8 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
     nvrtc = nvrtc or loader.CudaBindingsNVRTC()
     nvdisasm = nvdisasm or find_nvdisasm()
     if nvdisasm is None:
-        raise FileNotFoundError("nvdisasm not found: pip install 'nvidia-cuda-nvdisasm>=13,<14' (in qpn's [test] extra)")
+        raise FileNotFoundError(
+            "nvdisasm not found: pip install 'nvidia-cuda-nvdisasm>=13,<14' (in qpn's [test] extra)")
     fams = _families(variants)
     jobs = [(v, "sm_75") for v in variants]
     jobs += [(v, "sm_90") for fam in ("qpn2_linear", "qpn8_linear") for v in fams.get(fam, {}).values()]
@@ -451,12 +452,13 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
             "h200": replace(H200, dram_gbps=h200_ceiling)}
 
 
-def measure_all(jobs: list[tuple[KernelVariant, str]], nvrtc: loader.NVRTC, nvdisasm: Path) -> dict[str, dict[KernelVariant, LoopStats]]:
+def measure_all(jobs: list[tuple[KernelVariant, str]], nvrtc: loader.NVRTC,
+                nvdisasm: Path) -> dict[str, dict[KernelVariant, LoopStats]]:
     """`measure` for every (variant, arch) job, in parallel; {arch: {variant: stats}}."""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # NVRTC and nvdisasm run outside the GIL
         stats = list(pool.map(lambda job: measure(job[0], job[1], nvrtc, nvdisasm), jobs))
     out: dict[str, dict] = {"sm_75": {}, "sm_90": {}}
-    for (v, arch), s in zip(jobs, stats):
+    for (v, arch), s in zip(jobs, stats, strict=True):
         out[arch][v] = s
     return out
 
@@ -589,8 +591,8 @@ def _h200_section(res: dict) -> list[str]:
         "benchmarks/results/decode_m32_explore). On the T4 "
         "the same ratios leave QPN2 and QPN8 DRAM-bound at M <= 16 wherever the T4 headroom above exceeds 1 / ratio.",
         "",
-        "| kernel | M | sm_90 instr/gt | predicted % (limit) | measured % " + " / ".join(f"{n}x{k}" for n, k in H200_SHAPES)
-        + " | measured / predicted |",
+        "| kernel | M | sm_90 instr/gt | predicted % (limit) | measured % "
+        + " / ".join(f"{n}x{k}" for n, k in H200_SHAPES) + " | measured / predicted |",
         "|---|---|---|---|---|---|",
     ]
     for fam in ("qpn2_linear", "qpn8_linear"):

@@ -41,8 +41,8 @@ from .qpn8 import qpn8_dequantize, qpn8_prepack, qpn8_scale_granularity, qpn8_un
 
 # the public checkpoint names of qpn.ref before qpn.checkpoints existed -> their module there
 _CHECKPOINT_NAMES = {
-    **dict.fromkeys(("Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear", "fuse_fp8_shards", "fuse_nvfp4_shards",
-                     "load_checkpoint", "save_checkpoint"), "quantized"),
+    **dict.fromkeys(("Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear", "fuse_fp8_shards",
+                     "fuse_nvfp4_shards", "load_checkpoint", "save_checkpoint"), "quantized"),
     **dict.fromkeys(("SafetensorsError", "StoredTensor", "read_safetensors", "read_safetensors_header",
                      "write_safetensors"), "safetensors_io"),
 }

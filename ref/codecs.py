@@ -77,7 +77,7 @@ def encode_e2m1(x: npt.ArrayLike) -> np.ndarray:
         raise ValueError("x contains NaN, which e2m1 cannot represent; clean the tensor before encoding")
     a = np.abs(x)  # the midpoints are exact in every float dtype, so compare in x's own dtype
     magnitude_code = np.zeros(a.shape, dtype=np.uint8)  # counts the midpoints that a passes
-    for midpoint, tie_rounds_up in zip(_E2M1_MIDPOINTS, _E2M1_TIE_ROUNDS_UP):
+    for midpoint, tie_rounds_up in zip(_E2M1_MIDPOINTS, _E2M1_TIE_ROUNDS_UP, strict=True):
         magnitude_code += (a >= midpoint) if tie_rounds_up else (a > midpoint)
     # saturates at code 7 (= 6.0): every value beyond the last midpoint 5.0 has passed all seven
     return magnitude_code | (np.signbit(x).astype(np.uint8) << 3)

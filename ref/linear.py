@@ -63,7 +63,8 @@ FP32_TRUNCATING_UNIT_ROUNDOFF = 2.0**-23  # fp32 addition that truncates (tensor
 FP64_UNIT_ROUNDOFF = 2.0**-53
 
 
-def _validate_linear_inputs(x: np.ndarray, w16: np.ndarray, *, check_w16_values: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def _validate_linear_inputs(x: np.ndarray, w16: np.ndarray, *,
+                            check_w16_values: bool = True) -> tuple[np.ndarray, np.ndarray]:
     x = require_array("x", x, np.float16, ndim=2)
     w16 = require_array("w16", w16, np.float16, ndim=2)
     if x.shape[1] != w16.shape[1]:
@@ -100,7 +101,8 @@ def _gamma(k: int, u: float) -> float:
     return k * u / (1.0 - k * u)
 
 
-def linear_bounds(x: np.ndarray, w16: np.ndarray, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
+def linear_bounds(x: np.ndarray, w16: np.ndarray,
+                  unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N] each: every fp32-or-wider accumulation of x @ w16.T, in any order,
     rounded once to fp16, lies in [lo, hi] (module docstring for the derivation).
 
@@ -162,8 +164,8 @@ def numpy_fp32_sums(w16: np.ndarray, x32: np.ndarray, m: int) -> tuple[np.ndarra
     return s32, w32 @ np.abs(x32).T
 
 
-def linear_bounds_of_fp32_sums(s32: np.ndarray, a32: np.ndarray, k: int, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF
-                               ) -> tuple[np.ndarray, np.ndarray]:
+def linear_bounds_of_fp32_sums(s32: np.ndarray, a32: np.ndarray, k: int,
+                               unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N], from S32 = sum x*w and A32 = sum |x*w| [M, N] accumulated in fp32 by
     any BLAS (any order, FMA or not; values in float32 or float64) over K exact fp16 products: the
     `linear_bounds_fp32` statement (module docstring), for callers whose fp32 matmul is faster than
@@ -180,7 +182,8 @@ def linear_bounds_of_fp32_sums(s32: np.ndarray, a32: np.ndarray, k: int, unit_ro
     return lo, hi
 
 
-def linear_error_bound(x: np.ndarray, w16: np.ndarray, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> np.ndarray:
+def linear_error_bound(x: np.ndarray, w16: np.ndarray,
+                       unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> np.ndarray:
     """float64 [M, N]: |y - linear(x, w16)| may not exceed this for any y that `linear_bounds` admits.
 
     = max(hi - ref, ref - lo) with ref = linear(x, w16); 0 where lo == hi == ref (also at +-inf),

@@ -40,6 +40,7 @@ Numerics policy
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import NamedTuple
 
 import numpy as np
@@ -60,7 +61,8 @@ FP16_OVERFLOW_THRESHOLD = np.float32(65520.0)
 _LOW_NIBBLE = 0x0F  # 0000_1111
 # A packed byte holds two weights, so the decode looks up (scale byte << 8 | weight byte) -> both
 # values at once, as one unit of two fp16 (uint32) or two fp32 (uint64): 64 K entries, 256/512 KiB.
-_PAIR_UNIT: dict[np.dtype, np.dtype] = {np.dtype(np.float16): np.dtype(np.uint32), np.dtype(np.float32): np.dtype(np.uint64)}
+_PAIR_UNIT: dict[np.dtype, np.dtype] = {np.dtype(np.float16): np.dtype(np.uint32),
+                                        np.dtype(np.float32): np.dtype(np.uint64)}
 # Rows per lookup call: the uint16 index of 64 rows of K = 4096 is 256 KiB, so it stays in L2
 # between being built and being read (whole-layer indexes measured 1.5x slower).
 _ROWS_PER_LOOKUP = 64
@@ -273,7 +275,7 @@ def _dequantize_by_table(weight_packed: np.ndarray, weight_scale: np.ndarray, g_
     g_changes = (np.flatnonzero(g_bits[1:] != g_bits[:-1]) + 1).tolist()
     edges = sorted(set(range(0, n, _ROWS_PER_LOOKUP)) | set(g_changes) | {n})
     tables: dict[int, np.ndarray] = {}  # g's bits -> its pair table
-    for start, stop in zip(edges[:-1], edges[1:]):
+    for start, stop in pairwise(edges):
         key = int(g_bits[start])
         if key not in tables:
             tables[key] = _pair_table(nvfp4_value_table(g_rows[start], dtype))

@@ -170,7 +170,8 @@ def qpn2_prepack_dims(weight_packed: np.ndarray, weight_scale: np.ndarray) -> tu
     """(N, K) of the ModelOpt tensors `qpn2_prepack` takes, from their shapes alone (numpy or CuPy
     arrays, already checked 2-D): the QPN2 multiples and the scale shape [N, K/16]."""
     n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
-    require_multiple("N", n, QPN2.n_multiple, QPN2.label, f"weight_packed has shape {weight_packed.shape}; {QPN2.n_fix}")
+    require_multiple("N", n, QPN2.n_multiple, QPN2.label,
+                     f"weight_packed has shape {weight_packed.shape}; {QPN2.n_fix}")
     require_multiple("K", k, QPN2.k_multiple, QPN2.label, f"K = 2 * weight_packed.shape[1]; {QPN2.k_fix}")
     require_shape("weight_scale", weight_scale, QPN2.buffer("scales").shape(n, k))
     return n, k

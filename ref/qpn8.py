@@ -154,7 +154,8 @@ def qpn8_group_scales(weight_scale: np.ndarray, n: int, k: int, granularity: str
     return _group_scales_of_s16(s16, granularity, n)
 
 
-def qpn8_prepack(weight: np.ndarray, weight_scale: np.ndarray, granularity: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def qpn8_prepack(weight: np.ndarray, weight_scale: np.ndarray,
+                 granularity: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """FP8 checkpoint tensors -> QPN8 (codes, group_scales).
 
     weight: uint8 e4m3 bits [N, K]; weight_scale: float32, per tensor (size 1), per channel

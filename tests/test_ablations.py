@@ -96,7 +96,8 @@ def test_a_moved_anchor_names_the_ablation_and_the_anchor(ablate):
     _, text = loader.read_source("qpn2_linear.cu")
     edits = ablate.ABLATIONS["qpn2", "no mma"]
     moved = text.replace("qpn_mma_group(acc[tt], a, xf);", "qpn_mma_group(acc[tt], a, xf );")
-    with pytest.raises(ablate.TransformError, match=r"ablation qpn2 'no mma': anchor 'qpn_mma_group\(acc\[tt\], a, xf\);' occurs 0 times"):
+    with pytest.raises(ablate.TransformError,
+                       match=r"ablation qpn2 'no mma': anchor 'qpn_mma_group\(acc\[tt\], a, xf\);' occurs 0 times"):
         ablate.apply_edits(moved, edits, "qpn2 'no mma'")
     with pytest.raises(ablate.TransformError, match="occurs 2 times"):
         ablate.apply_edits(text + text, edits, "qpn2 'no mma'")

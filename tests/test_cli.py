@@ -501,7 +501,7 @@ def test_verify_bound_from_torch_sums_is_refs_bound():
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high")
-        for a, b in zip(cli._linear_bounds(x16, w16), ref.linear_bounds_fp32(x16, w16)):
+        for a, b in zip(cli._linear_bounds(x16, w16), ref.linear_bounds_fp32(x16, w16), strict=True):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
     finally:
         torch.set_float32_matmul_precision(previous)

@@ -150,11 +150,11 @@ def test_bytes_equal_ref_on_other_targets(cpu):
 def test_fused_w16_equals_dequantize():
     """The fused kernels decode the same W16 (every combination): x = e_j (one-hot) picks column j
     of W16 exactly (as a value: W16 = -0 gives +0, the sum starting at +0)."""
-    codes, scales, g, n, k = exhaustive_nvfp4()
+    codes, scales, g, n, k4 = exhaustive_nvfp4()
     nvfp4 = [torch.from_numpy(a) for a in (codes, scales, g)]
     codes, group_scales, _, k8 = exhaustive_fp8()
     fp8 = [torch.from_numpy(a) for a in (codes, group_scales)]
-    for k, dequantize, linear, operands in ((k, torch.ops.qpn.nvfp4_dequantize, torch.ops.qpn.nvfp4_linear, nvfp4),
+    for k, dequantize, linear, operands in ((k4, torch.ops.qpn.nvfp4_dequantize, torch.ops.qpn.nvfp4_linear, nvfp4),
                                             (k8, torch.ops.qpn.fp8_dequantize, torch.ops.qpn.fp8_linear, fp8)):
         want = dequantize(*operands).t().numpy()
         for c0 in range(0, k, _cpu.FUSED_MAX_M):  # every column, FUSED_MAX_M one-hot rows per call

@@ -106,7 +106,8 @@ def test_dense_out_workspace_and_flat_buffers(cp):
     x = activations(rng, m, k)
     out = cp.full((m, n), np.nan, cp.float16)
     workspace = cp.empty((n, k), cp.float16)
-    y = qpn2_dense_linear(cp.asarray(x), cp.asarray(codes.reshape(-1)), cp.asarray(scales), g, out=out, workspace=workspace)
+    y = qpn2_dense_linear(cp.asarray(x), cp.asarray(codes.reshape(-1)), cp.asarray(scales), g, out=out,
+                          workspace=workspace)
     assert y is out
     assert np.array_equal(workspace.get().view(np.uint16), w_ref.view(np.uint16))
     assert_bit_identical_to_cublas(cp, out, x, w_ref)
@@ -122,7 +123,8 @@ def test_dense_rejects_bad_arguments(cp):
         qpn2_dense_linear(x.astype(cp.float32), codes, scales, 1.0)
     with pytest.raises(ValueError, match=r"x must have at least one row"):
         qpn2_dense_linear(cp.zeros((0, k), cp.float16), codes, scales, 1.0)
-    with pytest.raises(ValueError, match=r"codes has shape \(64, 64\), which holds rows of 128 inputs, but x has K=256"):
+    with pytest.raises(ValueError,
+                       match=r"codes has shape \(64, 64\), which holds rows of 128 inputs, but x has K=256"):
         qpn2_dense_linear(cp.zeros((4, 256), cp.float16), codes, scales, 1.0)
     with pytest.raises(ValueError, match=r"workspace must have shape \(64, 128\)"):
         qpn2_dense_linear(x, codes, scales, 1.0, workspace=cp.empty((n, 64), cp.float16))

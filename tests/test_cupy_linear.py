@@ -90,7 +90,8 @@ def assert_in_bounds(y, x, w16, what):
     bad = ~((lo <= y) & (y <= hi))
     if bad.any():
         i = tuple(int(v) for v in np.argwhere(bad)[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} outputs outside the fp32 bound, first {i}: {y[i]} not in [{lo[i]}, {hi[i]}]")
+        raise AssertionError(f"{what}: {int(bad.sum())} outputs outside the fp32 bound, "
+                             f"first {i}: {y[i]} not in [{lo[i]}, {hi[i]}]")
 
 
 def assert_gated_matches(out, y_plain, what):
@@ -103,7 +104,8 @@ def assert_gated_matches(out, y_plain, what):
         silu_ref = silu_and_mul(gate, np.ones_like(gate))  # RN16(silu32(gate)) * 1 (exact)
         cands = [
             (s16.astype(np.float32) * up.astype(np.float32)).astype(np.float16).astype(np.float32)
-            for s16 in (np.nextafter(silu_ref, np.float16(-np.inf)), silu_ref, np.nextafter(silu_ref, np.float16(np.inf)))
+            for s16 in (np.nextafter(silu_ref, np.float16(-np.inf)), silu_ref,
+                        np.nextafter(silu_ref, np.float16(np.inf)))
         ]
     lo, hi = np.minimum.reduce(cands), np.maximum.reduce(cands)
     o = out.astype(np.float32)
@@ -177,7 +179,8 @@ def test_real_shapes_all_m_and_batch_invariance(cp, n, k):
         assert_in_bounds(y32, x, w16, f"{name} N={n} K={k} M=32")
         for m in M_VALUES:
             ym = f(xd[:m]).get()
-            assert np.array_equal(ym.view(np.uint16), y32[:m].view(np.uint16)), f"{name} M={m} rows differ from the 32-row call"
+            assert np.array_equal(ym.view(np.uint16), y32[:m].view(np.uint16)), \
+                f"{name} M={m} rows differ from the 32-row call"
         for i in range(32):
             yi = f(xd[i : i + 1]).get()
             assert np.array_equal(yi.view(np.uint16), y32[i : i + 1].view(np.uint16)), f"{name} row {i} alone differs"
@@ -307,9 +310,11 @@ def test_split_k_across_blocks(cp, n, k):
             assert np.array_equal(f(xd).get().view(np.uint16), y32.view(np.uint16)), f"{name}: a repeated call differs"
         for m in (1, 8, 9, 31):
             ym = f(xd[:m]).get()
-            assert np.array_equal(ym.view(np.uint16), y32[:m].view(np.uint16)), f"{name} M={m} rows differ from the 32-row call"
+            assert np.array_equal(ym.view(np.uint16), y32[:m].view(np.uint16)), \
+                f"{name} M={m} rows differ from the 32-row call"
         ws = cp.full(L.decode_workspace_size(name, 32, n, k), np.nan, dtype=cp.float32)
-        assert np.array_equal(f(xd, workspace=ws).get().view(np.uint16), y32.view(np.uint16)), f"{name}: workspace= differs"
+        y_ws = f(xd, workspace=ws).get()
+        assert np.array_equal(y_ws.view(np.uint16), y32.view(np.uint16)), f"{name}: workspace= differs"
         if n % 64 == 0:
             assert_gated_matches(f(xd, gated=True).get(), y32, f"{name} split-K gated N={n} K={k}")
         with pytest.raises(ValueError, match="decode_workspace_size"):
@@ -348,15 +353,18 @@ REJECT_QPN2 = {
     "x float32": (lambda cp, a: (a[0].astype(cp.float32), *a[1:]), {}, "dtype"),
     "x not contiguous": (lambda cp, a: (cp.zeros((2, 256), cp.float16)[:, ::2], *a[1:]), {}, "C-contiguous"),
     "x numpy": (lambda cp, a: (a[0].get(), *a[1:]), {}, "cupy.ndarray"),
-    "K % 64": (lambda cp, a: (cp.zeros((2, 96), cp.float16), cp.zeros((64, 48), cp.uint8), cp.zeros((64, 6), cp.uint8), a[3]), {}, "multiple of 64"),
+    "K % 64": (lambda cp, a: (cp.zeros((2, 96), cp.float16), cp.zeros((64, 48), cp.uint8),
+                              cp.zeros((64, 6), cp.uint8), a[3]), {}, "multiple of 64"),
     "codes for another K": (lambda cp, a: (cp.zeros((2, 256), cp.float16), *a[1:]), {}, "codes"),
-    "N % 32": (lambda cp, a: (a[0], cp.zeros((48, 64), cp.uint8), cp.zeros((48, 8), cp.uint8), a[3]), {}, "multiple of 32"),
+    "N % 32": (lambda cp, a: (a[0], cp.zeros((48, 64), cp.uint8), cp.zeros((48, 8), cp.uint8), a[3]), {},
+               "multiple of 32"),
     "codes int8": (lambda cp, a: (a[0], a[1].view(cp.int8), *a[2:]), {}, "uint8"),
     "scales shape": (lambda cp, a: (a[0], a[1], a[2][:32], a[3]), {}, "scales"),
     "global scale float64": (lambda cp, a: (*a[:3], np.array([0.1])), {}, "float32"),
     "global scale per-tile shape": (lambda cp, a: (*a[:3], np.ones(3, np.float32)), {}, "32-column tile"),
     "global scale <= 0": (lambda cp, a: (*a[:3], np.float32(0.0)), {}, "> 0"),
-    "gated N/2 % 32": (lambda cp, a: (cp.zeros((2, 128), cp.float16), cp.zeros((96, 64), cp.uint8), cp.zeros((96, 8), cp.uint8), a[3]), {"gated": True}, "N/2 % 32"),
+    "gated N/2 % 32": (lambda cp, a: (cp.zeros((2, 128), cp.float16), cp.zeros((96, 64), cp.uint8),
+                                      cp.zeros((96, 8), cp.uint8), a[3]), {"gated": True}, "N/2 % 32"),
     "gated not bool": (lambda cp, a: a, {"gated": "yes"}, "bool"),
     "out shape": (lambda cp, a: a, {"out": "shape"}, "shape"),
     "out dtype": (lambda cp, a: a, {"out": "dtype"}, "dtype"),
@@ -387,7 +395,8 @@ REJECT_QPN8 = {
     "group scales float32": (lambda cp, a: (a[0], a[1], a[2].astype(cp.float32)), {}, "float16"),
     "group scales shape": (lambda cp, a: (a[0], a[1], a[2][:, :32]), {}, "group_scales"),
     "codes shape": (lambda cp, a: (a[0], a[1][:, :64], a[2]), {}, "codes"),
-    "gated N/2 % 32": (lambda cp, a: (a[0], cp.zeros((96, 128), cp.uint8), cp.ones((1, 96), cp.float16)), {"gated": True}, "N/2 % 32"),
+    "gated N/2 % 32": (lambda cp, a: (a[0], cp.zeros((96, 128), cp.uint8), cp.ones((1, 96), cp.float16)),
+                       {"gated": True}, "N/2 % 32"),
     "out shape": (lambda cp, a: a, {"out": "shape"}, "shape"),
 }
 
@@ -419,7 +428,8 @@ def drive() -> None:
             x = cupy.asarray(activations(rng, m, k))
             qpn2_linear(x, cupy.asarray(codes), cupy.asarray(scales), G_SCALAR)
         codes, scales = qpn2_buffers(rng, 128, 256)
-        qpn2_linear(cupy.asarray(activations(rng, m, 256)), cupy.asarray(codes), cupy.asarray(scales), np.full(4, 2.0**-20, np.float32), gated=True)
+        qpn2_linear(cupy.asarray(activations(rng, m, 256)), cupy.asarray(codes), cupy.asarray(scales),
+                    np.full(4, 2.0**-20, np.float32), gated=True)
         for n, k, block in [(32, 16, False), (64, 48, False), (128, 256, True), (256, 384, True), (64, 4096, False)]:
             codes, gs = qpn8_buffers(rng, n, k, block)
             qpn8_linear(cupy.asarray(activations(rng, m, k)), cupy.asarray(codes), cupy.asarray(gs), gated=n % 64 == 0)

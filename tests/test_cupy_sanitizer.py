@@ -35,13 +35,15 @@ def drive() -> None:
         ck.qpn2_dequantize(codes, scales, g_tile, n, k, check=True)
         ck.qpn2_dequantize(codes, scales, 0.01, n, k, check=False)
         ck.qpn2_dense_linear(cupy.asarray(rng.standard_normal((3, k)).astype(np.float16)), codes, scales, g_tile)
-    for (n, k), block in [*((s, False) for s in [*SMALL_QPN8, LARGE]), *((s, True) for s in [*SMALL_QPN8_BLOCK, LARGE])]:
+    for (n, k), block in [*((s, False) for s in [*SMALL_QPN8, LARGE]),
+                          *((s, True) for s in [*SMALL_QPN8_BLOCK, LARGE])]:
         w = cupy.asarray(rng.choice(NON_NAN_E4M3, size=(n, k)).astype(np.uint8))
         s = np.full((n // 128, k // 128) if block else (n,), 0.01, np.float32)
         codes, group_scales = ck.qpn8_prepack(w, cupy.asarray(s))
         ck.qpn8_dequantize(codes, group_scales, n, k, check=True)
         ck.qpn8_dense_linear(cupy.asarray(rng.standard_normal((3, k)).astype(np.float16)), codes, group_scales)
-    codes, group_scales = ck.qpn8_prepack(cupy.asarray(np.resize(NON_NAN_E4M3, 32 * 16).reshape(32, 16)), np.float32(0.5))
+    weight = cupy.asarray(np.resize(NON_NAN_E4M3, 32 * 16).reshape(32, 16))
+    codes, group_scales = ck.qpn8_prepack(weight, np.float32(0.5))
     ck.qpn8_dequantize(codes, group_scales, 32, 16)
     cupy.cuda.runtime.deviceSynchronize()
     print("driver done")

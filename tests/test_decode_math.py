@@ -162,7 +162,8 @@ def test_qpn2_fast_path_is_exact_everywhere_it_is_taken():
     _assert_same_weights(
         np.where(use[:, None], got, np.float16(0)),
         np.where(use[:, None], want, np.float16(0)),
-        lambda i: f"scale byte 0x{int(scale_bytes[i[0]]):02X}, g = {float(g_rows[i[0]])!r}, S = {float(s[i[0]])!r}, code {i[1]}",
+        lambda i: (f"scale byte 0x{int(scale_bytes[i[0]]):02X}, g = {float(g_rows[i[0]])!r}, "
+                   f"S = {float(s[i[0]])!r}, code {i[1]}"),
     )
 
 
@@ -224,7 +225,8 @@ def test_qpn2_fast_path_covers_realistic_weights():
     w = (rng.standard_normal((512, 1024)) * 0.02).astype(np.float32)
     q = nvfp4_quantize(w)
     s = decode_e4m3(q.weight_scale) * q.weight_scale_2
-    _, _, _, fast = kernel_block_constants(q.weight_scale.ravel(), np.full(q.weight_scale.size, q.weight_scale_2, np.float32))
+    g = np.full(q.weight_scale.size, q.weight_scale_2, np.float32)
+    _, _, _, fast = kernel_block_constants(q.weight_scale.ravel(), g)
     assert fast.all(), f"{int((~fast).sum())} slow blocks, smallest |S| = {float(np.abs(s).min())!r}"
 
 

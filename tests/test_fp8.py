@@ -105,7 +105,8 @@ def test_quantize_matches_torch(granularity, shape, kind, seed):
     w = make_weight(np.random.default_rng(seed), *shape, kind)
     codes, scale = fp8_quantize_torch(w, granularity)
     q = fp8_quantize(w, granularity)
-    expected_scale_shape = {"tensor": (), "channel": (shape[0],), "block": (ceil_div(shape[0], BLOCK), ceil_div(shape[1], BLOCK))}
+    expected_scale_shape = {"tensor": (), "channel": (shape[0],),
+                            "block": (ceil_div(shape[0], BLOCK), ceil_div(shape[1], BLOCK))}
     assert q.weight.dtype == np.uint8 and q.weight.shape == shape
     assert q.weight_scale.dtype == np.float32 and q.weight_scale.shape == expected_scale_shape[granularity]
     assert np.array_equal(q.weight, codes)
@@ -267,14 +268,16 @@ def with_value(a: np.ndarray, index, value) -> np.ndarray:
 
 FP8_DEQUANTIZE_REJECTIONS = {
     "weight dtype int8": ((GOOD_WEIGHT.view(np.int8), np.float32(1.0)), "weight must have dtype uint8"),
-    "weight dtype float8": ((GOOD_WEIGHT.view(ml_dtypes.float8_e4m3fn), np.float32(1.0)), "weight must have dtype uint8"),
+    "weight dtype float8": ((GOOD_WEIGHT.view(ml_dtypes.float8_e4m3fn), np.float32(1.0)),
+                            "weight must have dtype uint8"),
     "weight 1-D": ((GOOD_WEIGHT.reshape(-1), np.float32(1.0)), "weight must be 2-D"),
     "weight empty": ((GOOD_WEIGHT[:0], np.float32(1.0)), "N, K >= 1"),
     "scale float64": ((GOOD_WEIGHT, np.array(1.0)), "weight_scale must have dtype float32"),
     "scale python float": ((GOOD_WEIGHT, 1.0), "numpy.ndarray"),
     "scale shape N+1": ((GOOD_WEIGHT, np.ones(N_ + 1, np.float32)), "fits no FP8 granularity"),
     "scale shape N x 2": ((GOOD_WEIGHT, np.ones((N_, 2), np.float32)), "fits no FP8 granularity"),
-    "scale shape transposed blocks": ((np.zeros((300, 129), np.uint8), np.ones((2, 3), np.float32)), r"expected .*\(3, 2\)"),
+    "scale shape transposed blocks": ((np.zeros((300, 129), np.uint8), np.ones((2, 3), np.float32)),
+                                      r"expected .*\(3, 2\)"),
     "NaN byte 0x7F": ((with_value(GOOD_WEIGHT, (2, 3), 0x7F), np.float32(1.0)), r"weight holds NaN e4m3.*\(2, 3\)"),
     "NaN byte 0xFF": ((with_value(GOOD_WEIGHT, (0, 0), 0xFF), np.float32(1.0)), "NaN e4m3"),
     "scale NaN": ((GOOD_WEIGHT, with_value(np.ones(N_, np.float32), 5, np.nan)), r"finite and > 0.*index \(5,\)"),
@@ -291,7 +294,7 @@ def test_dequantize_rejects(case):
     before = [np.array(a, copy=True) for a in args]
     with pytest.raises(ValueError, match=match):
         fp8_dequantize(*args)
-    for a, b in zip(args, before):  # a rejected call leaves its inputs alone, byte for byte
+    for a, b in zip(args, before, strict=True):  # a rejected call leaves its inputs alone, byte for byte
         assert np.asarray(a).tobytes() == b.tobytes()
 
 

@@ -101,7 +101,8 @@ def test_the_old_public_names_still_resolve_without_a_back_edge():
         "from qpn.checkpoints import packed\n"
         "from qpn.apps import cli, demo\n"
         "assert r.load_checkpoint is c.load_checkpoint and r.StoredTensor is c.StoredTensor\n"
-        "assert qpn.packed.load_packed is packed.load_packed and qpn.cli.main is cli.main and qpn.demo.run is demo.run\n"
+        "assert qpn.packed.load_packed is packed.load_packed\n"
+        "assert qpn.cli.main is cli.main and qpn.demo.run is demo.run\n"
         "try:\n    r.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
         "else:\n    raise AssertionError('qpn.ref invented an attribute')\n"
     )

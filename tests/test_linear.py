@@ -51,7 +51,8 @@ def rn16_fraction(q: Fraction) -> float:
 def exact_linear(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
     xf = [[Fraction(float(v)) for v in row] for row in x]
     wf = [[Fraction(float(v)) for v in row] for row in w16]
-    return np.array([[rn16_fraction(sum(a * b for a, b in zip(xr, wr))) for wr in wf] for xr in xf], dtype=np.float16)
+    return np.array([[rn16_fraction(sum(a * b for a, b in zip(xr, wr, strict=True))) for wr in wf] for xr in xf],
+                    dtype=np.float16)
 
 
 def assert_same_fp16(y: np.ndarray, expected: np.ndarray) -> None:

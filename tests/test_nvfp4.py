@@ -405,17 +405,22 @@ def with_byte(a: np.ndarray, index, value) -> np.ndarray:
 
 
 DEQUANTIZE_REJECTIONS = {
-    "K not multiple of 16": ((np.zeros((N_, 4), np.uint8), np.zeros((N_, 0), np.uint8), GOOD_G), "K must be a positive multiple of 16"),
+    "K not multiple of 16": ((np.zeros((N_, 4), np.uint8), np.zeros((N_, 0), np.uint8), GOOD_G),
+                             "K must be a positive multiple of 16"),
     "packed dtype": ((GOOD_PACKED.astype(np.int8), GOOD_SCALE, GOOD_G), "weight_packed must have dtype uint8"),
-    "scale dtype float8": ((GOOD_PACKED, GOOD_SCALE.view(ml_dtypes.float8_e4m3fn), GOOD_G), "weight_scale must have dtype uint8"),
+    "scale dtype float8": ((GOOD_PACKED, GOOD_SCALE.view(ml_dtypes.float8_e4m3fn), GOOD_G),
+                           "weight_scale must have dtype uint8"),
     "scale dtype float32": ((GOOD_PACKED, GOOD_SCALE.astype(np.float32), GOOD_G), "weight_scale must have dtype uint8"),
     "packed 1-D": ((GOOD_PACKED.reshape(-1), GOOD_SCALE, GOOD_G), "weight_packed must be 2-D"),
     "no rows": ((GOOD_PACKED[:0], GOOD_SCALE[:0], GOOD_G), "at least one row"),
-    "scale too many blocks": ((GOOD_PACKED, np.ones((N_, K_ // BLOCK + 1), np.uint8), GOOD_G), r"weight_scale must have shape \(32, 4\)"),
-    "scale too many rows": ((GOOD_PACKED, np.ones((N_ + 1, K_ // BLOCK), np.uint8), GOOD_G), r"weight_scale must have shape \(32, 4\)"),
+    "scale too many blocks": ((GOOD_PACKED, np.ones((N_, K_ // BLOCK + 1), np.uint8), GOOD_G),
+                              r"weight_scale must have shape \(32, 4\)"),
+    "scale too many rows": ((GOOD_PACKED, np.ones((N_ + 1, K_ // BLOCK), np.uint8), GOOD_G),
+                            r"weight_scale must have shape \(32, 4\)"),
     "NaN scale 0x7F": ((GOOD_PACKED, with_byte(GOOD_SCALE, (3, 2), 0x7F), GOOD_G), r"NaN e4m3.*\(3, 2\).*0x7F"),
     "NaN scale 0xFF": ((GOOD_PACKED, with_byte(GOOD_SCALE, (0, 1), 0xFF), GOOD_G), r"NaN e4m3.*0xFF"),
-    "overflow": ((GOOD_PACKED, with_byte(GOOD_SCALE, (5, 3), 0b0_1111_110), np.float32(30.0)), r"weight_scale\[5, 3\] = 0x7E.*beyond fp16"),
+    "overflow": ((GOOD_PACKED, with_byte(GOOD_SCALE, (5, 3), 0b0_1111_110), np.float32(30.0)),
+                 r"weight_scale\[5, 3\] = 0x7E.*beyond fp16"),
     "global scale per-tile shape": ((GOOD_PACKED, GOOD_SCALE, np.ones(3, np.float32)), "one value per 32-column tile"),
     "global scale 2-D": ((GOOD_PACKED, GOOD_SCALE, np.ones((1, 2), np.float32)), "one value per 32-column tile"),
     "global scale float64": ((GOOD_PACKED, GOOD_SCALE, np.array(0.5)), "global_scale must be float32"),
@@ -435,7 +440,7 @@ def test_dequantize_rejects(dequantize, case):
     before = [np.array(a, copy=True) for a in args]
     with pytest.raises(ValueError, match=match):
         dequantize(*args)
-    for a, b in zip(args, before):  # a rejected call leaves its inputs alone, byte for byte
+    for a, b in zip(args, before, strict=True):  # a rejected call leaves its inputs alone, byte for byte
         assert np.asarray(a).tobytes() == b.tobytes()
 
 

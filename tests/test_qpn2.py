@@ -96,15 +96,16 @@ def ordered_fp16(x: np.ndarray) -> np.ndarray:
 # (n, g) = n | g << 6 (never 0x7F / 0xFF). Each byte below reads  high nibble _ low nibble.
 GOLDEN_N, GOLDEN_K = 32, 64
 GOLDEN_CODE_BYTES = {
-    # (lane, group): flat offset ((t*G + g)*32 + lane)*8 and the 8 bytes
-    #   byte:       0 {k2|k0}    1 {k6|k4}    2 {k3|k1}    3 {k7|k5}    4 {k10|k8}   5 {k14|k12}  6 {k11|k9}   7 {k15|k13}
-    (0, 0): (0, [0b0010_0000, 0b0110_0100, 0b0011_0001, 0b0111_0101, 0b1010_1000, 0b1110_1100, 0b1011_1001, 0b1111_1101]),
+    # (lane, group): flat offset ((t*G + g)*32 + lane)*8 and the 8 bytes; one row each, under the
+    # byte diagram it lines up with (so past 120 columns: noqa E501)
+    #   byte:       0 {k2|k0}    1 {k6|k4}    2 {k3|k1}    3 {k7|k5}    4 {k10|k8}   5 {k14|k12}  6 {k11|k9}   7 {k15|k13}  # noqa: E501
+    (0, 0): (0, [0b0010_0000, 0b0110_0100, 0b0011_0001, 0b0111_0101, 0b1010_1000, 0b1110_1100, 0b1011_1001, 0b1111_1101]),  # noqa: E501
     # lane 4 owns column 8: codes 8..15, 0..7
-    (4, 0): (32, [0b1010_1000, 0b1110_1100, 0b1011_1001, 0b1111_1101, 0b0010_0000, 0b0110_0100, 0b0011_0001, 0b0111_0101]),
+    (4, 0): (32, [0b1010_1000, 0b1110_1100, 0b1011_1001, 0b1111_1101, 0b0010_0000, 0b0110_0100, 0b0011_0001, 0b0111_0101]),  # noqa: E501
     # lane 16 owns column 4: codes 4..15, 0..3
-    (16, 0): (128, [0b0110_0100, 0b1010_1000, 0b0111_0101, 0b1011_1001, 0b1110_1100, 0b0010_0000, 0b1111_1101, 0b0011_0001]),
+    (16, 0): (128, [0b0110_0100, 0b1010_1000, 0b0111_0101, 0b1011_1001, 0b1110_1100, 0b0010_0000, 0b1111_1101, 0b0011_0001]),  # noqa: E501
     # lane 0, group 1 (k = 16..31): codes 1..15, 0
-    (0, 1): (256, [0b0011_0001, 0b0111_0101, 0b0100_0010, 0b1000_0110, 0b1011_1001, 0b1111_1101, 0b1100_1010, 0b0000_1110]),
+    (0, 1): (256, [0b0011_0001, 0b0111_0101, 0b0100_0010, 0b1000_0110, 0b1011_1001, 0b1111_1101, 0b1100_1010, 0b0000_1110]),  # noqa: E501
 }  # fmt: skip
 
 
@@ -238,9 +239,11 @@ def test_real_shapes_roundtrip_and_spot_check(n, k):
 GOOD_N, GOOD_K = 32, 64
 PREPACK_REJECTIONS = [
     # (weight_packed shape, weight_scale shape, message fragment)
-    ((48, 32), (48, 4), r"N must be a positive multiple of 32 for QPN2, got N=48.*pad the output features N to a multiple of 32 \(QPNLinear pads and crops\)"),
+    ((48, 32), (48, 4), r"N must be a positive multiple of 32 for QPN2, got N=48"
+                        r".*pad the output features N to a multiple of 32 \(QPNLinear pads and crops\)"),
     ((0, 32), (0, 4), r"N must be a positive multiple of 32 for QPN2, got N=0"),
-    ((32, 48), (32, 6), r"K must be a positive multiple of 64 for QPN2, got K=96.*pad K with zero columns to a multiple of 64"),
+    ((32, 48), (32, 6), r"K must be a positive multiple of 64 for QPN2, got K=96"
+                        r".*pad K with zero columns to a multiple of 64"),
     ((32, 8), (32, 1), r"K must be a positive multiple of 64 for QPN2, got K=16"),
     ((32, 32), (32, 8), r"weight_scale must have shape \(32, 4\), got \(32, 8\)"),
     ((32, 32), (64, 4), r"weight_scale must have shape \(32, 4\), got \(64, 4\)"),
@@ -256,8 +259,10 @@ def test_prepack_rejects_shapes(packed_shape, scale_shape, match):
 @pytest.mark.parametrize(
     ("weight_packed", "weight_scale", "match"),
     [
-        (np.zeros((GOOD_N, GOOD_K // 2), np.int8), np.zeros((GOOD_N, 4), np.uint8), "weight_packed must have dtype uint8"),
-        (np.zeros((GOOD_N, GOOD_K // 2), np.uint8), np.zeros((GOOD_N, 4), np.float32), "weight_scale must have dtype uint8"),
+        (np.zeros((GOOD_N, GOOD_K // 2), np.int8), np.zeros((GOOD_N, 4), np.uint8),
+         "weight_packed must have dtype uint8"),
+        (np.zeros((GOOD_N, GOOD_K // 2), np.uint8), np.zeros((GOOD_N, 4), np.float32),
+         "weight_scale must have dtype uint8"),
         (np.zeros(GOOD_N * GOOD_K // 2, np.uint8), np.zeros((GOOD_N, 4), np.uint8), "weight_packed must be 2-D"),
         ([[0] * 32] * 32, np.zeros((GOOD_N, 4), np.uint8), "weight_packed must be a numpy.ndarray"),
     ],

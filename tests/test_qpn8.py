@@ -238,7 +238,8 @@ def check_real_shape(shape, granularity) -> None:
         assert flat[i] == spec_code_byte(weight, k // 16, i)
 
 
-@pytest.mark.parametrize(("shape", "granularity"), [*REAL_SHAPES, *(pytest.param(*s, marks=pytest.mark.slow) for s in SLOW_SHAPES)])
+@pytest.mark.parametrize(("shape", "granularity"),
+                         [*REAL_SHAPES, *(pytest.param(*s, marks=pytest.mark.slow) for s in SLOW_SHAPES)])
 def test_real_shapes_roundtrip_and_spot_check(shape, granularity):
     check_real_shape(shape, granularity)
 
@@ -399,4 +400,5 @@ def test_unpack_and_dequantize_reject_bad_buffers():
         with pytest.raises(ValueError, match=match):
             qpn8_dequantize(codes, scales, 64, 32)
     # flat buffers are accepted
-    assert np.array_equal(qpn8_unpack(codes.reshape(-1), group_scales, 64, 32)[0], qpn8_unpack(codes, group_scales, 64, 32)[0])
+    assert np.array_equal(qpn8_unpack(codes.reshape(-1), group_scales, 64, 32)[0],
+                          qpn8_unpack(codes, group_scales, 64, 32)[0])

@@ -80,7 +80,7 @@ def test_convert_reports_a_weight_the_quantizer_rejects():
 def build_checkpoint(layout: str, model: Tiny) -> ref.Checkpoint:
     fmt, algo, kind = CHECKPOINT_LAYOUTS[layout]
     linears = {}
-    for i, name in enumerate(("q", "up")):
+    for name in ("q", "up"):
         w = getattr(model, name).weight.detach().numpy()
         if kind == "nvfp4" or (kind == "mixed" and name == "up"):
             linears[name] = ref.NVFP4Linear(name, *ref.nvfp4_quantize(w), input_scale=np.float32(1.0))

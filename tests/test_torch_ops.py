@@ -334,7 +334,8 @@ def error_cases():
         "group scales fp32": (lambda: q.fp8_linear(x, c8, gs8.float()), r"group_scales must have dtype torch.float16"),
         "group scales shape": (lambda: q.fp8_linear(x, c8, gs8[:, :32].contiguous()),
                                r"group_scales must be float16 \[1, N\]"),
-        "gated N not multiple of 64": (lambda: q.fp8_linear(x, c8[:32].contiguous(), gs8[:, :32].contiguous(), gated=True),
+        "gated N not multiple of 64": (lambda: q.fp8_linear(x, c8[:32].contiguous(), gs8[:, :32].contiguous(),
+                                                            gated=True),
                                        r"N must be a positive multiple of 64 for gated=True"),
         "prepack NaN scale byte": (lambda: q.nvfp4_prepack(t(wp), t(nan_ws)), r"NaN e4m3 codes.*0x7F"),
         "prepack scale shape": (lambda: q.nvfp4_prepack(t(wp), t(ws[:, :4].copy())),
@@ -459,7 +460,7 @@ def test_split_k_decode_on_any_number_of_streams(fmt):
     torch.cuda.synchronize()
     streams = [torch.cuda.Stream() for _ in xs]
     outs = []
-    for stream, x in zip(streams, xs):  # all queued before any is waited for: concurrent
+    for stream, x in zip(streams, xs, strict=True):  # all queued before any is waited for: concurrent
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             outs.append(run_linear(fmt, x, buffers))

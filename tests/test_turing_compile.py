@@ -73,7 +73,8 @@ def test_sm70_builds_with_a_cuda12_nvrtc(nvrtc, cuda12):
 
 def test_import_needs_no_cupy():
     # `import qpn.cupy_kernels` and the compile check must work where CuPy is absent (CI).
-    code = "import sys; sys.modules['cupy'] = None; import qpn.cupy_kernels, qpn.cupy_kernels.compile_check; print('ok')"
+    code = ("import sys; sys.modules['cupy'] = None; "
+            "import qpn.cupy_kernels, qpn.cupy_kernels.compile_check; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
@@ -85,7 +86,8 @@ BAD_SOURCES = {
     "cp_async": (
         r'''extern "C" __global__ void bad(const int* src) {
             __shared__ int s[32];
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"((unsigned)__cvta_generic_to_shared(s + threadIdx.x)), "l"(src + threadIdx.x));
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
+                         :: "r"((unsigned)__cvta_generic_to_shared(s + threadIdx.x)), "l"(src + threadIdx.x));
         }''',
         r"forbidden PTX: cp\.async",
     ),
@@ -93,8 +95,10 @@ BAD_SOURCES = {
         r'''extern "C" __global__ void bad(const unsigned* a, float* d) {
             unsigned x = a[threadIdx.x], y = a[threadIdx.x + 32];
             float c[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            asm volatile("mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};"
-                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]), "+f"(c[4]), "+f"(c[5]), "+f"(c[6]), "+f"(c[7])
+            asm volatile("mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 "
+                         "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, {%0,%1,%2,%3,%4,%5,%6,%7};"
+                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]),
+                           "+f"(c[4]), "+f"(c[5]), "+f"(c[6]), "+f"(c[7])
                          : "r"(x), "r"(y), "r"(y), "r"(x));
             for (int i = 0; i < 8; ++i) d[8 * threadIdx.x + i] = c[i];
         }''',
@@ -158,7 +162,9 @@ def test_checker_rejects_bad_source(nvrtc, case):
 
 def test_checker_accepts_a_clean_tiny_kernel(nvrtc):
     text = r'''#include "qpn_common.cuh"
-    extern "C" __global__ void good(const float* a, qpn_u16* d) { d[threadIdx.x] = qpn_float_to_half_rn(a[threadIdx.x]); }'''
+    extern "C" __global__ void good(const float* a, qpn_u16* d) {
+        d[threadIdx.x] = qpn_float_to_half_rn(a[threadIdx.x]);
+    }'''
     (report,) = compile_check.check_module(nvrtc, text, "good.cu", [("good", "good", 0)])
     assert report.ok, report.problems
     assert report.stats.spill_stores == 0 and report.stats.smem == 0
@@ -208,7 +214,7 @@ SCAN_CASES = [
 @pytest.mark.parametrize("ptx, expected", SCAN_CASES)
 def test_scan_ptx(ptx, expected):
     found = compile_check.scan_ptx(ptx)
-    assert len(found) == len(expected) and all(e in f for e, f in zip(expected, found)), found
+    assert len(found) == len(expected) and all(e in f for e, f in zip(expected, found, strict=True)), found
 
 
 def test_variant_label():

@@ -250,7 +250,7 @@ def test_row_parallel_partials_sum_to_the_unsharded_within_the_bound(block_check
     for m in M_VALUES:
         x = x_of(m, w16.shape[1])
         x_parts = [x[:, r * k_part:(r + 1) * k_part].contiguous() for r in range(2)]
-        partials = [layer.quant_method.apply(layer, xp) for layer, xp in zip(ranks, x_parts)]
+        partials = [layer.quant_method.apply(layer, xp) for layer, xp in zip(ranks, x_parts, strict=True)]
         out = (partials[0].double() + partials[1].double()).half()  # the 2-rank all-reduce: RN16(y0 + y1)
         low, high, bound = st.all_reduce_bounds([p.numpy() for p in x_parts],
                                                 [w16[:, r * k_part:(r + 1) * k_part] for r in range(2)],

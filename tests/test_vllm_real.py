@@ -280,22 +280,22 @@ def _vllm_run(folder, out, *extra, env=None) -> dict:
 
 
 def _compare_with_dense(got: dict, dense: dict) -> None:
-    # zip stops at the shorter list: equal lengths first, so a missing prompt or step cannot pass unseen.
+    # Lengths first, each mismatch with its own message; the strict zips below then cannot pass one unseen.
     for key in ("prompt_logprobs", "tokens"):
         assert len(got[key]) == len(dense[key]) == len(dense["top2"]), f"{key}: prompt counts differ"
-        for i, (q, d) in enumerate(zip(got[key], dense[key])):
+        for i, (q, d) in enumerate(zip(got[key], dense[key], strict=True)):
             assert len(q) == len(d), f"{key} of prompt {i}: {len(q)} vs {len(d)} entries"
     worst = 0.0
-    for lp_q, lp_d in zip(got["prompt_logprobs"], dense["prompt_logprobs"]):
-        for a, b in zip(lp_q[1:], lp_d[1:]):
+    for lp_q, lp_d in zip(got["prompt_logprobs"], dense["prompt_logprobs"], strict=True):
+        for a, b in zip(lp_q[1:], lp_d[1:], strict=True):
             assert math.isfinite(a) and math.isfinite(b)
             worst = max(worst, abs(a - b))
     assert worst <= LOGPROB_BOUND, f"teacher-forced log-probs differ by {worst} > {LOGPROB_BOUND}"
     # Greedy tokens agree while the dense model's choice is clear: a top-2 gap under 2 x the bound is a
     # near tie that either model may break either way; past the first such step the sequences may part.
     compared = 0
-    for tok_q, tok_d, top2 in zip(got["tokens"], dense["tokens"], dense["top2"]):
-        for a, b, ((_, lp1), (_, lp2)) in zip(tok_q, tok_d, top2):
+    for tok_q, tok_d, top2 in zip(got["tokens"], dense["tokens"], dense["top2"], strict=True):
+        for a, b, ((_, lp1), (_, lp2)) in zip(tok_q, tok_d, top2, strict=True):
             if lp1 - lp2 < 2 * LOGPROB_BOUND:
                 break
             assert a == b, f"greedy tokens differ where the dense model's top-2 gap is {lp1 - lp2}: {tok_q} vs {tok_d}"

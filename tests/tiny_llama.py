@@ -3,11 +3,11 @@
 `write_tiny_llama(folder, algo)` builds a 2-layer `LlamaForCausalLM` (hidden 256, GQA 4/2 heads of
 64, intermediate 512, vocabulary 512) from a fixed seed, quantizes its seven linears per layer with
 `qpn.ref`'s ModelOpt quantizers (vllm_standin.quantize_linear) and writes the folder exactly as
-ModelOpt's `export_hf_checkpoint` lays it out: the full Hugging Face `config.json` (model_type "llama", so vLLM accepts it) with a
-`quantization_config` {"quant_method": "modelopt", "quant_algo", "kv_cache_quant_algo", "group_size",
-"exclude_modules": ["lm_head"], "producer"} (plus `quantized_layers` for MIXED_PRECISION), the older
-`hf_quant_config.json` {"producer", "quantization": {...}} beside it when asked, and one
-`model.safetensors` holding, per quantized layer X:
+ModelOpt's `export_hf_checkpoint` lays it out: the full Hugging Face `config.json` (model_type
+"llama", so vLLM accepts it) with a `quantization_config` {"quant_method": "modelopt", "quant_algo",
+"kv_cache_quant_algo", "group_size", "exclude_modules": ["lm_head"], "producer"} (plus
+`quantized_layers` for MIXED_PRECISION), the older `hf_quant_config.json` {"producer",
+"quantization": {...}} beside it when asked, and one `model.safetensors` holding, per quantized layer X:
 - NVFP4: X.weight U8 [N, K/2], X.weight_scale F8_E4M3 [N, K/16], X.weight_scale_2 F32 [], X.input_scale F32 []
   (not for W4A16_NVFP4);
 - FP8: X.weight F8_E4M3 [N, K], X.weight_scale F32 [] (per tensor) or [N, 1] (per channel) or

@@ -9,8 +9,8 @@ tensor parallelism spawns workers anyway). Greedy decoding (temperature 0) of PR
   it (teacher forcing: the same inputs for every model, so the numbers compare position by position);
 - "tokens" / "top2": per prompt, the generated token ids and, at each step, the two best
   (token, log-probability) pairs, so a test can tell a real disagreement from a near tie;
-- "kv_scales" (tensor parallelism 1 only): per attention layer, the k / v scales vLLM's attention uses (`_k_scale_float`,
-  `_v_scale_float`);
+- "kv_scales" (tensor parallelism 1 only): per attention layer, the k / v scales vLLM's attention uses
+  (`_k_scale_float`, `_v_scale_float`);
 - "quant_methods" (tensor parallelism 1 only): the class name of every linear / embedding layer's quant_method.
 The tokenizer is skipped (token ids in, token ids out): the tiny test models have none.
 """
@@ -63,10 +63,10 @@ def main() -> None:
                             detokenize=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in args.prompts], params, use_tqdm=False)
     result = {"prompt_logprobs": [], "tokens": [], "top2": []}
-    for prompt, out in zip(args.prompts, outputs):
+    for prompt, out in zip(args.prompts, outputs, strict=True):
         # position 0 has no log-probability; position i: log p(prompt[i] | prompt[:i])
         result["prompt_logprobs"].append([None if d is None else d[tok].logprob
-                                          for tok, d in zip(prompt, out.prompt_logprobs)])
+                                          for tok, d in zip(prompt, out.prompt_logprobs, strict=True)])
         gen = out.outputs[0]
         result["tokens"].append(list(gen.token_ids))
         result["top2"].append([sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda p: -p[1])[:2]

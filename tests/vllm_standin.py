@@ -361,7 +361,7 @@ def unshard_columns(layers: list, outputs: list[torch.Tensor]) -> torch.Tensor:
     shards = []
     for i in range(len(geoms[0].partitions)):
         pieces = {}
-        for geom, out in zip(geoms, outputs):
+        for geom, out in zip(geoms, outputs, strict=True):
             piece = out[:, geom.offsets[i]: geom.offsets[i] + geom.partitions[i]]
             source = geom.source_ranks[i]
             if source in pieces and not torch.equal(pieces[source].view(torch.int16), piece.view(torch.int16)):
@@ -395,7 +395,7 @@ def all_reduce_bounds(x_parts, w16_parts, x_full=None, w16_full=None):
     Returns (L, H, B) as float16, float16, float64 arrays [M, N] (B needs x_full and w16_full).
     """
     lo_sum, hi_sum, spread = 0.0, 0.0, 0.0
-    for x, w in zip(x_parts, w16_parts):
+    for x, w in zip(x_parts, w16_parts, strict=True):
         lo, hi = ref.linear_bounds(np.asarray(x), np.asarray(w))
         lo64, hi64 = lo.astype(np.float64), hi.astype(np.float64)
         lo_sum, hi_sum = lo_sum + lo64, hi_sum + hi64

@@ -465,7 +465,8 @@ def _qpn8_w16_rows(codes: np.ndarray, group_scales: np.ndarray, channel: bool, o
                 _qpn8_store16(codes, slot * _QPN8_BYTES, s16, flat, r * k + g * GROUP_K)
 
 
-def _qpn2_linear_fused(codes: np.ndarray, scales: np.ndarray, g_tiles: np.ndarray, xp: np.ndarray, y: np.ndarray) -> None:
+def _qpn2_linear_fused(codes: np.ndarray, scales: np.ndarray, g_tiles: np.ndarray, xp: np.ndarray,
+                       y: np.ndarray) -> None:
     """y float32 [M, N] = x @ W16^T, fp32 accumulation. xp float32 [M, K]: x in position
     order (x_position_index); codes / scales / g_tiles as in _qpn2_w16_rows."""
     m_rows, k = xp.shape
@@ -510,7 +511,8 @@ def _qpn2_linear_fused_lut(codes: np.ndarray, scales: np.ndarray, g_index: np.nd
         _tile_sums(acc, y, t, m_rows)
 
 
-def _qpn8_linear_fused(codes: np.ndarray, group_scales: np.ndarray, channel: bool, xp: np.ndarray, y: np.ndarray) -> None:
+def _qpn8_linear_fused(codes: np.ndarray, group_scales: np.ndarray, channel: bool, xp: np.ndarray,
+                       y: np.ndarray) -> None:
     """y float32 [M, N] = x @ W16^T, fp32 accumulation. xp as in qpn2_linear_fused; codes /
     group_scales / channel as in _qpn8_w16_rows."""
     m_rows, k = xp.shape

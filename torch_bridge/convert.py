@@ -111,8 +111,10 @@ def _stored_to_torch(stored: checkpoints.StoredTensor) -> torch.Tensor:
     return tensor.view(dtype) if dtype is not None else tensor
 
 
-def _qpn_linear_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear | packed.PackedLayer, bias: Tensor | None) -> QPNLinear:
-    """QPNLinear from a qpn.ref NVFP4Linear / FP8Linear (prepacked here) or a qpn.checkpoints.packed.PackedLayer (as packed)."""
+def _qpn_linear_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear | packed.PackedLayer,
+                   bias: Tensor | None) -> QPNLinear:
+    """QPNLinear from a qpn.ref NVFP4Linear / FP8Linear (prepacked here) or a
+    qpn.checkpoints.packed.PackedLayer (as packed)."""
     if not isinstance(linear, packed.PackedLayer):
         return QPNLinear.from_checkpoint(linear, bias=bias)
     global_scale = torch.from_numpy(np.array(linear.global_scale)) if linear.global_scale is not None else None
@@ -123,10 +125,12 @@ def _qpn_linear_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear | pac
 
 def _read_checkpoint(checkpoint: object) -> Loaded:
     if isinstance(checkpoint, (str, os.PathLike)):
-        return packed.load_packed(checkpoint) if packed.is_packed(checkpoint) else checkpoints.load_checkpoint(checkpoint)
+        if packed.is_packed(checkpoint):
+            return packed.load_packed(checkpoint)
+        return checkpoints.load_checkpoint(checkpoint)
     if not isinstance(checkpoint, (checkpoints.Checkpoint, packed.PackedCheckpoint)):
-        raise ValueError(f"checkpoint must be a folder path, a qpn.ref.Checkpoint or a qpn.checkpoints.packed.PackedCheckpoint, "
-                         f"got {type(checkpoint).__name__}")
+        raise ValueError("checkpoint must be a folder path, a qpn.ref.Checkpoint or a "
+                         f"qpn.checkpoints.packed.PackedCheckpoint, got {type(checkpoint).__name__}")
     return checkpoint
 
 
@@ -292,7 +296,7 @@ def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool =
         if isinstance(target, nn.Parameter):
             new = nn.Parameter(new, requires_grad=target.requires_grad)
         materialized[id(target)] = new
-    for name, slot in slots.items():
+    for slot in slots.values():
         moved = materialized.get(id(_tensor(slot)))
         if moved is not None:
             getattr(slot.module, slot.kind)[slot.attr] = moved

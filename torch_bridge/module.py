@@ -328,7 +328,8 @@ class QPNLinear(nn.Module):
         return cls.from_packed(packed, bias, fp8_granularity="block" if block else "channel")
 
     @classmethod
-    def from_checkpoint(cls, linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear, bias: ArrayIn | None = None) -> QPNLinear:
+    def from_checkpoint(cls, linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear,
+                        bias: ArrayIn | None = None) -> QPNLinear:
         """From a qpn.checkpoints.quantized NVFP4Linear / FP8Linear (global scales already multipliers)."""
         if isinstance(linear, checkpoints.NVFP4Linear):
             return cls.from_modelopt_nvfp4(linear.weight_packed, linear.weight_scale, linear.global_scale, bias)

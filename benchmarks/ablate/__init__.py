@@ -78,7 +78,8 @@ ABLATIONS: dict[tuple[str, str], tuple[Edit, ...]] = {
         upto=QPN2_MMA)),
     ("qpn2", "no mma"): (*QPN2_SINK, Edit(
         QPN2_MMA,
-        "        ablate_sink ^= a[0][0] ^ a[0][1] ^ a[0][2] ^ a[0][3] ^ a[1][0] ^ a[1][1] ^ a[1][2] ^ a[1][3] ^ xf[0].x;\n"
+        "        ablate_sink ^= a[0][0] ^ a[0][1] ^ a[0][2] ^ a[0][3]"
+        " ^ a[1][0] ^ a[1][1] ^ a[1][2] ^ a[1][3] ^ xf[0].x;\n"
         "        return;\n")),
     ("qpn8", "loads only"): (*QPN8_SINK, Edit(
         QPN8_CODES, QPN8_CODES + "                ablate_sink ^= c.x ^ c.y ^ c.z ^ c.w ^ xf[0].x ^ xf[0].y;\n"

@@ -54,7 +54,7 @@ class QPNLayer(Protocol):
 QuantizeMethod = Any
 
 
-class _QuantizationConfigStandIn(ABC):  # the part of vLLM's QuantizationConfig this package relies on
+class _QuantizationConfigStandIn:  # the part of vLLM's QuantizationConfig this package relies on
     def __init__(self) -> None:
         super().__init__()
         self.packed_modules_mapping: dict[str, list[str]] = {}

@@ -277,7 +277,7 @@ def _pack_fp8_block_shards(weight: Tensor, grid: Tensor, geom: ShardGeometry) ->
         return pack_fp8(weight, grid.contiguous(), "block")
     counts, starts = _block_rows(geom.partitions)
     codes, scales = [], []
-    for rows, offset, count, start in zip(geom.partitions, geom.offsets, counts, starts):
+    for rows, offset, count, start in zip(geom.partitions, geom.offsets, counts, starts, strict=True):
         part = pack_fp8(weight.narrow(0, offset, rows), grid.narrow(0, start, count).contiguous(), "block")
         codes.append(part.codes[:rows])
         scales.append(part.scales[:, : rows // TILE_N])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -100,7 +101,7 @@ class ShardGeometry:
             return list(range(len(self.partitions)))
         if isinstance(shard_id, tuple):
             indices = [self.shard_index(s) for s in shard_id]
-            if not indices or any(b - a != 1 for a, b in zip(indices, indices[1:])):
+            if not indices or any(b - a != 1 for a, b in pairwise(indices)):
                 raise ValueError(f"layer {self.prefix!r}: a tuple shard id must list consecutive shards, got "
                                  f"{shard_id!r}")
             return indices
@@ -144,15 +145,14 @@ def _shard_sources(layer: object, kind: str, partitions: tuple[int, ...], tp_ran
         disk_rows = (heads * head_size, kv_heads * head_size, kv_heads * v_head_size)
         source_ranks = (tp_rank, tp_rank // replicas, tp_rank // replicas)
         shard_ids = QKV_SHARD_IDS
-    elif kind == "merged" or (kind == "replicated" and hasattr(layer, "output_sizes")):
-        disk_rows = tuple(int(s) for s in getattr(layer, "output_sizes"))
+    elif kind in ("merged", "replicated") and hasattr(layer, "output_sizes"):  # merged has it (_layer_kind)
+        disk_rows = tuple(int(s) for s in layer.output_sizes)
         shard_ids = tuple(range(len(disk_rows)))
     elif kind == "row":
         disk_rows = partitions
-        source_ranks = (0,)
     else:
         disk_rows = tuple(p * tp_size for p in partitions)
-    if kind == "replicated":
+    if kind in ("row", "replicated"):  # every rank holds all output rows
         source_ranks = (0,) * len(partitions)
     return disk_rows, source_ranks, shard_ids
 
@@ -180,7 +180,7 @@ def layer_geometry(layer: object, input_size_per_partition: int,
             raise ValueError(f"layer {prefix!r}: tp_rank must be in [0, tp_size), got {tp_rank} / {tp_size}")
     disk_rows, source_ranks, shard_ids = _shard_sources(layer, kind, partitions, tp_rank, tp_size)
     if len(disk_rows) != len(partitions) or any(
-            (r + 1) * p > d for r, p, d in zip(source_ranks, partitions, disk_rows)):
+            (r + 1) * p > d for r, p, d in zip(source_ranks, partitions, disk_rows, strict=True)):
         raise ValueError(f"layer {prefix!r} ({kind}, tp_rank {tp_rank} of {tp_size}): output partitions "
                          f"{list(partitions)} do not fit the unsharded shard sizes {list(disk_rows)}")
     offsets = tuple(sum(partitions[:i]) for i in range(len(partitions)))
@@ -218,7 +218,7 @@ def _set_param_attrs(param: Parameter, /, **attrs: object) -> None:
 
 def _loaded_slots(param: Tensor) -> set[int]:
     """The shard slots of `param` loaded so far: its qpn_loaded set (_register)."""
-    slots: set[int] = getattr(param, "qpn_loaded")
+    slots: set[int] = param.qpn_loaded  # type: ignore[attr-defined]  # set by name (_set_param_attrs)
     return slots
 
 
@@ -298,8 +298,9 @@ def _load_block_grid(geom: ShardGeometry, name: str, param: Tensor, loaded: Tens
                          f"(or ModelOpt's {list(modelopt)}), got shape {tuple(loaded.shape)}")
     first_row = geom.source_ranks[i] * geom.partitions[i]
     if first_row % FP8_BLOCK != 0:
-        raise ValueError(f"layer {geom.prefix!r}: {what} starts at row {first_row} on tp_rank {geom.tp_rank}, inside a "
-                         f"{FP8_BLOCK}-row scale block; use a tensor-parallel size that keeps whole blocks on each rank")
+        raise ValueError(f"layer {geom.prefix!r}: {what} starts at row {first_row} on tp_rank {geom.tp_rank}, "
+                         f"inside a {FP8_BLOCK}-row scale block; "
+                         "use a tensor-parallel size that keeps whole blocks on each rank")
     source = loaded.narrow(0, first_row // FP8_BLOCK, counts[i])
     if geom.kind == "row":
         source = source.narrow(1, geom.tp_rank * param.shape[1], param.shape[1])
