@@ -57,14 +57,9 @@ GEMM_WARPS = 8  # tiles per block: 256 columns share one staging of x
 # and so does 2 with 128x128 block scales (a scale load per group-tile: 48 bytes)
 GEMM_UNROLL = {QPN2.key: 2, QPN8.key: 2, QPN8_BLOCK.key: 1}
 GEMM_MIN_BLOCKS = 2  # 2 blocks of 8 warps per SM: <= 128 registers
-GEMM_MAX_PARTS = 8
-GEMM_MIN_GROUPS_PER_PART = 64  # 1024 k: a part's staging and epilogue stay small next to its loop
-# Cost of one more part, in passes over the weight (gemm_split). Measured on the H200, M = 64, QPN2 /
-# QPN8 us with 1, 2, 3, 4, 7, 8 parts: 28672x8192 (112 column blocks, 264 block slots) 323/300,
-# 213/206, 278/252, 226/221, 236/226, 261/245; 5120x17408 (20 blocks) 711/655, 358/332, 256/243,
-# 204/187, 156/150, 148/143. The waves alone pick 7 parts for the first (0.43 waves per part);
-# 0.02 per part picks 2 and 7 (within 5 % of the best 8) for the second.
-GEMM_PART_COST = 0.02
+GEMM_MAX_PARTS = 16
+GEMM_MIN_GROUPS_PER_PART = 32  # 512 k: a part's staging start and epilogue stay small next to its loop
+GEMM_MIN_FILL = 0.75  # of the resident block slots one wave of parts must fill (gemm_split)
 
 # Largest M the GEMM serves (above it: dequantize + cuBLAS), per compute capability, from the
 # crossover measured in benchmarks/results/gemm_h200.md (sm_80 and newer: the H200, where cuBLAS
@@ -125,16 +120,23 @@ def gemm_split(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int,
     """(parts, groups per part) for N/32 tiles and K/16 groups on `sms` SMs; never depends on M, nor
     on gated (the gated build then sums each tile exactly as the plain one).
 
-    Parts fill the GPU when the column blocks alone cannot (GEMM_MIN_BLOCKS per SM resident): the
-    parts that minimise ceil(parts * blocks / slots) / parts + GEMM_PART_COST * parts -- the waves
-    per unit of work of one 64-token row of blocks (M <= 64, the GEMM's usual range), plus what each
-    part adds (its blocks' table build, staging start, partial sums and ticket) -- fewest on ties,
-    each part >= GEMM_MIN_GROUPS_PER_PART groups, rounded up to whole load batches (`multiple`).
+    Parts fill the GPU's resident block slots (slots = GEMM_MIN_BLOCKS per SM): the most parts whose
+    blocks fit one wave of slots, if that fills >= GEMM_MIN_FILL of them; else (a wave would stay
+    half empty, each SM running one block of 8 warps) the fewest parts that give >= 1.5 waves.
+    Each part >= GEMM_MIN_GROUPS_PER_PART groups, rounded up to whole load batches (`multiple`).
+    Measured on the H200 (132 SMs, 264 slots), M = 64, QPN8 us by parts: 28672x8192 (112 column
+    blocks) 1: 305, 2: 206, 3: 252, 4: 221, 7: 226, 8: 247; 14336x4096 (56) 1: 155, 2: 100, 4: 81,
+    8: 99; 5120x17408 (20) 4: 190, 8: 144, 12: 117, 13: 107, 16: 147; 4096x14336 (16) 8: 116,
+    13: 96, 16: 100; 34816x5120 (136) 1: 226, 2: 229, 3: 186.
     """
     blocks = -(-n_tiles // GEMM_WARPS)
     slots = max(1, GEMM_MIN_BLOCKS * sms)
     fits = [p for p in range(1, GEMM_MAX_PARTS + 1) if p == 1 or p * GEMM_MIN_GROUPS_PER_PART <= groups]
-    parts = min(fits, key=lambda p: (-(-p * blocks // slots) / p + GEMM_PART_COST * p, p)) if sms else 1
+    one_wave = max(p for p in fits if p == 1 or p * blocks <= slots)
+    if one_wave * blocks >= GEMM_MIN_FILL * slots:
+        parts = one_wave
+    else:
+        parts = next((p for p in fits if 2 * p * blocks >= 3 * slots), fits[-1])
     per_part = -(-groups // parts)
     per_part = -(-per_part // multiple) * multiple
     return -(-groups // per_part), per_part

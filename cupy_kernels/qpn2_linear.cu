@@ -189,11 +189,30 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     for (int h = 0; h < QPN_HT; ++h) gval[h] = gscale[(long long)sl.tile[h] * gs_stride];
     // The block constants depend only on (scale byte, g): a 256-entry table per tile replaces
     // ~15 instructions per lane and group (2 cvt, 3 fmul, packs, 2 fp16 ops) by one LDS.
+#if QPN_GEMM
+    // One table per distinct g among the block's tiles (one, where the layer has one global scale):
+    // table e = w * QPN_HT + h (warp w's tile h) is built only if no earlier tile has the same g,
+    // else the warp reads that one. A table per tile cost 256 entries x ~30 instructions per warp,
+    // as much as the K loop of a 64-group part (14336x4096 QPN2 at M = 64: 141 us, QPN8 81 us).
+    __shared__ float table_g[QPN_WARP_TILES * QPN_HT];
+    __shared__ int table_of[QPN_WARP_TILES * QPN_HT];
+    if (threadIdx.x < QPN_WARP_TILES * QPN_HT) {
+        const int e = threadIdx.x;
+        table_g[e] = gscale[(long long)qpn_tile_of_slot(n, qpn_slot_of_warp(n, e / QPN_HT), e % QPN_HT) * gs_stride];
+    }
+    __syncthreads();
+    if (threadIdx.x < QPN_WARP_TILES * QPN_HT) {
+        int first = threadIdx.x;
+        for (int e = 0; e < first; ++e)
+            if (__float_as_uint(table_g[e]) == __float_as_uint(table_g[threadIdx.x])) first = e;  // the earliest
+        table_of[threadIdx.x] = first;
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < QPN_WARP_TILES * QPN_HT * 256; i += blockDim.x) {
-#if QPN_GEMM  // one table per warp's tile(s): entry i belongs to warp (i >> 8) / QPN_HT
-        const int tile = qpn_tile_of_slot(n, qpn_slot_of_warp(n, (i >> 8) / QPN_HT), (i >> 8) % QPN_HT);
-        const float g = gscale[(long long)tile * gs_stride];
+        if (table_of[i >> 8] != (i >> 8)) continue;  // shares an earlier table
+        const float g = table_g[i >> 8];
 #else
+    for (int i = threadIdx.x; i < QPN_HT * 256; i += blockDim.x) {
         const float g = i < 256 ? gval[0] : gval[QPN_HT - 1];
 #endif
         float s;
@@ -201,7 +220,13 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         xy_table[i >> 8][i & 255] = ((fabsf(s) < 0x1p-13f && s != 0.0f) || (xy & QPN2_SLOW_FLAG)) ? QPN2_SLOW_XY : xy;
     }
     __syncthreads();
-    qpn_u32 (*const tables)[256] = xy_table + (QPN_GEMM ? (threadIdx.x >> 5) * QPN_HT : 0);  // this warp's
+#if QPN_GEMM
+    const qpn_u32* tables[QPN_HT];  // this warp's tiles' tables
+#pragma unroll
+    for (int h = 0; h < QPN_HT; ++h) tables[h] = xy_table[table_of[(threadIdx.x >> 5) * QPN_HT + h]];
+#else
+    qpn_u32 (*const tables)[256] = xy_table;
+#endif
 
     // per-tile / per-token-block base pointers at the slice's first group (see qpn2_load_slot)
     const qpn_u8* pc[QPN_HT];
