@@ -61,14 +61,15 @@ GEMM_MAX_PARTS = 16
 GEMM_MIN_GROUPS_PER_PART = 32  # 512 k: a part's staging start and epilogue stay small next to its loop
 GEMM_MIN_FILL = 0.75  # of the resident block slots one wave of parts must fill (gemm_split)
 
-# Largest M the GEMM serves (above it: dequantize + cuBLAS), per compute capability, from the
-# crossover measured in benchmarks/results/gemm_h200.md (sm_80 and newer: the H200, where cuBLAS
-# has wgmma and the dense path wins from M ~ 96) and, for Turing, the sm_75 model
-# (benchmarks/results/turing_model.md, "GEMM"): there cuBLAS runs the same HMMA as this kernel,
-# and the projected GEMM stays at the fp16 tensor-core limit up to M = 512 while the dense path
-# also writes and re-reads the fp16 weight. Turing is a projection, not a measurement.
-GEMM_MAX_M = {7: 512, 8: 64, 9: 64, 10: 64, 12: 64}
-GEMM_MAX_M_OTHER = 64
+# Largest M the GEMM serves (above it: dequantize + cuBLAS), by compute capability and format.
+# sm_80 and newer: measured on the H200 (benchmarks/results/gemm_h200.md), where cuBLAS has wgmma and
+# the dense path wins from M ~ 96. Turing: projected by the sm_75 model (benchmarks/results/
+# turing_model.md, "GEMM builds"), not measured: there cuBLAS runs the same HMMA, and on a T4 the
+# dense path's own dequantize pass (2.56 bytes per weight) costs more than the GEMM's extra passes
+# up to M = 512 for QPN2 (tensor-bound: 3693 us at M = 512 vs a 5635 us dense floor, 28672x8192)
+# and to M ~ 256 for QPN8 (each pass re-streams its 1 byte per weight: 6063 vs 5635 us at M = 512).
+GEMM_MAX_M = {(7, QPN2.format): 512, (7, QPN8.format): 256}
+GEMM_MAX_M_OTHER = 64  # the H200's crossover, for every card newer than Turing
 
 
 def gemm_nb(gated: bool) -> int:
@@ -113,7 +114,7 @@ def gemm_threshold(fmt: str, n: int, k: int) -> int:
     """Largest M that should run the GEMM on the current device (GEMM_MAX_M); the decode kernels
     take M <= decode_threshold, dequantize + cuBLAS everything above. Host arithmetic only."""
     decode_threshold(fmt, n, k)  # the same argument rules
-    return max(MAX_M, GEMM_MAX_M.get(_device()[1], GEMM_MAX_M_OTHER))
+    return max(MAX_M, GEMM_MAX_M.get((_device()[1], fmt), GEMM_MAX_M_OTHER))
 
 
 def gemm_split(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, int]:

@@ -27,6 +27,10 @@ Method (every step reads the compiled code, nothing about the loop is hard-coded
    kernels' `ld.global.cs`), lane width x 32 lanes; x = 32 * M bytes (16 k x 2 bytes per token
    row), read again for every tile (qpn_load_x_group), counted as L2-to-SM traffic.
 
+The GEMM builds (cupy_kernels/gemm.py, M > 32) are measured the same way and projected per call
+(`project_gemm`: ceil(M / 64) passes over the weight) against the card's fp16 tensor-core and
+bandwidth floors.
+
 Assumptions (the model is an upper bound; the H200 check in the report measures how far off):
 latency perfectly hidden (enough resident warps, whatever the registers allow), no split-K /
 prologue / epilogue cost (large layers), L1 hits on x not counted (all x bytes from L2; ncu on the
@@ -397,6 +401,38 @@ def project(stats: LoopStats, card: Card, m: int) -> Projection:
     return Projection(card.name, m, cycles, ns)
 
 
+GEMM_MS = (64, 128, 512)
+GEMM_SHAPES = ((28672, 8192), (34816, 5120))
+GEMM_TILES_PER_BLOCK = 8  # gemm.GEMM_WARPS: x staged once per block of 8 tiles
+
+
+@dataclass
+class GemmProjection:
+    us: float  # the GEMM call
+    limit: str  # what sets its pace
+    tensor_us: float  # 2 M N K at the card's fp16 tensor-core rate (fp32 accumulation): any HMMA GEMM's floor
+    fp16_read_us: float  # the fp16 weight, x and y through DRAM once: cuBLAS fp16's bandwidth floor
+
+
+def project_gemm(stats: LoopStats, card: Card, m: int, n: int, k: int) -> GemmProjection:
+    """A GEMM-build call (cupy_kernels/gemm.py) on `card`: ceil(M / tokens) passes over the weight, each
+    pass `group-tiles x` the slowest per-group-tile limit (issue, pipes, HMMA, DRAM for the weight,
+    L2 for weight + x staged once per block). The same upper-bound assumptions as `project`."""
+    tokens = 8 * stats.nb
+    passes = -(-m // tokens)
+    cycles = pipe_cycles(stats, card)
+    ns = {name: c / (card.sms * card.ghz) for name, c in cycles.items()}
+    weight = stats.stream_bytes / stats.group_tiles
+    ns["dram"] = weight / card.read_ceiling_gbps
+    if card.l2_gbps:
+        ns["l2"] = (weight + X_BYTES_PER_TOKEN * tokens / GEMM_TILES_PER_BLOCK) / card.l2_gbps
+    limit = max(ns, key=lambda name: ns[name])
+    group_tiles = (n // 32) * (k // 16)
+    tensor = 2.0 * m * n * k / (2.0 * card.hmma_fma_per_clk * card.sms * card.ghz * 1e9) * 1e6
+    fp16_read = (2.0 * n * k + 2.0 * m * k + 2.0 * m * n) / (card.read_ceiling_gbps * 1e3)
+    return GemmProjection(passes * group_tiles * ns[limit] / 1e3, limit, tensor, fp16_read)
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -442,13 +478,17 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
     if nvdisasm is None:
         raise FileNotFoundError(
             "nvdisasm not found: pip install 'nvidia-cuda-nvdisasm>=13,<14' (in qpn's [test] extra)")
+    from . import gemm  # noqa: PLC0415 (the GEMM builds of the same kernels)
+
     fams = _families(variants)
-    jobs = [(v, "sm_75") for v in variants]
+    gemm_builds = [v for v in gemm.KERNEL_VARIANTS if dict(v.defines).get("QPN_GATED") == "0"]
+    jobs = [(v, "sm_75") for v in (*variants, *gemm_builds)]
     jobs += [(v, "sm_90") for fam in ("qpn2_linear", "qpn8_linear") for v in fams.get(fam, {}).values()]
     stats = measure_all(jobs, nvrtc, nvdisasm)
     h200_pct, h200_ceiling = _h200_measured(h200_results)
+    gemm_stats = {v: stats["sm_75"].pop(v) for v in gemm_builds}
     return {"nvrtc": nvrtc.version, "nvdisasm": str(nvdisasm), "sm75": stats["sm_75"], "sm90": stats["sm_90"],
-            "families": fams, "h200_measured": h200_pct,
+            "families": fams, "h200_measured": h200_pct, "gemm": gemm_stats,
             "h200": replace(H200, dram_gbps=h200_ceiling)}
 
 
@@ -568,8 +608,41 @@ def report(res: dict, command: str) -> str:
         l2_needed = (s.stream_bytes / s.group_tiles + X_BYTES_PER_TOKEN * m) / (p.ns["dram"] * 100 / want)
         out.append(f"| {fam} | {m} | >= {want:.0f} % | {p.pct:.0f} % | {'yes' if p.pct >= want else 'no'} | "
                    f"{_fmt(headroom(p))}x | {l2_needed:.0f} |")
+    out += _gemm_section(res)
     out += _h200_section(res)
     return "\n".join(out) + "\n"
+
+
+def _gemm_section(res: dict) -> list[str]:
+    """The GEMM builds (M > 32) projected on the T4 against its fp16 tensor-core and bandwidth floors."""
+    t4 = CARDS[0]
+    out = [
+        "",
+        "## GEMM builds (M > 32), projected on the Tesla T4",
+        "",
+        "The decode kernels built as a GEMM (cupy_kernels/gemm.py): 64 tokens per warp, x staged once per block "
+        "of 8 tiles. One call = ceil(M / 64) passes over the weight (each re-streams it from DRAM: no T4 L2 "
+        "holds a layer), each group-tile at its slowest limit. Floors of any fp16 GEMM on the card: tensor = "
+        f"2 M N K at {2 * t4.hmma_fma_per_clk * t4.sms * t4.ghz / 1e3:.1f} TFLOP/s (HMMA with fp32 accumulation, "
+        f"full rate on the T4); fp16 read = the fp16 weight + x + y once at {t4.read_ceiling_gbps:.0f} GB/s. "
+        "cuBLAS fp16 cannot beat max(tensor, fp16 read); the dense path adds the dequantize pass "
+        "(write 2 N K, read 0.5625 N K bytes) to it.",
+        "",
+        "| build | N x K | M | instr/gt | projected us (limit) | tensor floor us | fp16 read floor us "
+        "| x max(floors) | dense path floor us |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v, s in res.get("gemm", {}).items():
+        d = dict(v.defines)
+        name = v.kernel + (" block-scales" if d.get("QPN8_BLOCK_SCALES") == "1" else "")
+        for n, k in GEMM_SHAPES:
+            for m in GEMM_MS:
+                p = project_gemm(s, t4, m, n, k)
+                floor = max(p.tensor_us, p.fp16_read_us)
+                dense = (2.5625 * n * k) / (t4.read_ceiling_gbps * 1e3) + floor
+                out.append(f"| {name} | {n}x{k} | {m} | {_fmt(s.per_gt())} | {p.us:.0f} ({p.limit}) | "
+                           f"{p.tensor_us:.0f} | {p.fp16_read_us:.0f} | {floor / p.us:.2f} | {dense:.0f} |")
+    return out
 
 
 def _h200_section(res: dict) -> list[str]:

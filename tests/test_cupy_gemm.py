@@ -70,6 +70,18 @@ def test_split_covers_k_in_whole_batches_and_ignores_m():
                     assert parts == 1 or per_part >= GEMM_MIN_GROUPS_PER_PART - multiple
 
 
+def test_threshold_by_card_and_format(monkeypatch):
+    """Turing: the model's crossovers (QPN2 512, QPN8 256); newer cards: the H200's measured 64; never
+    below the decode kernels' 32; the arguments are checked as decode_threshold's."""
+    from qpn.cupy_kernels import gemm
+
+    for major, want in ((7, {"nvfp4": 512, "fp8": 256}), (9, {"nvfp4": 64, "fp8": 64}), (12, {"nvfp4": 64, "fp8": 64})):
+        monkeypatch.setattr(gemm, "_device", lambda major=major: (40, major))
+        assert {fmt: gemm.gemm_threshold(fmt, 4096, 4096) for fmt in want} == want
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        gemm.gemm_threshold("qpn2", 4096, 4096)
+
+
 def test_gemm_builds_are_in_the_compile_registry():
     from qpn.cupy_kernels import gemm
     from qpn.cupy_kernels.variants import all_variants
