@@ -419,7 +419,7 @@ def section_targets(ctx: bk.Context) -> bk.Section:
 
 
 GEMM_MS = (48, 64, 96, 128, 256, 512, 1024, 2048)
-GEMM_SHAPES = ((28672, 8192), (34816, 5120), (5120, 17408))  # >= 64 MB of QPN2 weight, and a split-K shape
+GEMM_SHAPES = ((28672, 8192), (34816, 5120), (5120, 17408), (14336, 4096), (4096, 14336))  # >= 64 MB, split-K
 
 
 def section_gemm(ctx: bk.Context) -> bk.Section:
