@@ -70,6 +70,10 @@ GEMM_MIN_FILL = 0.75  # of the resident block slots one wave of parts must fill 
 # and to M ~ 256 for QPN8 (each pass re-streams its 1 byte per weight: 6063 vs 5635 us at M = 512).
 GEMM_MAX_M = {(7, QPN2.format): 512, (7, QPN8.format): 256}
 GEMM_MAX_M_OTHER = 64  # the H200's crossover, for every card newer than Turing
+# ... except layers of so few column blocks that the GEMM needs more parts than this: there the
+# dense path wins already at M = 48-64 on the H200 (4096x14336, 16 parts: QPN2 85.4 / 99.8 us vs
+# dense 79.0 / 82.1 at M = 48 / 64; 5120x17408 at 13 parts still wins, 93.7 / 104.2 vs 115.4 / 118.1).
+GEMM_MAX_PARTS_OTHER = 13
 
 
 def gemm_nb(gated: bool) -> int:
@@ -114,7 +118,11 @@ def gemm_threshold(fmt: str, n: int, k: int) -> int:
     """Largest M that should run the GEMM on the current device (GEMM_MAX_M); the decode kernels
     take M <= decode_threshold, dequantize + cuBLAS everything above. Host arithmetic only."""
     decode_threshold(fmt, n, k)  # the same argument rules
-    return max(MAX_M, GEMM_MAX_M.get((_device()[1], fmt), GEMM_MAX_M_OTHER))
+    sms, major = _device()
+    if (major, fmt) in GEMM_MAX_M:
+        return max(MAX_M, GEMM_MAX_M[major, fmt])
+    parts, _ = gemm_split(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[QPN2.key if fmt == QPN2.format else QPN8.key], sms)
+    return GEMM_MAX_M_OTHER if parts <= GEMM_MAX_PARTS_OTHER else MAX_M
 
 
 def gemm_split(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, int]:

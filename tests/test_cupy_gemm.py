@@ -78,6 +78,9 @@ def test_threshold_by_card_and_format(monkeypatch):
     for major, want in ((7, {"nvfp4": 512, "fp8": 256}), (9, {"nvfp4": 64, "fp8": 64}), (12, {"nvfp4": 64, "fp8": 64})):
         monkeypatch.setattr(gemm, "_device", lambda major=major: (40, major))
         assert {fmt: gemm.gemm_threshold(fmt, 4096, 4096) for fmt in want} == want
+    monkeypatch.setattr(gemm, "_device", lambda: (132, 9))  # the H200
+    assert gemm.gemm_threshold("nvfp4", 4096, 14336) == 32  # 16 parts: the dense path wins from M = 33
+    assert gemm.gemm_threshold("nvfp4", 5120, 17408) == 64  # 13 parts
     with pytest.raises(ValueError, match="fmt must be one of"):
         gemm.gemm_threshold("qpn2", 4096, 4096)
 
