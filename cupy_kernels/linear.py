@@ -72,11 +72,10 @@ MIN_GROUPS_PER_WARP = 8
 # does not: one group less per batch at 64 registers (not measured separately).
 # Gated builds hold two tiles' accumulators: fewer groups per batch keep them free of spills.
 PIPELINE = {
-    **{("qpn2", nb, False): {1: (4, 2), 2: (2, 2), 3: (4, 1), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
-    **{("qpn8", nb, False): {1: (4, 2), 2: (4, 2), 3: (2, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
-    **{("qpn8_block", nb, False): {1: (4, 2), 2: (2, 2), 3: (1, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
-    **{(family, nb, True): (2 if nb <= 2 else 1, 1)
-       for family in ("qpn2", "qpn8", "qpn8_block") for nb in (1, 2, 3, 4)},
+    **{(QPN2.key, nb, False): {1: (4, 2), 2: (2, 2), 3: (4, 1), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
+    **{(QPN8.key, nb, False): {1: (4, 2), 2: (4, 2), 3: (2, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
+    **{(QPN8_BLOCK.key, nb, False): {1: (4, 2), 2: (2, 2), 3: (1, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
+    **{(wf.key, nb, True): (2 if nb <= 2 else 1, 1) for wf in (QPN2, QPN8, QPN8_BLOCK) for nb in (1, 2, 3, 4)},
 }
 QPN8_K_MULTIPLE = QPN8.k_multiple  # kept for imports
 
@@ -85,17 +84,17 @@ def pipeline_macros(unroll: int, min_blocks: int) -> tuple[tuple[str, str], ...]
     return (("QPN_MIN_BLOCKS", str(min_blocks)), ("QPN_UNROLL", str(unroll)))
 
 
-X_BATCH = {"qpn2": 1, "qpn8": 0}  # when a batch's x is loaded: qpn_mma.cuh, QPN_X_BATCH (measured)
+X_BATCH = {QPN2.key: 1, QPN8.key: 0}  # when a batch's x is loaded: qpn_mma.cuh, QPN_X_BATCH (measured)
 # Builds that read x as fragments (x_fragments.cu, qpn_mma.cuh QPN_X_FRAG) per (format, 8-token
 # blocks): M > 8. Measured on the H200, M = 32 (results/decode_m32_explore): 28672x8192 QPN2
 # 130 -> 100 us, QPN8 118 -> 98 us; 34816x5120 103 -> 86 / 97 -> 82. At M <= 8 the rows of x
 # are as good (the clamped rows of M = 1 read 32 bytes per group) and need no extra launch.
-X_FRAG = {(fmt, nb): nb >= 2 for fmt in ("qpn2", "qpn8") for nb in (1, 2, 3, 4)}
+X_FRAG = {(wf.key, nb): nb >= 2 for wf in (QPN2, QPN8) for nb in (1, 2, 3, 4)}
 
 
 def _macros(fmt: str, nb: int, gated: bool, block_scales: bool = False) -> tuple[tuple[str, str], ...]:
-    """The build of a decode kernel for `fmt` ("qpn2" | "qpn8"), 8 * nb tokens, gated or not."""
-    family = "qpn8_block" if block_scales else fmt
+    """The build of a decode kernel for `fmt` (QPN2.key | QPN8.key), 8 * nb tokens, gated or not."""
+    family = QPN8_BLOCK.key if block_scales else fmt
     return tuple(sorted((
         *pipeline_macros(*PIPELINE[family, nb, gated]),
         ("QPN_X_BATCH", str(X_BATCH[fmt])),
@@ -103,7 +102,7 @@ def _macros(fmt: str, nb: int, gated: bool, block_scales: bool = False) -> tuple
         ("QPN_GATED", str(int(gated))),
         ("QPN_NB", str(nb)),
         ("QPN_WARPS", str(MAX_WARPS)),
-        *((("QPN8_BLOCK_SCALES", str(int(block_scales))),) if fmt == "qpn8" else ()),
+        *((("QPN8_BLOCK_SCALES", str(int(block_scales))),) if fmt == QPN8.key else ()),
     )))
 
 
@@ -113,14 +112,14 @@ _BLOCKS = range(1, MAX_M // TOKENS_PER_BLOCK + 1)
 # in an 8-byte stack slot. That is the only local memory these kernels may have.
 FALLBACK_STACK_BYTES = 16
 QPN2_LINEAR = {
-    (nb, gated): KernelVariant("qpn2_linear.cu", "qpn2_linear", _macros("qpn2", nb, gated), archs=("sm_75",),
+    (nb, gated): KernelVariant("qpn2_linear.cu", "qpn2_linear", _macros(QPN2.key, nb, gated), archs=("sm_75",),
                                max_stack_bytes=FALLBACK_STACK_BYTES)
     for gated in (False, True)
     for nb in _BLOCKS
 }
 QPN8_LINEAR = {
     (nb, gated, block): KernelVariant(
-        "qpn8_linear.cu", "qpn8_linear", _macros("qpn8", nb, gated, block), archs=("sm_75",),
+        "qpn8_linear.cu", "qpn8_linear", _macros(QPN8.key, nb, gated, block), archs=("sm_75",),
         max_stack_bytes=FALLBACK_STACK_BYTES,
     )
     for block in (False, True)
@@ -276,8 +275,8 @@ def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False)
     reused by the next call on the same stream (or freed to the caching allocator) once this one
     is queued.
     """
-    if fmt not in ("qpn2", "qpn8"):
-        raise ValueError(f"fmt must be 'qpn2' or 'qpn8', got {fmt!r}")
+    if fmt not in (QPN2.key, QPN8.key):
+        raise ValueError(f"fmt must be {QPN2.key!r} or {QPN8.key!r}, got {fmt!r}")
     frag = _fragment_elements(m, k) if X_FRAG[fmt, -(-m // TOKENS_PER_BLOCK)] else 0
     return frag + sum(_split_k_elements(decode_split(fmt, n, k)[0], m, n, gated))
 
