@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ...checkpoints.quantized import FP8_GRANULARITY_OF_ALGO, NVFP4_ALGOS
+from ...ref.formats import QPN2, QPN8
 from ._compat import VLLM_AVAILABLE, QuantizationConfig, QuantizeMethod, _VllmLinearBase
 from .methods import (
     NVFP4_GROUP_SIZE,
@@ -37,9 +39,10 @@ from .methods import (
 QUANT_NAME = "qpn"
 MIN_CAPABILITY = 75  # Turing (sm_75); newer cards run the compute_75 PTX
 CONFIG_FILENAMES = ["hf_quant_config.json"]
-# ModelOpt per-layer algorithm -> qpn method kind
-LAYER_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8_tensor",
-               "FP8_PER_CHANNEL_PER_TOKEN": "fp8_channel", "FP8_PB_WO": "fp8_block"}
+# ModelOpt per-layer algorithm -> qpn method kind ("nvfp4", "fp8_<granularity>"): the checkpoint
+# reader's own algorithm table (qpn.checkpoints.quantized), so both read the same algorithms the same way
+LAYER_ALGOS = {**dict.fromkeys(NVFP4_ALGOS, QPN2.format),
+               **{algo: f"{QPN8.format}_{g}" for algo, g in FP8_GRANULARITY_OF_ALGO.items()}}
 EMBEDDING_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}  # ParallelLMHead subclasses the former
 ATTENTION_CLASSES = {"Attention", "MLAAttention"}  # vLLM's attention layers (KV-cache scales)
 QUANT_ALGOS = tuple(LAYER_ALGOS) + ("MIXED_PRECISION",)
@@ -109,7 +112,7 @@ class QPNConfig(QuantizationConfig):
             raise ValueError(f"exclude_modules must be a list of strings, got {exclude_modules!r}")
         self.group_size = NVFP4_GROUP_SIZE if group_size is None else int(group_size)
         if self.group_size != NVFP4_GROUP_SIZE and any(
-                LAYER_ALGOS.get(a) == "nvfp4" for a in [algo, *(quantized_layers or {}).values()]):
+                LAYER_ALGOS.get(a) == QPN2.format for a in [algo, *(quantized_layers or {}).values()]):
             raise ValueError(f"group_size must be {NVFP4_GROUP_SIZE} for NVFP4, got {group_size!r}")
         self.kv_cache_quant_algo = kv_cache_quant_algo
         self.quantized_layers: dict[str, str] = {}
@@ -170,7 +173,7 @@ class QPNConfig(QuantizationConfig):
             if not isinstance(layer_algo, str):
                 raise ValueError(f"{form}: quantized_layers[{name!r}] needs a quant_algo string, got {entry!r}")
             per_layer[name] = layer_algo
-            if isinstance(entry, Mapping) and LAYER_ALGOS.get(layer_algo.upper()) == "nvfp4" and \
+            if isinstance(entry, Mapping) and LAYER_ALGOS.get(layer_algo.upper()) == QPN2.format and \
                     entry.get("group_size", NVFP4_GROUP_SIZE) != NVFP4_GROUP_SIZE:
                 raise ValueError(f"{form}: quantized_layers[{name!r}] has group_size {entry.get('group_size')!r}; "
                                  f"NVFP4 needs {NVFP4_GROUP_SIZE}")
@@ -214,9 +217,9 @@ class QPNConfig(QuantizationConfig):
             if algo is None:
                 return _unquantized_method(self)
             kind = LAYER_ALGOS[algo]
-            if kind == "nvfp4":
+            if kind == QPN2.format:
                 return QPNNVFP4LinearMethod(self)
-            return QPNFP8LinearMethod(self, kind.removeprefix("fp8_"))
+            return QPNFP8LinearMethod(self, kind.removeprefix(f"{QPN8.format}_"))
         if names & {"FusedMoE", "RoutedExperts"}:
             if self.layer_algo(prefix, fused=False) is not None or self._has_quantized_descendant(prefix):
                 raise ValueError(f"layer {prefix!r} is a quantized MoE layer; qpn's vLLM plugin runs dense linear "
