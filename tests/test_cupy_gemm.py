@@ -237,6 +237,37 @@ def test_ops_route_the_gemm_range_to_the_gemm(cp, fmt):
     assert m > 32 and np.array_equal(_bits(y), _bits(ref))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_ops_sweep_across_the_tiers(cp, fmt):
+    """torch.ops.qpn.*_linear at every M of a sweep across both thresholds (decode <= 32 < GEMM <=
+    gemm_threshold < dense) stays inside the contract's bound, plain and gated."""
+    torch = pytest.importorskip("torch")
+    import qpn.torch_bridge  # noqa: F401  (registers the ops)
+    from qpn.cupy_kernels import gemm_threshold
+
+    n, k = 256, 1024
+    top = gemm_threshold(fmt, n, k)
+    rng = np.random.default_rng(21)
+    if fmt == "nvfp4":
+        codes, scales = qpn2_buffers(rng, n, k)
+        w16 = qpn2_dequantize(codes, scales, G_SCALAR, n, k)
+        weights = (torch.from_numpy(codes).cuda(), torch.from_numpy(scales).cuda(),
+                   torch.full((n // 32,), G_SCALAR, dtype=torch.float32, device="cuda"))
+        op = torch.ops.qpn.nvfp4_linear
+    else:
+        codes, gs = qpn8_buffers(rng, n, k)
+        w16 = qpn8_dequantize(codes, gs, n, k)
+        weights = (torch.from_numpy(codes).cuda(), torch.from_numpy(gs).cuda())
+        op = torch.ops.qpn.fp8_linear
+    for m in sorted({1, 31, 32, 33, 47, top - 1, top, top + 1, 2 * top + 3}):
+        x = activations(rng, m, k)
+        y = op(torch.from_numpy(x).cuda(), *weights).cpu().numpy()
+        assert_in_bounds(y, x, w16, f"{fmt} op M={m} (gemm_threshold {top})")
+        out = op(torch.from_numpy(x).cuda(), *weights, gated=True).cpu().numpy()
+        assert_gated_matches(out, y, f"{fmt} op gated M={m}")
+
+
 # ----------------------------------------------------------------------------- sanitizer
 
 
