@@ -81,24 +81,23 @@ def gemm_nb(gated: bool) -> int:
     return 4 if gated else 8
 
 
-def _macros(gated: bool, block_scales: bool | None) -> tuple[tuple[str, str], ...]:
-    family = QPN2 if block_scales is None else (QPN8_BLOCK if block_scales else QPN8)
+def _macros(wf: WeightFormat, gated: bool) -> tuple[tuple[str, str], ...]:
+    """The GEMM build of the decode kernel of `wf` (x always from the staged fragments: qpn_mma.cuh)."""
     return tuple(sorted((
         ("QPN_GEMM", "1"),
         ("QPN_GATED", str(int(gated))),
         ("QPN_NB", str(gemm_nb(gated))),
         ("QPN_WARPS", str(GEMM_WARPS)),
-        ("QPN_UNROLL", str(GEMM_UNROLL[family.key])),
+        ("QPN_UNROLL", str(GEMM_UNROLL[wf.key])),
         ("QPN_MIN_BLOCKS", str(GEMM_MIN_BLOCKS)),
-        ("QPN_X_FRAG", "1"),
-        ("QPN_X_BATCH", "0"),
-        *((("QPN8_BLOCK_SCALES", str(int(block_scales))),) if block_scales is not None else ()),
+        *((("QPN8_BLOCK_SCALES", str(int(wf is QPN8_BLOCK))),) if wf is not QPN2 else ()),
     )))
 
 
-QPN2_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", _macros(gated, None), archs=("sm_75",))
+QPN2_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", _macros(QPN2, gated), archs=("sm_75",))
              for gated in (False, True)}
-QPN8_GEMM = {(gated, block): KernelVariant("qpn8_linear.cu", "qpn8_linear", _macros(gated, block), archs=("sm_75",))
+QPN8_GEMM = {(gated, block): KernelVariant("qpn8_linear.cu", "qpn8_linear",
+                                           _macros(QPN8_BLOCK if block else QPN8, gated), archs=("sm_75",))
              for gated in (False, True) for block in (False, True)}
 KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values())
 
@@ -121,7 +120,8 @@ def gemm_threshold(fmt: str, n: int, k: int) -> int:
     sms, major = _device()
     if (major, fmt) in GEMM_MAX_M:
         return max(MAX_M, GEMM_MAX_M[major, fmt])
-    parts, _ = gemm_split(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[QPN2.key if fmt == QPN2.format else QPN8.key], sms)
+    family = QPN2 if fmt == QPN2.format else QPN8
+    parts, _ = gemm_split(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[family.key], sms)
     return GEMM_MAX_M_OTHER if parts <= GEMM_MAX_PARTS_OTHER else MAX_M
 
 
