@@ -68,6 +68,18 @@ def _buffers(ctx, n, k):
     return slots, {"qpn2": _qpn2_copies(ctx.cp, n, k, slots), "qpn8": _qpn8_copies(ctx.cp, n, k, slots)}
 
 
+def _layer(ctx, n, k):
+    """One layer's timing inputs: (rotation slots, QPN2 copies, QPN8 copies, resident fp16 W16 copies
+    for cuBLAS (rotated, >= 4x L2), the QPN8 W16 for the checks, the dense path's fp16 workspace)."""
+    from qpn.cupy_kernels import qpn2_dequantize, qpn8_dequantize
+
+    slots, bufs = _buffers(ctx, n, k)
+    q2, q8 = bufs["qpn2"], bufs["qpn8"]
+    w_slots = ctx.rotations(2 * n * k, minimum=2, maximum=16)
+    w16 = [qpn2_dequantize(*q2[i % slots], G, n, k) for i in range(w_slots)]
+    return slots, q2, q8, w16, qpn8_dequantize(*q8[0], n, k), ctx.cp.empty((n, k), ctx.cp.float16)
+
+
 def weight_bytes(fmt, n, k):
     """Bytes a decode call must read for its weight: QPN2 codes + e4m3 block scales (0.5625 B per
     weight), QPN8 codes + fp16 channel scales."""
@@ -134,10 +146,8 @@ def section_decode(ctx: bk.Context) -> bk.Section:
     """Decode kernels vs cuBLAS fp16 and vs the dense path, M in DECODE_MS."""
     from qpn.cupy_kernels import (
         qpn2_dense_linear,
-        qpn2_dequantize,
         qpn2_linear,
         qpn8_dense_linear,
-        qpn8_dequantize,
         qpn8_linear,
     )
 
@@ -155,12 +165,8 @@ def section_decode(ctx: bk.Context) -> bk.Section:
         bk.Column("method", "timing"),
     ])
     for n, k in ctx.shapes:
-        slots, bufs = _buffers(ctx, n, k)
-        q2, q8 = bufs["qpn2"], bufs["qpn8"]
-        w_slots = ctx.rotations(2 * n * k, minimum=2, maximum=16)  # fp16 copies for cuBLAS
-        w16 = [qpn2_dequantize(*q2[i % slots], G, n, k) for i in range(w_slots)]  # cuBLAS operand, resident fp16
-        w16_8 = qpn8_dequantize(*q8[0], n, k)
-        workspace = cp.empty((n, k), cp.float16)
+        slots, q2, q8, w16, w16_8, workspace = _layer(ctx, n, k)
+        w_slots = len(w16)
         for m in DECODE_MS:
             x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
             y = cp.empty((m, n), cp.float16)
@@ -190,7 +196,7 @@ def section_decode(ctx: bk.Context) -> bk.Section:
                 row[f"{name}_x"] = us["cublas"] / us[name]
             row["cublas_pct"] = 100.0 * bk.gbps(2 * n * k + io, us["cublas"]) / read
             sec.rows.append(row)
-        del bufs, q2, q8, w16, w16_8, workspace
+        del q2, q8, w16, w16_8, workspace
         cp.get_default_memory_pool().free_all_blocks()
     sec.notes.append(
         "GB/s = (weight bytes + x + y) / time: QPN2 0.5625 B/weight (codes + e4m3 scales), QPN8 1 B/weight; "
@@ -428,10 +434,8 @@ def section_gemm(ctx: bk.Context) -> bk.Section:
     from qpn.cupy_kernels import (
         gemm_threshold,
         qpn2_dense_linear,
-        qpn2_dequantize,
         qpn2_gemm_linear,
         qpn8_dense_linear,
-        qpn8_dequantize,
         qpn8_gemm_linear,
     )
 
@@ -448,12 +452,7 @@ def section_gemm(ctx: bk.Context) -> bk.Section:
     ])
     shapes = [s for s in GEMM_SHAPES if s in ctx.shapes] or ctx.shapes
     for n, k in shapes:
-        slots, bufs = _buffers(ctx, n, k)
-        q2, q8 = bufs["qpn2"], bufs["qpn8"]
-        w_slots = ctx.rotations(2 * n * k, minimum=2, maximum=16)
-        w16 = [qpn2_dequantize(*q2[i % slots], G, n, k) for i in range(w_slots)]
-        w16_8 = qpn8_dequantize(*q8[0], n, k)
-        workspace = cp.empty((n, k), cp.float16)
+        slots, q2, q8, w16, w16_8, workspace = _layer(ctx, n, k)
         for m in GEMM_MS:
             x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
             y = cp.empty((m, n), cp.float16)
@@ -474,7 +473,7 @@ def section_gemm(ctx: bk.Context) -> bk.Section:
                              "gemm2_x": us["cublas"] / us["gemm2"], "gemm8_x": us["cublas"] / us["gemm8"],
                              "faster": faster, "picked": picked,
                              "method": "/".join(sorted({v["method"] for v in t.values()})) + "/torch graph"})
-        del bufs, q2, q8, w16, w16_8, workspace
+        del q2, q8, w16, w16_8, workspace
         cp.get_default_memory_pool().free_all_blocks()
     sec.notes.append(
         "cuBLAS fp16 = torch.nn.functional.linear on the same W16 (rotated copies), a replayed torch CUDA graph; "

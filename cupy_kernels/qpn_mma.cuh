@@ -483,33 +483,40 @@ __device__ __forceinline__ void qpn_reduce_store(
 // same order whatever the arrival order. The parts depend on N, K and the SM count, never on M, and
 // a token's sums never meet another token's: a row gives the same bits in every GEMM call.
 #if QPN_GEMM
+// visit(j, rb, tok, at) for every output pair the lane holds inside the call: 8-token block j,
+// rowblock rb, token 2 t + tok of the block, `at` = the pair's first element in y [M][y_cols].
+template <class Visit>
+__device__ __forceinline__ void qpn_gemm_each_pair(const QpnSlice& sl, int m_rows, int y_cols, Visit&& visit) {
+    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+    const int col_base = 32 * sl.slot + 8 * (gid & 3) + 4 * (gid >> 2);  // col(4 gid + 2 rb) - 2 rb
+    const int m_base = 8 * QPN_NB * blockIdx.z + 2 * t;
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j)
+#pragma unroll
+        for (int tok = 0; tok < 2; ++tok) {
+            const int m = m_base + 8 * j + tok;
+            if (m >= m_rows) continue;
+#pragma unroll
+            for (int rb = 0; rb < 2; ++rb) visit(j, rb, tok, (long long)m * y_cols + col_base + 2 * rb);
+        }
+}
+
 __device__ __forceinline__ void qpn_gemm_store(
     const QpnAcc (&acc)[QPN_HT], const QpnSlice& sl, qpn_u16* __restrict__ y, int m_rows, int y_cols,
     float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
     __shared__ unsigned last_part;
-    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
     const int parts = gridDim.y, part = blockIdx.y;
-    const int col_base = 32 * sl.slot + 8 * (gid & 3) + 4 * (gid >> 2);  // col(4 gid + 2 rb) - 2 rb
-    const int m_base = 8 * QPN_NB * blockIdx.z + 2 * t;
     const long long plane = (long long)m_rows * y_cols;
     if (parts > 1) {
-        if (sl.live) {
+        if (sl.live)
+            qpn_gemm_each_pair(sl, m_rows, y_cols, [&](int j, int rb, int tok, long long at) {
 #pragma unroll
-            for (int j = 0; j < QPN_NB; ++j)
-#pragma unroll
-                for (int tok = 0; tok < 2; ++tok) {
-                    const int m = m_base + 8 * j + tok;
-                    if (m >= m_rows) continue;
-#pragma unroll
-                    for (int rb = 0; rb < 2; ++rb)
-#pragma unroll
-                        for (int h = 0; h < QPN_HT; ++h) {
-                            float* p = partial + ((long long)part * QPN_HT + h) * plane + (long long)m * y_cols + col_base + 2 * rb;
-                            *reinterpret_cast<float2*>(p) = make_float2(acc[h][j][rb][tok], acc[h][j][rb][2 + tok]);
-                        }
+                for (int h = 0; h < QPN_HT; ++h) {
+                    float* p = partial + ((long long)part * QPN_HT + h) * plane + at;
+                    *reinterpret_cast<float2*>(p) = make_float2(acc[h][j][rb][tok], acc[h][j][rb][2 + tok]);
                 }
-        }
+            });
         __threadfence();  // this block's partials are visible device-wide before its ticket
         __syncthreads();
         if (threadIdx.x == 0)
@@ -519,34 +526,25 @@ __device__ __forceinline__ void qpn_gemm_store(
         __threadfence();
     }
     if (!sl.live) return;
+    qpn_gemm_each_pair(sl, m_rows, y_cols, [&](int j, int rb, int tok, long long at) {
+        float s0[QPN_HT], s1[QPN_HT];
 #pragma unroll
-    for (int j = 0; j < QPN_NB; ++j)
-#pragma unroll
-        for (int tok = 0; tok < 2; ++tok) {
-            const int m = m_base + 8 * j + tok;
-            if (m >= m_rows) continue;
-#pragma unroll
-            for (int rb = 0; rb < 2; ++rb) {
-                const long long at = (long long)m * y_cols + col_base + 2 * rb;
-                float s0[QPN_HT], s1[QPN_HT];
-#pragma unroll
-                for (int h = 0; h < QPN_HT; ++h) {
-                    if (parts == 1) {
-                        s0[h] = acc[h][j][rb][tok];
-                        s1[h] = acc[h][j][rb][2 + tok];
-                    } else {
-                        const float* p = partial + (long long)h * plane + at;
-                        float2 v = __ldcg(reinterpret_cast<const float2*>(p));  // L2: written by other SMs
-                        for (int q = 1; q < parts; ++q) {
-                            const float2 w = __ldcg(reinterpret_cast<const float2*>(p + (long long)q * QPN_HT * plane));
-                            v = make_float2(__fadd_rn(v.x, w.x), __fadd_rn(v.y, w.y));
-                        }
-                        s0[h] = v.x;
-                        s1[h] = v.y;
-                    }
+        for (int h = 0; h < QPN_HT; ++h) {
+            if (parts == 1) {
+                s0[h] = acc[h][j][rb][tok];
+                s1[h] = acc[h][j][rb][2 + tok];
+            } else {
+                const float* p = partial + (long long)h * plane + at;
+                float2 v = __ldcg(reinterpret_cast<const float2*>(p));  // L2: written by other SMs
+                for (int q = 1; q < parts; ++q) {
+                    const float2 w = __ldcg(reinterpret_cast<const float2*>(p + (long long)q * QPN_HT * plane));
+                    v = make_float2(__fadd_rn(v.x, w.x), __fadd_rn(v.y, w.y));
                 }
-                *reinterpret_cast<qpn_u32*>(y + at) = (qpn_u32)qpn_output(s0) | ((qpn_u32)qpn_output(s1) << 16);
+                s0[h] = v.x;
+                s1[h] = v.y;
             }
         }
+        *reinterpret_cast<qpn_u32*>(y + at) = (qpn_u32)qpn_output(s0) | ((qpn_u32)qpn_output(s1) << 16);
+    });
 }
 #endif

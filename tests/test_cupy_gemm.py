@@ -28,6 +28,7 @@ from test_cupy_linear import (  # noqa: E402  (the decode kernels' data and chec
     activations,
     assert_gated_matches,
     assert_in_bounds,
+    check_gated,
     qpn2_buffers,
     qpn8_buffers,
 )
@@ -175,24 +176,7 @@ def test_gemm_batch_invariance(cp, fmt, n, k):
 def test_gemm_gated(cp, fmt, m):
     from qpn.cupy_kernels import qpn2_gemm_linear, qpn8_gemm_linear
 
-    n, k = 512, 1024
-    rng = np.random.default_rng(11 + m)
-    x = activations(rng, m, k)
-    if fmt == "qpn2":
-        codes, scales = qpn2_buffers(rng, n, k)
-        w16 = qpn2_dequantize(codes, scales, G_SCALAR, n, k)
-        args = (cp.asarray(x), cp.asarray(codes), cp.asarray(scales), G_SCALAR)
-        f = qpn2_gemm_linear
-    else:
-        codes, gs = qpn8_buffers(rng, n, k, block=fmt.endswith("block"))
-        w16 = qpn8_dequantize(codes, gs, n, k)
-        args = (cp.asarray(x), cp.asarray(codes), cp.asarray(gs))
-        f = qpn8_gemm_linear
-    y = f(*args).get()
-    assert_in_bounds(y, x, w16, f"{fmt} gemm plain M={m}")
-    out = f(*args, gated=True).get()
-    assert out.shape == (m, n // 2)
-    assert_gated_matches(out, y, f"{fmt} gemm gated M={m}")
+    check_gated(cp, fmt, m, qpn2_gemm_linear, qpn8_gemm_linear, "gemm")
 
 
 @pytest.mark.gpu

@@ -227,13 +227,9 @@ def test_qpn2_per_tile_global_scale_and_tiny_blocks(cp, m):
         assert_in_bounds(y, x, w16, f"per-tile g M={m}")
 
 
-@pytest.mark.parametrize("fmt", ["qpn2", "qpn8", "qpn8-block"])
-@pytest.mark.parametrize("m", (1, 8, 9, 32))
-def test_gated(cp, fmt, m):
-    """gated=True equals silu_and_mul on the plain kernel's gate / up outputs (which are checked
-    against the fp32 bound here too)."""
-    from qpn.cupy_kernels import qpn2_linear, qpn8_linear
-
+def check_gated(cp, fmt, m, qpn2_fn, qpn8_fn, what):
+    """`fmt` ("qpn2", "qpn8", "qpn8-block") through the plain kernel (checked against the fp32
+    bound) and gated=True (silu_and_mul on the plain outputs), M tokens, a 512 x 1024 weight."""
     n, k = 512, 1024
     rng = np.random.default_rng(11 + m)
     x = activations(rng, m, k)
@@ -241,17 +237,27 @@ def test_gated(cp, fmt, m):
         codes, scales = qpn2_buffers(rng, n, k)
         w16 = qpn2_dequantize(codes, scales, G_SCALAR, n, k)
         args = (cp.asarray(x), cp.asarray(codes), cp.asarray(scales), G_SCALAR)
-        f = qpn2_linear
+        f = qpn2_fn
     else:
         codes, gs = qpn8_buffers(rng, n, k, block=fmt.endswith("block"))
         w16 = qpn8_dequantize(codes, gs, n, k)
         args = (cp.asarray(x), cp.asarray(codes), cp.asarray(gs))
-        f = qpn8_linear
+        f = qpn8_fn
     y = f(*args).get()
-    assert_in_bounds(y, x, w16, f"{fmt} plain M={m}")
+    assert_in_bounds(y, x, w16, f"{fmt} {what} plain M={m}")
     out = f(*args, gated=True).get()
     assert out.shape == (m, n // 2)
-    assert_gated_matches(out, y, f"{fmt} gated M={m}")
+    assert_gated_matches(out, y, f"{fmt} {what} gated M={m}")
+
+
+@pytest.mark.parametrize("fmt", ["qpn2", "qpn8", "qpn8-block"])
+@pytest.mark.parametrize("m", (1, 8, 9, 32))
+def test_gated(cp, fmt, m):
+    """gated=True equals silu_and_mul on the plain kernel's gate / up outputs (which are checked
+    against the fp32 bound here too)."""
+    from qpn.cupy_kernels import qpn2_linear, qpn8_linear
+
+    check_gated(cp, fmt, m, qpn2_linear, qpn8_linear, "decode")
 
 
 # (N, K) with too few tiles to fill the GPU: split_k adds blocks per tile (parts, summed across
