@@ -192,8 +192,8 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #if QPN_GEMM
     // One table per distinct g among the block's tiles (one, where the layer has one global scale):
     // table e = w * QPN_HT + h (warp w's tile h) is built only if no earlier tile has the same g,
-    // else the warp reads that one. A table per tile cost 256 entries x ~30 instructions per warp,
-    // as much as the K loop of a 64-group part (14336x4096 QPN2 at M = 64: 141 us, QPN8 81 us).
+    // else the warp reads that one. A table per tile costs 256 entries x ~30 instructions per warp,
+    // as many as the K loop of a 64-group part (64 x ~120).
     __shared__ float table_g[QPN_WARP_TILES * QPN_HT];
     __shared__ int table_of[QPN_WARP_TILES * QPN_HT];
     if (threadIdx.x < QPN_WARP_TILES * QPN_HT) {
