@@ -81,9 +81,11 @@ def _layer(ctx, n, k):
 
 
 def weight_bytes(fmt, n, k):
-    """Bytes a decode call must read for its weight: QPN2 codes + e4m3 block scales (0.5625 B per
-    weight), QPN8 codes + fp16 channel scales."""
-    return n * k // 2 + n * k // 16 if fmt == "qpn2" else n * k + 2 * n
+    """Bytes a decode call must read for its weight: the packed buffers of its format description
+    (QPN2 codes + e4m3 block scales + per-tile global scales, QPN8 codes + fp16 channel scales)."""
+    from qpn.ref.formats import BY_KEY
+
+    return BY_KEY[fmt].weight_bytes(n, k)
 
 
 def shipped_macros(fmt, nb):

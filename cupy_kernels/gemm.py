@@ -42,12 +42,15 @@ from .linear import (
     TOKENS_PER_BLOCK,
     _fragment_elements,
     _gated_rows,
+    _partial_elements,
     _require_group_scales_aligned,
     _require_x_aligned,
     _rows_of,
     _x_fragments,
     _zeroed_tickets,
+    call_workspace,
     decode_threshold,
+    require_family,
 )
 from .loader import kernel
 from .variants import KernelVariant
@@ -164,30 +167,23 @@ def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool) -> tu
     if parts == 1:
         return parts, per_part, frag, frag, frag
     bx, _, bz = _grid(n, m, gated, parts)
-    partial = frag + parts * (2 if gated else 1) * m * _gated_rows(n, gated)
+    partial = frag + _partial_elements(parts, m, n, gated)
     return parts, per_part, frag, partial, partial + bx * bz
 
 
 def gemm_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False) -> int:
     """fp32 elements of the workspace a GEMM call needs (x fragments, split-K partials, tickets):
     pass one of at least this size where allocations must come from the caller (graph capture)."""
+    require_family(fmt)
     return _workspace_ends(QPN2 if fmt == QPN2.key else QPN8, m, n, k, gated)[-1]
 
 
 def _launch(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int, gated: bool,
             workspace: CupyArray | None) -> None:
     """Queue one GEMM call: x fragments, the tickets' reset (parts > 1), the kernel."""
-    import cupy  # noqa: PLC0415
-
     m, k = x.shape
     parts, per_part, frag_end, partial_end, size = _workspace_ends(wf, m, n, k, gated)
-    if workspace is None:
-        workspace = cupy.empty(size, dtype=np.float32)
-    else:
-        require_cupy("workspace", workspace, np.float32)
-        if workspace.size < size or not workspace.flags.c_contiguous:
-            raise ValueError(f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
-                             f"(gemm_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one")
+    workspace = call_workspace(workspace, size, "gemm_workspace_size")
     x_frag = workspace[:frag_end]
     _x_fragments(x, x_frag)
     partial, tickets = np.uint64(0), np.uint64(0)

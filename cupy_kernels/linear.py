@@ -275,8 +275,7 @@ def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False)
     reused by the next call on the same stream (or freed to the caching allocator) once this one
     is queued.
     """
-    if fmt not in (QPN2.key, QPN8.key):
-        raise ValueError(f"fmt must be {QPN2.key!r} or {QPN8.key!r}, got {fmt!r}")
+    require_family(fmt)
     frag = _fragment_elements(m, k) if X_FRAG[fmt, -(-m // TOKENS_PER_BLOCK)] else 0
     return frag + sum(_split_k_elements(decode_split(fmt, n, k)[0], m, n, gated))
 
@@ -298,6 +297,28 @@ def _x_fragments(x: CupyArray, out: CupyArray) -> None:
     kernel(X_FRAGMENTS)((min(-(-threads // 256), 1024),), (256,), (x, out, np.int32(m), np.int32(k), np.int32(nb2)))
 
 
+def call_workspace(workspace: CupyArray | None, size: int, sizer: str) -> CupyArray:
+    """The call's fp32 workspace of `size` elements: the caller's (checked; `sizer` names the function
+    that gives the size) or a fresh one."""
+    import cupy  # noqa: PLC0415
+
+    if workspace is None:
+        return cupy.empty(size, dtype=np.float32)
+    require_cupy("workspace", workspace, np.float32)
+    if workspace.size < size or not workspace.flags.c_contiguous:
+        raise ValueError(
+            f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
+            f"({sizer}), got shape {tuple(workspace.shape)}; allocate a larger one"
+        )
+    return workspace
+
+
+def require_family(fmt: str) -> None:
+    """`fmt` names a decode-kernel family: QPN2.key or QPN8.key (the workspace sizers take it)."""
+    if fmt not in (QPN2.key, QPN8.key):
+        raise ValueError(f"fmt must be {QPN2.key!r} or {QPN8.key!r}, got {fmt!r}")
+
+
 def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray, n: int, gated: bool,
             workspace: CupyArray | None, x_frag: bool) -> None:
     """Queue one decode call: the x fragments (x_frag: the build reads them), the split-K tickets'
@@ -307,7 +328,6 @@ def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArra
     The split follows the weight's tile count, gated or not: the gated kernel then sums every tile
     exactly as the plain kernel does (its gate / up values equal the plain call's, bit for bit).
     """
-    import cupy  # noqa: PLC0415
 
     m, k = x.shape
     parts, split, groups_per_warp = decode_split(fmt, n, k)
@@ -316,15 +336,7 @@ def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArra
     size = frag + partial_size + ticket_count
     x_arg, partial, tickets = x, np.uint64(0), np.uint64(0)
     if size:
-        if workspace is None:
-            workspace = cupy.empty(size, dtype=np.float32)
-        else:
-            require_cupy("workspace", workspace, np.float32)
-            if workspace.size < size or not workspace.flags.c_contiguous:
-                raise ValueError(
-                    f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
-                    f"(decode_workspace_size), got shape {tuple(workspace.shape)}; allocate a larger one"
-                )
+        workspace = call_workspace(workspace, size, "decode_workspace_size")
         if frag:
             x_arg = workspace[:frag]
             _x_fragments(x, x_arg)

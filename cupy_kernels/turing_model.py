@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import loader
+from . import gemm, loader
 from .variants import KernelVariant
 
 # ----------------------------------------------------------------------------- the machines
@@ -403,7 +403,6 @@ def project(stats: LoopStats, card: Card, m: int) -> Projection:
 
 GEMM_MS = (64, 128, 512)
 GEMM_SHAPES = ((28672, 8192), (34816, 5120))
-GEMM_TILES_PER_BLOCK = 8  # gemm.GEMM_WARPS: x staged once per block of 8 tiles
 
 
 @dataclass
@@ -425,7 +424,7 @@ def project_gemm(stats: LoopStats, card: Card, m: int, n: int, k: int) -> GemmPr
     weight = stats.stream_bytes / stats.group_tiles
     ns["dram"] = weight / card.read_ceiling_gbps
     if card.l2_gbps:
-        ns["l2"] = (weight + X_BYTES_PER_TOKEN * tokens / GEMM_TILES_PER_BLOCK) / card.l2_gbps
+        ns["l2"] = (weight + X_BYTES_PER_TOKEN * tokens / gemm.GEMM_WARPS) / card.l2_gbps  # x: once per block
     limit = max(ns, key=lambda name: ns[name])
     group_tiles = (n // 32) * (k // 16)
     tensor = 2.0 * m * n * k / (2.0 * card.hmma_fma_per_clk * card.sms * card.ghz * 1e9) * 1e6
@@ -478,8 +477,6 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
     if nvdisasm is None:
         raise FileNotFoundError(
             "nvdisasm not found: pip install 'nvidia-cuda-nvdisasm>=13,<14' (in qpn's [test] extra)")
-    from . import gemm  # noqa: PLC0415 (the GEMM builds of the same kernels)
-
     fams = _families(variants)
     gemm_builds = [v for v in gemm.KERNEL_VARIANTS if dict(v.defines).get("QPN_GATED") == "0"]
     jobs = [(v, "sm_75") for v in (*variants, *gemm_builds)]

@@ -68,7 +68,7 @@ def test_split_covers_k_in_whole_batches_and_ignores_m():
                     parts, per_part = gemm_split(tiles, groups, multiple, sms)
                     assert 1 <= parts <= GEMM_MAX_PARTS and per_part % multiple == 0
                     assert (parts - 1) * per_part < groups <= parts * per_part  # every part holds groups
-                    assert parts == 1 or per_part >= GEMM_MIN_GROUPS_PER_PART - multiple
+                    assert parts == 1 or per_part >= GEMM_MIN_GROUPS_PER_PART
 
 
 def test_threshold_by_card_and_format(monkeypatch):
@@ -84,6 +84,8 @@ def test_threshold_by_card_and_format(monkeypatch):
     assert gemm.gemm_threshold("nvfp4", 5120, 17408) == 64  # 13 parts
     with pytest.raises(ValueError, match="fmt must be one of"):
         gemm.gemm_threshold("qpn2", 4096, 4096)
+    with pytest.raises(ValueError, match="fmt must be 'qpn2' or 'qpn8'"):  # the sizers take kernel-family keys
+        gemm.gemm_workspace_size("nvfp4", 64, 4096, 4096)
 
 
 def test_gemm_builds_are_in_the_compile_registry():
