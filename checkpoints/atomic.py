@@ -12,8 +12,8 @@ whose they are (XXXXXXXX is mkdtemp's random part, one per write):
     4. rename   .new -> P/NAME                           the target is the new folder
     5. remove   .old
 
-Steps 3 and 4 run with SIGINT / SIGTERM / SIGHUP blocked, so a catchable signal never falls
-between them; any exception removes what this write created (1, 2), or puts the old folder back
+Steps 3 and 4 run with SIGINT / SIGTERM / SIGHUP held (`_signals_held`), so a catchable signal
+never falls between them; any exception removes what this write created (1, 2), or puts the old folder back
 (3). Only SIGKILL, a power cut or a crash can leave these names behind, and the next write into
 P finishes or rolls back the swap of every such group whose PID is no longer running (it says
 so on stderr; `recover_interrupted`):
@@ -23,6 +23,18 @@ so on stderr; `recover_interrupted`):
     .new, NAME missing       renamed to NAME: killed between 3 and 4, the write had finished
     .old, NAME present       removed: the swap had finished (or the .new was just installed)
     .old, NAME missing       renamed back to NAME: the swap cannot finish, roll it back
+
+A name too long for these work names (NAME + ~26 characters over the file system's limit of
+255 bytes) is abbreviated there (`.SHORT~HASH.qpn-...`), and the full name is kept beside them
+in `.SHORT~HASH.qpn-PID-XXXXXXXX.name`, which recovery reads and removes.
+
+A mount point (an empty Docker volume, say) cannot be renamed (EBUSY): `atomic_folder` sees one
+up front and fills it in place instead - the temporary `.NAME.qpn-PID-XXXXXXXX.tmp` inside the
+mount point (the same disk), then its entries renamed into the mount point with the stop signals
+held, and the emptied temporary removed. The write is all or nothing against every catchable
+signal and error; a SIGKILL or a power cut during those renames leaves part of the entries, which
+`require_writable_target` then refuses to treat as qpn's (a non-empty mount point is never
+replaced: it cannot be swapped).
 
 A PID still running, or this process's own, is never touched (nor is anything on a platform
 without POSIX signals). Temporaries from another machine sharing P would look dead here: write
@@ -38,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -45,10 +58,13 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 # .NAME.qpn-PID-XXXXXXXX.STAGE; mkdtemp's random part is 8 of [a-z0-9_]
-_WORK_NAME = re.compile(r"^\.(?P<name>.+)\.qpn-(?P<pid>\d+)-(?P<token>[a-z0-9_]+)\.(?P<stage>tmp|new|old)$")
+_WORK_NAME = re.compile(r"^\.(?P<name>.+)\.qpn-(?P<pid>\d+)-(?P<token>[a-z0-9_]+)\.(?P<stage>tmp|new|old|name)$")
+_NAME_MAX = 255  # bytes in one file name: ext4, xfs, btrfs, tmpfs, APFS, NTFS (in UTF-16 units)
+_WORK_SUFFIX_MAX = len(".qpn-4194304-xxxxxxxx.name")  # a pid is at most 2^22 on Linux
 _SWAP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 Ours = Callable[[str], "str | None"]  # folder -> None if the caller wrote it, else why it did not
@@ -131,6 +147,9 @@ def require_writable_target(target: str, overwrite: bool, flag: str = "overwrite
         raise TargetError(f"{target} exists and is not a folder; choose another path")
     if not os.listdir(target):
         return
+    if is_mount_point(target):
+        raise TargetError(f"{target} is a mount point that is not empty; a mount point cannot be swapped by rename, so "
+                         "qpn writes only into an empty one: empty it yourself, or write into a new folder inside it")
     if not overwrite:
         raise TargetError(f"{target} is a non-empty folder; pass {flag} to replace it atomically "
                          f"(allowed only for a folder qpn wrote)")
@@ -138,6 +157,27 @@ def require_writable_target(target: str, overwrite: bool, flag: str = "overwrite
     if why is not None:
         raise TargetError(f"{target} is not a folder qpn wrote ({why}); {flag} replaces only qpn's own {what} or an "
                          "empty folder: choose a new path, or move that folder away yourself")
+
+
+def _mount_points() -> set[str]:
+    """The mount points listed in /proc/self/mountinfo (Linux; empty elsewhere): bind mounts included."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    # field 5 is the mount point, with space, tab, newline and backslash escaped as \ooo
+    return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])
+            for line in lines if len(line.split()) > 4}
+
+
+def is_mount_point(path: str) -> bool:
+    """Whether the folder `path` is a mount point, so that rename() cannot replace it (EBUSY).
+
+    os.path.ismount misses a bind mount of a folder of the same disk (the common Docker volume):
+    /proc/self/mountinfo lists those too.
+    """
+    return os.path.isdir(path) and (os.path.ismount(path) or os.path.realpath(path) in _mount_points())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,9 +254,18 @@ def recover_interrupted(parent: str, report: Callable[[str], None] = _say) -> li
     messages = []
     for (name, pid, _), stages in sorted(_work_groups(parent).items()):
         if _process_gone(int(pid)):
+            name_file = stages.pop("name", None)
+            if name_file is not None:  # an abbreviated work name: the target's full name is kept here
+                with open(name_file, encoding="utf-8", errors="surrogateescape") as f:
+                    full = f.read()
+                if _work_stem(full) != name:  # cut short by a power cut: which folder it was is unknown
+                    continue
+                name = full
             for message in _resolve(os.path.join(parent, name), stages, pid):
                 report(message)
                 messages.append(message)
+            if name_file is not None:
+                os.unlink(name_file)
     if messages:
         fsync_dir(parent)
     return messages
@@ -247,51 +296,87 @@ def _about(exc: OSError, prefixes: Sequence[str]) -> bool:
 
 
 @contextlib.contextmanager
-def _signals_blocked() -> Iterator[None]:
-    """Hold SIGINT / SIGTERM / SIGHUP back for a few renames (delivered right after)."""
-    if not hasattr(signal, "pthread_sigmask"):
+def _signals_held() -> Iterator[None]:
+    """Hold SIGINT / SIGTERM / SIGHUP back for a few renames; each one that came is re-raised right after.
+
+    Python runs a signal's handler in the main thread, whichever thread the kernel delivered it
+    to: a qpn process always has other threads (numpy's, torch's), so blocking the signals in
+    this thread (pthread_sigmask) would not keep KeyboardInterrupt out of the swap. Instead, for
+    the swap, a recording handler replaces each one: a signal that comes is only noted, and once
+    the old handlers are back it is raised again, so it acts (KeyboardInterrupt, cli's Stopped,
+    or the default action) after the swap. Off the main thread there is nothing to hold: no
+    handler runs in this thread, so none can land between its renames.
+    """
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SWAP_SIGNALS)
+    came: list[int] = []
+    # a handler set outside Python (getsignal gives None) cannot be put back, so it is left alone
+    previous = {signum: signal.signal(signum, lambda signum, _frame: came.append(signum))
+                for signum in _SWAP_SIGNALS if signal.getsignal(signum) is not None}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(came):  # each kind once, in the order they came
+            signal.raise_signal(signum)
+
+
+def _work_stem(name: str) -> str:
+    """NAME in the work names `.NAME.qpn-PID-XXXXXXXX.STAGE`, abbreviated where they would pass 255 bytes."""
+    room = _NAME_MAX - _WORK_SUFFIX_MAX - 1  # the leading dot
+    if len(os.fsencode(name)) <= room:
+        return name
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    short = os.fsencode(name)[: room - len(digest) - 1].decode(errors="ignore")  # whole characters only
+    return f"{short}~{digest}"
 
 
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike[str], *, overwrite: bool = False, flag: str = "overwrite=True",
                   ours: Ours | None = None, protected: Sequence[str] = (), what: str = "output") -> Iterator[str]:
-    """Yield a temporary sibling folder to fill; on a normal exit it becomes `path` (module docstring).
+    """Yield a temporary folder to fill; on a normal exit it becomes `path` (module docstring).
 
     First finishes or rolls back interrupted writes into the parent folder, then applies
     `require_writable_target(path, overwrite, flag, ours=, protected=, what=)`. Files directly
-    inside get 0666 & ~umask, the folder 0777 & ~umask. On any exception every temporary is
-    removed and `path` is as it was; an OSError names `path`, not the temporary.
+    inside get 0666 & ~umask, the folder 0777 & ~umask (a mount point keeps its own mode). On any
+    exception every temporary is removed and `path` is as it was; an OSError names `path`, not
+    the temporary.
     """
     target = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(target)
-    if os.path.isdir(parent):
-        recover_interrupted(parent)
+    in_place = is_mount_point(target)  # rename() cannot replace it: fill it (module docstring)
+    for folder in (parent, target) if in_place else (parent,):
+        if os.path.isdir(folder):
+            recover_interrupted(folder)
     require_writable_target(target, overwrite, flag, ours=ours, protected=protected, what=what)
+    stem = _work_stem(os.path.basename(target))
     try:
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.qpn-{os.getpid()}-", suffix=".tmp", dir=parent)
+        tmp = tempfile.mkdtemp(prefix=f".{stem}.qpn-{os.getpid()}-", suffix=".tmp", dir=target if in_place else parent)
+        base = tmp[: -len(".tmp")]
+        if stem != os.path.basename(target) and not in_place:  # recovery needs the full name (module docstring)
+            with open(base + ".name", "x", encoding="utf-8", errors="surrogateescape") as f:
+                f.write(os.path.basename(target))
     except OSError as exc:
         raise _write_error(exc, target) from exc
-    new, old = tmp[: -len(".tmp")] + ".new", tmp[: -len(".tmp")] + ".old"
+    new, old = base + ".new", base + ".old"
     try:
         try:
             yield tmp
             umask = _umask()
-            os.chmod(tmp, 0o777 & ~umask)
             for name in os.listdir(tmp):
                 os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+            if in_place:
+                _fill(tmp, target)
+                return
+            os.chmod(tmp, 0o777 & ~umask)
             fsync_dir(tmp)
             os.rename(tmp, new)
             _swap(new, target, old, overwrite, flag, ours)
             fsync_dir(parent)
         except OSError as exc:
-            if _about(exc, (tmp[: -len(".tmp")], target)):
+            if _about(exc, (base, target)):
                 raise _write_error(exc, target) from exc
             raise  # about another path (a source file, say): its own message names it
     finally:
@@ -300,6 +385,25 @@ def atomic_folder(path: str | os.PathLike[str], *, overwrite: bool = False, flag
                 shutil.rmtree(leftover, ignore_errors=True)
         if os.path.lexists(old) and os.path.lexists(target):  # replaced; else the only copy: the next run restores it
             shutil.rmtree(old, ignore_errors=True)
+        if os.path.lexists(base + ".name") and not os.path.lexists(old):
+            os.unlink(base + ".name")
+
+
+def _fill(tmp: str, target: str) -> None:
+    """The mount point `target` gets the entries of `tmp` (inside it) by rename, all or none."""
+    fsync_dir(tmp)
+    moved: list[str] = []
+    with _signals_held():
+        try:
+            for name in sorted(os.listdir(tmp)):
+                os.rename(os.path.join(tmp, name), os.path.join(target, name))
+                moved.append(name)
+        except BaseException:
+            for name in moved:
+                os.rename(os.path.join(target, name), os.path.join(tmp, name))
+            raise
+    os.rmdir(tmp)
+    fsync_dir(target)
 
 
 def _swap(new: str, target: str, old: str, overwrite: bool, flag: str, ours: Ours | None) -> None:
@@ -309,7 +413,7 @@ def _swap(new: str, target: str, old: str, overwrite: bool, flag: str, ours: Our
         return
     # it may have changed while we were writing: the same rule again, just before the swap
     require_writable_target(target, overwrite, flag, ours=ours)
-    with _signals_blocked():
+    with _signals_held():
         os.rename(target, old)
         try:
             os.rename(new, target)

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -282,24 +283,163 @@ def test_recovery_leaves_the_work_of_a_running_process_alone(tmp_path):
     assert len(leftovers(work)) == 2
 
 
+def _signal_from_another_thread(signum: int) -> None:
+    """Deliver `signum` to a second thread, as the kernel does when the main thread blocks it.
+
+    The thread signals itself (pthread_kill), so the C-level handler has run, and Python has
+    marked the signal for the main thread, before the thread ends: once join() returns, the main
+    thread runs the Python handler at its next bytecode. No timing is involved.
+    """
+    thread = threading.Thread(target=lambda: signal.pthread_kill(threading.get_ident(), signum))
+    thread.start()
+    thread.join()
+
+
 @POSIX
-def test_a_signal_during_the_swap_is_held_until_the_swap_is_done(tmp_path, monkeypatch):
-    """Steps 3 and 4 run with SIGINT blocked: a Ctrl-C raised between them lands after both."""
+@pytest.mark.parametrize("signame, raised", [("SIGINT", KeyboardInterrupt), ("SIGTERM", cli.Stopped),
+                                             ("SIGHUP", cli.Stopped)])
+def test_a_signal_during_the_swap_is_held_until_the_swap_is_done(tmp_path, monkeypatch, signame, raised):
+    """Steps 3 and 4 hold SIGINT / SIGTERM / SIGHUP: one that comes between them (delivered to another
+    thread, as in any process with numpy's or torch's threads) acts after both, and the output is there."""
     out = packed_folder(tmp_path, "nvfp4")
     real_rename = os.rename
     seen = []
 
     def rename_and_interrupt(a, b):
         real_rename(a, b)
-        if str(b).endswith(".old"):  # the old folder is aside: the worst moment for a Ctrl-C
-            os.kill(os.getpid(), signal.SIGINT)
+        if str(b).endswith(".old"):  # the old folder is aside: the worst moment for a stop signal
+            _signal_from_another_thread(getattr(signal, signame))
             seen.append(os.path.isdir(out))
 
     monkeypatch.setattr(atomic.os, "rename", rename_and_interrupt)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(raised), cli._stop_signals_raise():  # the handlers `qpn pack` runs under
         packed.pack_checkpoint(write(tmp_path, "fp8-tensor"), out, overwrite=True)
-    assert seen == [False]  # the Ctrl-C came while the output path was empty
+    assert seen == [False]  # the signal came while the output path was empty
     assert packed.load_packed(out).quant_algo == "FP8" and leftovers(tmp_path) == []
+
+
+SWAP_DRIVER = textwrap.dedent("""
+    import os, sys, time
+    from qpn.apps import cli
+    from qpn.checkpoints import atomic
+    ready, sent, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    real = os.rename
+    def rename_then_wait(a, b):  # the old output is aside, the new one not yet in: wait for the signal here
+        real(a, b)
+        if str(b).endswith(".old"):
+            open(ready, "w").close()
+            while not os.path.exists(sent):
+                time.sleep(0.01)
+    atomic.os.rename = rename_then_wait
+    sys.exit(cli.main(argv))
+""")
+
+
+@POSIX
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_real_pack_stopped_inside_the_swap_exits_with_the_new_output_in_place(tmp_path, signame, code):
+    """The issue's reproduction, end to end: `qpn pack SRC OUT --overwrite` in a subprocess (with numpy's
+    threads), a stop signal while OUT is aside; it exits 128 + the signal, OUT is the new folder."""
+    out = packed_folder(tmp_path, "nvfp4")
+    src = write(tmp_path, "fp8-tensor")
+    ready, sent = tmp_path / "ready", tmp_path / "sent"
+    proc = subprocess.Popen([sys.executable, "-c", SWAP_DRIVER, str(ready), str(sent), "pack", src, out,
+                             "--overwrite", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the pack never reached its swap"
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, signame))
+    sent.touch()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert packed.load_packed(out).quant_algo == "FP8" and leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# output names up to the file system's 255 bytes, and a mount point as the output
+
+
+@pytest.mark.parametrize("length", [229, 240, 255])
+def test_an_output_name_of_up_to_255_bytes_packs_and_overwrites(tmp_path, capsys, length):
+    src = write(tmp_path, "nvfp4")
+    out = tmp_path / ("é" + "n" * (length - 2))  # a 2-byte character: the limit is in bytes, the cut in characters
+    assert len(os.fsencode(out.name)) == length
+    assert run(["pack", src, out, "-q"], capsys)[0] == 0
+    code, _, err = run(["pack", write(tmp_path, "fp8-tensor"), out, "--overwrite", "-q"], capsys)
+    assert code == 0, err
+    assert packed.load_packed(str(out)).quant_algo == "FP8" and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("point", ["between moving the old aside and the new in (3-4)", "old aside, new lost"])
+def test_an_interrupted_swap_of_a_long_name_is_recovered_from_its_name_file(tmp_path, capsys, point):
+    """A 255-byte name's work names are abbreviated; the dead process's `.name` file gives the target back."""
+    stages, _, expected = CRASH_POINTS[point]
+    versions = {"old": packed_folder(tmp_path / "v", "nvfp4", name="old"),
+                "new": packed_folder(tmp_path / "v", "fp8-tensor", name="new")}
+    work = tmp_path / "work"
+    os.makedirs(work)
+    name, pid = "x" * 255, dead_pid()
+    base = work / f".{atomic._work_stem(name)}.qpn-{pid}-abc123_x"
+    assert len(os.fsencode(base.name + ".name")) <= 255
+    for stage, content in stages.items():
+        _copy(versions[content], f"{base}.{stage}")
+    (work / f"{base.name}.name").write_text(name)
+    code, _, err = run(["pack", write(tmp_path, "nvfp4", name="unrelated"), work / "another"], capsys)
+    assert code == 0 and f"process {pid}" in err
+    assert sorted(os.listdir(work)) == ["another", name] and tree(work / name) == tree(versions[expected])
+
+
+def _mount(kind: str, target) -> None:
+    """A real mount (root in a mount namespace: this machine and its CI); a plain user cannot."""
+    args = ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(target)] if kind == "tmpfs" \
+        else ["mount", "--bind", str(target), str(target)]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount here ({done.stderr.strip()}): needs root in its own mount namespace")
+
+
+@POSIX
+@pytest.mark.parametrize("kind", ["tmpfs", "bind"])  # another disk; a folder of the same disk (a Docker volume)
+def test_an_empty_mount_point_is_filled_in_place(tmp_path, capsys, kind):
+    target = tmp_path / "volume"
+    os.makedirs(target)
+    _mount(kind, target)
+    try:
+        assert atomic.is_mount_point(str(target))
+        src = write(tmp_path, "nvfp4")
+        code, _, err = run(["pack", src, target, "-q"], capsys)
+        assert code == 0, err
+        assert atomic.is_mount_point(str(target)) and leftovers(target) == [] and leftovers(tmp_path) == []
+        assert packed.load_packed(str(target)).quant_algo == "NVFP4"
+        code, _, err = run(["pack", src, target, "--overwrite", "-q"], capsys)  # a mount point is never swapped
+        assert code == 2 and "is a mount point that is not empty" in err and "Traceback" not in err
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@POSIX
+def test_a_failed_fill_of_a_mount_point_leaves_it_empty(tmp_path, monkeypatch):
+    target = tmp_path / "volume"
+    os.makedirs(target)
+    _mount("tmpfs", target)
+    try:
+        real_rename = os.rename
+        renames = []
+
+        def fail_on_the_second_entry(a, b):
+            renames.append(b)
+            if len(renames) == 2:
+                raise OSError(errno.EIO, "Input/output error", b)
+            real_rename(a, b)
+
+        monkeypatch.setattr(atomic.os, "rename", fail_on_the_second_entry)
+        with pytest.raises(OSError, match="cannot write"):
+            packed.pack_checkpoint(write(tmp_path, "nvfp4", sharded=True), str(target))
+        assert os.listdir(target) == [] and len(renames) == 2
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
 
 
 # ----------------------------------------------------------------------------------------------
