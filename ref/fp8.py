@@ -119,28 +119,51 @@ def fp8_block_grid_4d(n: int, k: int) -> tuple[int, int, int, int]:
     return (rows, 1, cols, 1)
 
 
-def fp8_scale_granularity(weight_scale: npt.ArrayLike, n: int, k: int) -> str:
-    """Granularity of an fp32 FP8 scale for an [n, k] weight, from its shape alone.
+def _size_one(shape: tuple[int, ...], n: int, k: int) -> bool:
+    """A one-value scale shape: (), (1,), (1, 1), or ModelOpt's 4-D grid of a one-block weight."""
+    return shape in ((), (1,), (1, 1)) or shape == fp8_block_grid_4d(n, k) == (1, 1, 1, 1)
 
-    () or (1,) -> "tensor"; (n,) or (n, 1) -> "channel"; (ceil(n/128), ceil(k/128)) or ModelOpt's
-    (ceil(n/128), 1, ceil(k/128), 1) -> "block"; any other (1, 1) -> "tensor". Where two readings
-    fit (n == 1, or a single 128x128 block) they give the same scale map.
+
+def fp8_scale_granularity(weight_scale: npt.ArrayLike, n: int, k: int, granularity: str | None = None) -> str:
+    """Granularity of an fp32 FP8 scale for an [n, k] weight: `granularity` when given (the shape
+    must fit it, else ValueError), otherwise read from the shape.
+
+    Shapes: () or (1,) -> "tensor"; (n,) or (n, 1) -> "channel"; (ceil(n/128), ceil(k/128)) or
+    ModelOpt's (ceil(n/128), 1, ceil(k/128), 1) -> "block".
+
+    The single-value rule, the one rule of qpn for a scale that holds ONE value ((), (1,), (1, 1),
+    and (1, 1, 1, 1) for a one-block weight): it is the same weights at every granularity whose grid
+    has one cell - per tensor always, per channel when n == 1, 128x128 block when the weight is one
+    block (n <= 128, k <= 128). Unstated, it reads as "tensor" (the layout with the loosest
+    alignment). Stated, the statement wins: a layer a checkpoint config (FP8_PB_WO) or a caller
+    (`convert(..., fp8_granularity="block")`) calls block is block, in `qpn pack`, `pack_fp8`,
+    `QPNLinear.from_linear` and `qpn8_prepack` alike (QPN8's block layout: N padded to 128, K % 128).
     """
+    if granularity is not None and granularity not in FP8_GRANULARITIES:
+        raise ValueError(f"granularity must be None or one of {FP8_GRANULARITIES}, got {granularity!r}")
     shape = tuple(np.shape(weight_scale))  # the shape only: any array type (numpy, CuPy) will do
     block_shape = fp8_block_grid(n, k)
-    if shape in ((), (1,)):
-        return "tensor"
-    if shape in ((n,), (n, 1)):
-        return "channel"
-    if shape in (block_shape, fp8_block_grid_4d(n, k)):
-        return "block"
-    if shape == (1, 1):
-        return "tensor"
-    raise ValueError(
-        f"weight_scale has shape {shape}, which fits no FP8 granularity for a [{n}, {k}] weight; "
-        f"expected () / (1,) / (1, 1) for tensor, ({n},) or ({n}, 1) for channel, or {block_shape} for 128x128 block "
-        "scales (ceil(N/128), ceil(K/128)); check that the weight is stored [N, K], not transposed"
-    )
+    one_cell = {"tensor": True, "channel": n == 1, "block": block_shape == (1, 1)}
+    if _size_one(shape, n, k):
+        inferred = "tensor"
+        fits = granularity is None or one_cell[granularity]
+    elif shape in ((n,), (n, 1)):
+        inferred, fits = "channel", granularity in (None, "channel")
+    elif shape in (block_shape, fp8_block_grid_4d(n, k)):
+        inferred, fits = "block", granularity in (None, "block")
+    else:
+        raise ValueError(
+            f"weight_scale has shape {shape}, which fits no FP8 granularity for a [{n}, {k}] weight; "
+            f"expected () / (1,) / (1, 1) for tensor, ({n},) or ({n}, 1) for channel, or {block_shape} for 128x128 "
+            "block scales (ceil(N/128), ceil(K/128)); check that the weight is stored [N, K], not transposed"
+        )
+    if not fits:
+        raise ValueError(
+            f"weight_scale has shape {shape}, which does not fit granularity {granularity!r} for a [{n}, {k}] "
+            f"weight (it reads as {inferred!r}); expected () / (1,) / (1, 1) for tensor, ({n},) or ({n}, 1) for "
+            f"channel, or {block_shape} for 128x128 block scales"
+        )
+    return granularity or inferred
 
 
 def fp8_scale_map(weight_scale: np.ndarray, n: int, k: int) -> np.ndarray:

@@ -16,13 +16,15 @@ Alignment: channel / tensor scales need N % 32 == 0 and K % 16 == 0; 128x128 blo
 N % 128 == 0 and K % 128 == 0. The code permutation is the QPN2 one with 1-byte elements (16-byte
 units gathered by the tile transpose, then two in-place delta swaps inside every 8 bytes).
 
-Scale input (`qpn8_prepack`'s weight_scale, float32), the granularity read from the shape:
+Scale input (`qpn8_prepack`'s weight_scale, float32), the granularity read from the shape
+(ref/fp8.py, `fp8_scale_granularity`, the one rule of qpn):
 - size 1 ((), (1,), (1, 1)): per tensor, broadcast to every channel -> [1, N] layout;
 - (N,) or (N, 1): per channel -> [1, N];
-- (N/128, K/128): 128x128 block -> [K/128, N/32].
-The only shape that two readings share is a single 128x128 block of a 128x128 weight ((1, 1));
-it is read as per tensor (identical weights either way) unless `granularity="block"` is passed.
+- (N/128, K/128) (or ModelOpt's (N/128, 1, K/128, 1)): 128x128 block -> [K/128, N/32].
 `granularity=` ("tensor" | "channel" | "block") may always be given; the shape must then fit it.
+A single 128x128 block (a one-value scale of a 128x128 weight) is numerically a per-tensor scale:
+it reads as per tensor unless `granularity="block"` states it, and a stated block stays a block
+(the [K/128, N/32] layout, the same S16 in every cell), whatever its size-1 shape.
 
 Numerics policy
 - S16 = RN16(256 * s): 256 * s is exact in float64, then one RNE cast to fp16 (subnormal S16
@@ -71,25 +73,11 @@ _U64 = np.dtype("<u8")
 def qpn8_scale_granularity(weight_scale: npt.ArrayLike, n: int, k: int, granularity: str | None = None) -> str:
     """The granularity QPN8 reads from a float32 scale of an [n, k] weight (module docstring).
 
-    The shape decides (`fp8_scale_granularity`), except that a size-1 scale reads as per tensor
-    unless `granularity="block"` claims it. With `granularity` given, checks that the shape fits
-    it and returns it. Also applies the QPN8 alignment rules (channel / tensor: N % 32, K % 16;
-    block: N % 128, K % 128).
+    `fp8_scale_granularity`'s rule, single-value scales included (per tensor unless `granularity`
+    states another granularity that has one cell, e.g. "block" for a one-block weight), plus the
+    QPN8 alignment rules (channel / tensor: N % 32, K % 16; block: N % 128, K % 128).
     """
-    if granularity is not None and granularity not in QPN8_GRANULARITIES:
-        raise ValueError(f"granularity must be None or one of {QPN8_GRANULARITIES}, got {granularity!r}")
-    shape = tuple(np.shape(weight_scale))
-    inferred = fp8_scale_granularity(weight_scale, n, k)
-    if inferred == "block" and shape == (1, 1):
-        inferred = "tensor"  # one value either way; per tensor needs only QPN8's 32 x 16 alignment
-    block_shape = fp8_block_grid(n, k)
-    if granularity is not None and granularity != inferred and not (granularity == "block" and shape == block_shape):
-        raise ValueError(
-            f"weight_scale has shape {shape}, which does not fit granularity {granularity!r} for a [{n}, {k}] "
-            f"weight (it reads as {inferred!r}); expected () / (1,) / (1, 1) for tensor, ({n},) or ({n}, 1) for "
-            f"channel, or {block_shape} for 128x128 block scales"
-        )
-    granularity = granularity or inferred
+    granularity = fp8_scale_granularity(weight_scale, n, k, granularity)
     weight_format(QPN8.format, granularity).require_dims(n, k)
     return granularity
 

@@ -230,7 +230,7 @@ SCALE_GRANULARITY_CASES = [
     ((1,), 4, 8, "tensor"),
     ((4,), 4, 8, "channel"),
     ((4, 1), 4, 8, "channel"),
-    ((1, 1), 4, 8, "block"),
+    ((1, 1), 4, 8, "tensor"),  # one value: per tensor unless a granularity is stated (the single-value rule)
     ((3, 2), 300, 129, "block"),
 ]
 
@@ -238,6 +238,13 @@ SCALE_GRANULARITY_CASES = [
 @pytest.mark.parametrize("shape, n, k, expected", SCALE_GRANULARITY_CASES)
 def test_scale_granularity_from_shape(shape, n, k, expected):
     assert fp8_scale_granularity(np.ones(shape, np.float32), n, k) == expected
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1), (1, 1, 1, 1)])
+def test_a_stated_single_block_stays_block(shape):
+    assert fp8_scale_granularity(np.ones(shape, np.float32), 4, 8, "block") == "block"
+    with pytest.raises(ValueError, match="does not fit granularity 'block'"):
+        fp8_scale_granularity(np.ones((1, 1), np.float32), 200, 8, "block")  # two blocks: one value cannot be a grid
 
 
 def test_dequantize_channel_n_by_1_equals_n():

@@ -61,6 +61,9 @@ def convert(model: nn.Module, format: str = "nvfp4", skip: Sequence[str] = (), *
     skip: module names or fnmatch patterns ("*.pooler.dense", "lm_head") to leave alone.
     Output features need no alignment (QPNLinear pads and crops). Each new layer lives on the
     old layer's device; weights are quantized on the host.
+    All or nothing: every new layer is built before the first one replaces its nn.Linear, so an
+    exception (anything but a ValueError, which skips that layer with its reason) leaves the model
+    as it was. The peak memory is the model plus its quantized layers.
     Returns [(module name, reason)] for every nn.Linear (or subclass) that was left as it was.
     """
     if format not in FORMAT_NAMES:
@@ -68,6 +71,7 @@ def convert(model: nn.Module, format: str = "nvfp4", skip: Sequence[str] = (), *
     if isinstance(skip, str):
         skip = (skip,)
     skipped: list[tuple[str, str]] = []
+    new_layers: dict[str, QPNLinear] = {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
@@ -79,12 +83,13 @@ def convert(model: nn.Module, format: str = "nvfp4", skip: Sequence[str] = (), *
             skipped.append((name, f"{type(module).__name__} is a subclass of nn.Linear; its owner may read .weight"))
         else:
             try:
-                new = QPNLinear.from_linear(module, format, fp8_granularity=fp8_granularity)
+                new_layers[name] = QPNLinear.from_linear(module, format, fp8_granularity=fp8_granularity)
             except ValueError as exc:
                 skipped.append((name, str(exc)))
-                continue
-            parent, attr = _parent_and_attr(model, name)
-            setattr(parent, attr, new)
+    # ---- every layer is built or skipped with its reason: only now does the model change
+    for name, new in new_layers.items():
+        parent, attr = _parent_and_attr(model, name)
+        setattr(parent, attr, new)
     return skipped
 
 

@@ -163,36 +163,32 @@ def pack_nvfp4(weight_packed: ArrayIn, weight_scale: ArrayIn, global_scale: Scal
 
 def pack_fp8(weight: ArrayIn, weight_scale: ScaleIn, granularity: str | None = None) -> PackedWeight:
     """FP8 (e4m3 weight [N, K], float32 MULTIPLIER scale per tensor / channel / 128x128 block)
-    -> PackedWeight on weight's device. granularity: None reads it from the scale's shape
-    (qpn.ref.qpn8_scale_granularity; a (1, 1) grid is read as per tensor - same weights)."""
+    -> PackedWeight on weight's device. granularity: None reads it from the scale's shape. The
+    rule is qpn.ref.fp8_scale_granularity's, for one-value scales too: unstated, a size-1 scale is
+    per tensor; a stated "block" of a one-block weight stays block (N padded to 128, group_scales
+    [1, N_pad/32]), the buffers `qpn pack` writes for it."""
     w = _e4m3_bits("weight", weight)
     device = w.device
     s = _float32("weight_scale", weight_scale, device)
     if w.dim() != 2 or w.shape[0] == 0 or w.shape[1] == 0:
         raise ValueError(f"weight must be 2-D [N, K] with N, K >= 1, got shape {tuple(w.shape)}")
     n, k = int(w.shape[0]), int(w.shape[1])
-    if granularity is None:  # qpn8's shape rule: any size-1 scale (a (1, 1) grid too) is per tensor
-        granularity = "tensor" if s.numel() == 1 else \
-            ref.fp8_scale_granularity(s, n, k)
-    if granularity not in FP8_GRANULARITIES:
-        raise ValueError(f"granularity must be one of {FP8_GRANULARITIES} or None, got {granularity!r}")
-    if granularity == "block" and s.numel() == 1:  # one block (ModelOpt writes it 0-d): the same weights per tensor
-        granularity = "tensor"
+    granularity = ref.fp8_scale_granularity(s, n, k, granularity)  # the shape only; N is padded below
     wf = weight_format(QPN8.format, granularity)
     _require_k("K", k, wf)
     n_pad = wf.padded_n(n)  # block scales: the scale grid already has ceil(N/128) rows
     if wf is QPN8_BLOCK:
-        s_pad = s.reshape(fp8_block_grid(n, k))  # ModelOpt's [N/128, 1, K/128, 1] holds the same values
+        s_pad = s.reshape(fp8_block_grid(n, k))  # ModelOpt's [N/128, 1, K/128, 1] (or 0-d) holds the same values
+    elif granularity == "tensor":
+        s_pad = s.reshape(())
     else:
-        if granularity == "tensor":
-            if s.numel() != 1:
-                raise ValueError(f"a per-tensor weight_scale must hold one value, got shape {tuple(s.shape)}")
-            s_pad = s.reshape(())
-        else:
-            if s.numel() != n:
-                raise ValueError(f"a per-channel weight_scale must hold N = {n} values, got shape {tuple(s.shape)}")
-            s_pad = _pad_rows(s.reshape(n), n_pad, wf.pad_scale)
+        s_pad = _pad_rows(s.reshape(n), n_pad, wf.pad_scale)
     codes, group_scales = torch.ops.qpn.fp8_prepack(_pad_rows(w, n_pad, wf.pad_code), s_pad.contiguous())
+    block_shape = wf.buffer("group_scales").shape(n_pad, k)
+    if wf is QPN8_BLOCK and tuple(group_scales.shape) != block_shape:
+        # One block: the op reads a (1, 1) grid by its shape, per tensor ([1, N_pad]); the codes do not
+        # depend on the granularity, and the block layout holds that same S16 in each of its cells.
+        group_scales = group_scales[:, :1].expand(block_shape).contiguous()
     return PackedWeight(wf.format, codes, group_scales, None, k, n)
 
 
