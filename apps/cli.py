@@ -9,13 +9,13 @@
 PATH is an original checkpoint folder or a packed one (`qpn pack` output, see checkpoints/packed.py).
 Every command takes -q/--quiet (no progress bars; bars are also off when stderr is not a terminal).
 
-Exit codes: 0 success; 1 a check failed (verify found a mismatch, the demo's parity is off);
-2 bad input (wrong arguments, a missing folder, a folder that is not a checkpoint, a layer that
-cannot be packed, an output folder qpn may not replace) - reported as one clear message, never a
-traceback; 3 the machine lacks what the command needs (`qpn bench` without a CUDA GPU, `qpn demo
---device cuda` without one, the demo's model package missing); 128 + the signal when stopped:
-130 Ctrl-C (SIGINT), 143 SIGTERM, 129 SIGHUP - each removes the temporary folder of a write in
-progress first; 141 when the reader of stdout went away (`qpn verify ... | head`: stops at the
+Exit codes: 0 success; 1 a check failed (verify found a mismatch, the demo's parity is off); 2 bad
+input (wrong arguments, a missing folder, a folder that is not a checkpoint or holds no quantized
+layer, a layer that cannot be packed, an output folder qpn may not replace) - reported as one clear
+message, never a traceback; 3 the machine lacks what the command needs (`qpn bench` without a CUDA
+GPU, `qpn demo --device cuda` without one, the demo's model package missing); 128 + the signal when
+stopped: 130 Ctrl-C (SIGINT), 143 SIGTERM, 129 SIGHUP - each removes the temporary folder of a write
+in progress first; 141 when the reader of stdout went away (`qpn verify ... | head`: stops at the
 next line, quietly, as a CLI killed by SIGPIPE would).
 """
 
@@ -225,12 +225,33 @@ def _scale_summary(values: np.ndarray) -> str:
     return f"{lo:.6g}" if lo == hi else f"{lo:.4g}..{hi:.4g}"
 
 
+def require_quantized_layers(source: Source) -> None:
+    """UsageError (exit 2) for a folder with no quantized layer: `inspect` / `verify` would report
+    "0 of 0 layers ok" for something that is not a usable quantized checkpoint."""
+    if source.layer_names:
+        return
+    c = source.checkpoint
+    if isinstance(c, packing.PackedCheckpoint):
+        raise UsageError(f"{source.path}: no quantized layer: looked for the layers its {packing.MANIFEST_FILE} "
+                         "lists, found none listed; pack the original checkpoint again")
+    quantization_config = "config.json quantization_config" if "quantization_config" in c.config else \
+        "hf_quant_config.json"
+    fix = "point qpn at the quantized export (ModelOpt / compressed-tensors weights next to their config)"
+    if any(name.endswith(f".{packing.CODES}") for name in c.tensors):
+        fix = (f"its *.{packing.CODES} tensors are qpn pack's: this is a packed folder whose "
+               f"{packing.MANIFEST_FILE} is missing - pack the original checkpoint again")
+    raise UsageError(f"{source.path}: no quantized layer: looked for quantized linears as {quantization_config} "
+                     f"({c.format} {c.quant_algo}) describes them, found {plural(len(c.tensors), 'tensor')}, none "
+                     f"quantized; {fix}")
+
+
 # ----------------------------------------------------------------------------------------------
 # qpn inspect
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     source = open_source(args.path)
+    require_quantized_layers(source)
     c = source.checkpoint
     rows = []
     quantized_bytes = 0
@@ -662,6 +683,7 @@ def _parse_ms(text: str) -> tuple[int, ...]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     source = open_source(args.path, check_values=False)  # a bad value is reported as its layer's failure
+    require_quantized_layers(source)
     backends = Backends.find()
     table = VerifyTable(source, args.upstream)
     print("\n".join(verify_report_head(source, backends, args.m) + table.head()), flush=True)

@@ -8,7 +8,8 @@
 - `load_quantized(model, checkpoint)` puts the quantized linears of a ModelOpt /
   compressed-tensors checkpoint (read and validated by qpn.ref.load_checkpoint) into the model
   as QPNLinear layers - checkpoint layer names are module paths - and copies every other
-  checkpoint tensor into the parameter or buffer of the same name. A folder written by
+  checkpoint tensor into the parameter or buffer of the same name. A load that quantizes nothing
+  or leaves model tensors unfilled is an error unless `allow_partial=True`. A folder written by
   `qpn pack` (checkpoints/packed.py) is read with qpn.checkpoints.packed.load_packed and its QPN2 / QPN8 buffers go
   into the QPNLinear layers as they are, without a second prepack.
 """
@@ -225,8 +226,26 @@ def _recomputed_buffers(model: nn.Module, names: list[str], slots: dict[str, _Sl
     return values
 
 
+def _first_names(names: Sequence[str]) -> str:
+    return f"{list(names[:8])}{f' and {len(names) - 8} more' if len(names) > 8 else ''}"
+
+
+def _nothing_quantized(checkpoint: Loaded) -> str:
+    """What load_quantized looked for and found when a checkpoint has no quantized layer, and the fix."""
+    if isinstance(checkpoint, packed.PackedCheckpoint):
+        looked, found = f"the layers {packed.MANIFEST_FILE} lists", "none listed"
+    else:
+        looked = f"quantized linears as its config describes them ({checkpoint.format} {checkpoint.quant_algo})"
+        found = f"{len(checkpoint.tensors)} tensors, none quantized"
+        if any(name.endswith(".qpn_codes") for name in checkpoint.tensors):
+            found += f" (its *.qpn_codes tensors are qpn pack's: a packed folder without its {packed.MANIFEST_FILE})"
+    return (f"the checkpoint holds no quantized layer: looked for {looked}, found {found}; every nn.Linear of the "
+            "model would keep its own weights - load the ModelOpt / compressed-tensors export or a complete "
+            "`qpn pack` folder, or pass allow_partial=True to copy the other tensors anyway")
+
+
 def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool = False,
-                   device: Device = None) -> LoadReport:
+                   allow_partial: bool = False, device: Device = None) -> LoadReport:
     """Fill `model` from a quantized checkpoint, in place; all or nothing.
 
     checkpoint: a folder path (read with qpn.ref.load_checkpoint, or qpn.checkpoints.packed.load_packed for a
@@ -244,12 +263,22 @@ def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool =
     ValueError naming it.
 
     Everything is read, validated and built before the model changes: on any error the model is
-    as it was. strict=True raises ValueError if a checkpoint tensor has no place in the model or
-    a `model.state_dict()` entry (non-persistent buffers are not in it) was not filled.
+    as it was. A load that would leave the model partly as it was is refused with a ValueError:
+    a checkpoint with no quantized layer, or a `model.state_dict()` entry that the checkpoint does
+    not fill (parameters and persistent buffers; non-persistent buffers are not in state_dict, tied
+    names count as filled through any one of them, replaced linears' own tensors do not count).
+    allow_partial=True accepts both and returns the report (its `missing` names what kept the
+    model's values). strict=True also refuses checkpoint tensors that have no place in the model
+    (`unexpected`); it cannot be combined with allow_partial=True.
     """
+    if strict and allow_partial:
+        raise ValueError("load_quantized(strict=True, allow_partial=True): strict refuses what allow_partial "
+                         "accepts (model tensors the checkpoint does not fill); pass one of them")
     checkpoint = _read_checkpoint(checkpoint)
     device = torch.device(device) if device is not None else None
     new_linears, consumed = _new_linears(model, checkpoint, device)
+    if not new_linears and not allow_partial:
+        raise ValueError(_nothing_quantized(checkpoint))
     slots = _slots(model, list(new_linears))
     aliases: dict[int, list[str]] = {}  # one tensor under several names (tied weights)
     for name, slot in slots.items():
@@ -274,9 +303,9 @@ def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool =
     on_meta = sorted(name for name, slot in slots.items() if name not in filled and _tensor(slot).is_meta)
     stored_meta = [name for name in on_meta if name in state_names]
     if stored_meta:
-        raise ValueError(f"model tensors on the meta device that the checkpoint does not hold: {stored_meta[:8]}"
-                         f"{f' and {len(stored_meta) - 8} more' if len(stored_meta) > 8 else ''}; their values exist "
-                         "nowhere - build those parts off meta or load a checkpoint that has them")
+        raise ValueError(f"model tensors on the meta device that the checkpoint does not hold: "
+                         f"{_first_names(stored_meta)}; their values exist nowhere - build those parts off meta or "
+                         "load a checkpoint that has them")
     meta_device = device if device is not None else torch.device("cpu")
     computed = _recomputed_buffers(model, on_meta, slots, meta_device)
 
@@ -285,6 +314,11 @@ def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool =
     if strict and (report.unexpected or report.missing):
         raise ValueError(f"load_quantized(strict=True): unexpected checkpoint tensors {report.unexpected}, "
                          f"model tensors not in the checkpoint {report.missing}")
+    if missing and not allow_partial:
+        raise ValueError(f"{len(missing)} model tensors are not in the checkpoint and would keep the model's own "
+                         f"(e.g. random) values: {_first_names(missing)}; load a checkpoint that holds them (or the "
+                         "model they were saved from), or pass allow_partial=True to keep the model's values there "
+                         "(the report lists them as missing)")
 
     # ---- every check passed: change the model
     for name, module in new_linears.items():
