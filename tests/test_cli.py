@@ -395,17 +395,14 @@ def test_load_quantized_reads_a_packed_folder_as_the_original(packed_pair, kind)
     report_original = load_quantized(from_original, original)
     report_packed = load_quantized(from_packed, out)
     assert report_packed == report_original and len(report_packed.quantized) == len(KINDS[kind][2])
-    for name, layer_format, n, k in KINDS[kind][2]:
+    for name, _, _, k in KINDS[kind][2]:
         a, b = from_original.get_submodule(name), from_packed.get_submodule(name)
         assert isinstance(b, QPNLinear)
         assert torch.equal(a.codes, b.codes)  # pad rows included: pack pads as QPNLinear does
         assert torch.equal(a.dequantized_weight().view(torch.int16), b.dequantized_weight().view(torch.int16))
-        if not (layer_format == "block" and (n, k) == (128, 128)):
-            # (a single 128x128 block scale: QPNLinear reads the (1, 1) grid as per tensor - [1, N]
-            # group scales - where pack keeps the block layout [1, N/32]; the same weights either way)
-            assert a.state_dict().keys() == b.state_dict().keys()
-            for key, value in a.state_dict().items():
-                assert torch.equal(value, b.state_dict()[key]), key
+        assert a.state_dict().keys() == b.state_dict().keys()  # a single 128x128 block too: block layout both ways
+        for key, value in a.state_dict().items():
+            assert torch.equal(value, b.state_dict()[key]), key
         x = torch.randn(3, k, dtype=torch.float16, generator=torch.Generator().manual_seed(1))
         assert torch.equal(a(x), b(x))
     assert torch.equal(from_packed.model.norm.weight, from_original.model.norm.weight)
