@@ -3,7 +3,9 @@
 A checkpoint is a folder: `config.json` (its `quantization_config`) and/or the older ModelOpt
 `hf_quant_config.json`, plus `model.safetensors` or shards listed in
 `model.safetensors.index.json` ("weight_map": tensor -> file). Tensors are read with
-`safetensors_io` (memory-mapped: loading a large checkpoint copies nothing).
+`safetensors_io` (memory-mapped: loading a large checkpoint copies nothing). `open_checkpoint`
+is the other way in, for a reader that must survive a file changing under it (`qpn pack`):
+the same checks, the structure first, then one layer at a time, by file reads.
 
 Data model (frozen dataclasses; arrays are numpy, e4m3 travels as uint8 bit patterns):
 
@@ -97,7 +99,7 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, NoReturn, TypeVar, overload
+from typing import Any, Literal, NamedTuple, NoReturn, Protocol, TypeVar, overload
 
 import numpy as np
 
@@ -106,7 +108,15 @@ from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES, QPN2, QPN8  # the first 
 from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from ..ref.geometry import GROUP_K, TILE_N
 from .atomic import atomic_folder, require_writable_target, write_json
-from .safetensors_io import StoredTensor, as_stored_tensor, read_safetensors, read_safetensors_header, write_safetensors
+from .safetensors_io import (
+    SafetensorsFile,
+    StoredTensor,
+    TensorInfo,
+    as_stored_tensor,
+    read_safetensors,
+    read_safetensors_header,
+    write_safetensors,
+)
 
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
@@ -625,9 +635,38 @@ def _plan_from_configs(config: Mapping | None, config_path: str, hf_quant_config
 # tensors -> linears (shared by load and save)
 
 
-def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], plan: _Plan,
-              config: Mapping, hf_quant_config: Mapping | None) -> Checkpoint:
-    """Group tensors into linears, validate everything against the plan, return the Checkpoint."""
+class _TensorMeta(Protocol):  # what the structural checks read of a tensor: a StoredTensor or a header entry
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How one quantized linear is built from its tensors: what `_structure` checked, before any value is read."""
+
+    prefix: str
+    nvfp4: bool
+    ct: bool  # compressed-tensors: reciprocal global / input scales
+    names: dict[str, str]  # role -> tensor name (FP8 also: "granularity" / "scale_name" -> its scale, for errors)
+    granularity: str | None = None  # FP8
+    scale_name: str | None = None  # FP8
+
+    @property
+    def tensors(self) -> list[str]:
+        """The names of the layer's tensors."""
+        return [name for role, name in self.names.items() if role not in ("granularity", "scale_name")]
+
+
+def _structure(stored: Mapping[str, _TensorMeta], file_of: Mapping[str, str], plan: _Plan,
+               on_layer: Callable[[_Recipe], None] = lambda _: None) -> tuple[dict[str, _Recipe], list[str]]:
+    """Group tensors into linears by names, dtypes and shapes and check them against the plan (no value is read).
+
+    Returns ({layer: recipe}, names of the other tensors in `stored` order); `on_layer(recipe)` runs
+    as each layer's structure is checked (the eager loader builds the layer there, so errors come
+    in the same order as ever).
+    """
 
     def fail(tensor: str, message: str) -> NoReturn:
         raise CheckpointError(file_of[tensor], tensor, message)
@@ -656,13 +695,6 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
             fail(weight_name, f"layer {prefix!r} is stored as {kind} but {plan.source} says {algo}")
         return algo
 
-    def build(cls: type[_LinearT], prefix: str, names: dict[str, str], **fields: Any) -> _LinearT:
-        try:
-            return cls(name=prefix, **fields)
-        except _FieldError as exc:
-            tensor = names.get(exc.role, next(iter(names.values())))
-            raise CheckpointError(file_of[tensor], tensor, str(exc)) from None
-
     ct = plan.format == "compressed-tensors"
     foreign = ("weight_scale_2", "weight_scale_inv") if ct else ("weight_packed", "weight_global_scale",
                                                                   "input_global_scale")
@@ -684,7 +716,7 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
                 suffix == "weight" and tensor.dtype in ("U8", "F8_E4M3")):
             candidates.add(prefix)
 
-    linears: dict[str, NVFP4Linear | FP8Linear] = {}
+    recipes: dict[str, _Recipe] = {}
     consumed: set[str] = set()
     for prefix in sorted(candidates):
         present = next(f"{prefix}.{s}" for s in _LINEAR_SUFFIXES if f"{prefix}.{s}" in stored)
@@ -712,19 +744,7 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
             if f"{prefix}.{layout['input_scale']}" in stored:
                 names["input_scale"] = require(prefix, layout["input_scale"], "F32", present)
             expect(prefix, "NVFP4", names["weight_packed"])
-            arrays = {role: stored[name].array for role, name in names.items()}
-            if ct:  # reciprocal -> multiplier: one correctly rounded fp32 division
-                for role in ("global_scale", "input_scale"):
-                    if role in arrays:
-                        raw = arrays[role]
-                        if raw.size != 1 or raw.ndim > 1 or not (np.isfinite(raw).all() and (raw > 0).all()):
-                            fail(names[role], f"must be one finite fp32 value > 0 (compressed-tensors stores the "
-                                              f"reciprocal scale, e.g. 2688/amax), got shape {raw.shape}, "
-                                              f"values {raw.reshape(-1)[:4]}")
-                        arrays[role] = np.float32(1) / raw.reshape(())
-            linears[prefix] = build(NVFP4Linear, prefix, names, weight_packed=arrays["weight_packed"],
-                                    weight_scale=arrays["weight_scale"], global_scale=arrays["global_scale"],
-                                    input_scale=arrays.get("input_scale"))
+            recipe = _Recipe(prefix, True, ct, names)
         else:  # ModelOpt FP8
             stray(prefix, "weight_scale_2", "FP8")
             scale_names = [s for s in _FP8_SCALE_NAMES if f"{prefix}.{s}" in stored]
@@ -740,37 +760,83 @@ def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], pl
                 names["input_scale"] = require(prefix, "input_scale", "F32", present)
             names["granularity"] = names["scale_name"] = names["weight_scale"]
             algo = expect(prefix, "FP8", names["weight"])
-            linears[prefix] = build(FP8Linear, prefix, names, weight=stored[names["weight"]].array,
-                                    weight_scale=stored[names["weight_scale"]].array,
-                                    granularity=FP8_GRANULARITY_OF_ALGO[algo],
-                                    input_scale=stored[names["input_scale"]].array if "input_scale" in names else None,
-                                    scale_name=scale_names[0])
-        consumed.update(v for k, v in names.items() if k not in ("granularity", "scale_name"))
+            recipe = _Recipe(prefix, False, ct, names, FP8_GRANULARITY_OF_ALGO[algo], scale_names[0])
+        recipes[prefix] = recipe
+        on_layer(recipe)
+        consumed.update(recipe.tensors)
 
-    tensors = {name: tensor for name, tensor in stored.items() if name not in consumed}
-    for name, tensor in sorted(tensors.items()):
+    rest = [name for name in stored if name not in consumed]
+    for name in sorted(rest):
         prefix, _, suffix = name.rpartition(".")
-        if prefix and suffix == "weight" and len(tensor.shape) == 2:
+        if prefix and suffix == "weight" and len(stored[name].shape) == 2:
             planned, explicit = plan.algo_for(prefix)
             if planned is not None and explicit:
                 fail(name, f"{plan.source} says layer {prefix!r} is quantized ({planned}) but it is stored unquantized "
-                           f"({tensor.dtype}); fix the config or re-export the weights")
+                           f"({stored[name].dtype}); fix the config or re-export the weights")
     for entry in plan.explicit_entries():
         if entry not in plan.used:
             raise _config_error(plan.source, entry, f"the config lists layer {entry!r} as quantized but the "
                                                     "checkpoint holds no tensors for it (missing shard or wrong name?)")
-    return Checkpoint(plan.format, plan.quant_algo, linears, tensors, dict(config or {}),
-                      dict(hf_quant_config) if hf_quant_config is not None else None)
+    return recipes, rest
+
+
+def _build(recipe: _Recipe, array_of: Callable[[str], np.ndarray], file_of: Mapping[str, str]
+           ) -> NVFP4Linear | FP8Linear:
+    """The linear of `recipe`, its arrays from `array_of(tensor name)`; the value checks run here (CheckpointError)."""
+    names, prefix = recipe.names, recipe.prefix
+
+    def build(cls: type[_LinearT], **fields: Any) -> _LinearT:
+        try:
+            return cls(name=prefix, **fields)
+        except _FieldError as exc:
+            tensor = names.get(exc.role, next(iter(names.values())))
+            raise CheckpointError(file_of[tensor], tensor, str(exc)) from None
+
+    if recipe.nvfp4:
+        arrays = {role: array_of(name) for role, name in names.items()}
+        if recipe.ct:  # reciprocal -> multiplier: one correctly rounded fp32 division
+            for role in ("global_scale", "input_scale"):
+                if role in arrays:
+                    raw = arrays[role]
+                    if raw.size != 1 or raw.ndim > 1 or not (np.isfinite(raw).all() and (raw > 0).all()):
+                        raise CheckpointError(file_of[names[role]], names[role],
+                                              f"must be one finite fp32 value > 0 (compressed-tensors stores the "
+                                              f"reciprocal scale, e.g. 2688/amax), got shape {raw.shape}, "
+                                              f"values {raw.reshape(-1)[:4]}")
+                    arrays[role] = np.float32(1) / raw.reshape(())
+        return build(NVFP4Linear, weight_packed=arrays["weight_packed"], weight_scale=arrays["weight_scale"],
+                     global_scale=arrays["global_scale"], input_scale=arrays.get("input_scale"))
+    return build(FP8Linear, weight=array_of(names["weight"]), weight_scale=array_of(names["weight_scale"]),
+                 granularity=recipe.granularity,
+                 input_scale=array_of(names["input_scale"]) if "input_scale" in names else None,
+                 scale_name=recipe.scale_name)
+
+
+def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], plan: _Plan,
+              config: Mapping, hf_quant_config: Mapping | None) -> Checkpoint:
+    """Group tensors into linears, validate everything against the plan, return the Checkpoint."""
+    linears: dict[str, NVFP4Linear | FP8Linear] = {}
+
+    def build(recipe: _Recipe) -> None:
+        linears[recipe.prefix] = _build(recipe, lambda name: stored[name].array, file_of)
+
+    _, rest = _structure(stored, file_of, plan, build)
+    return Checkpoint(plan.format, plan.quant_algo, linears, {name: stored[name] for name in rest},
+                      dict(config or {}), dict(hf_quant_config) if hf_quant_config is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------
 # load
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def _read_json(path: str, raw: dict[str, bytes] | None = None) -> dict[str, Any]:
+    """The JSON object in `path`; `raw`, if given, also receives the bytes read, under the file's name."""
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
+        value = json.loads(data.decode("utf-8"))
+        if raw is not None:
+            raw[os.path.basename(path)] = data
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(path, None, f"is not valid UTF-8 JSON ({exc})") from None
     if not isinstance(value, dict):
@@ -778,11 +844,12 @@ def _read_json(path: str) -> dict[str, Any]:
     return value
 
 
-def _weight_files(folder: str) -> tuple[list[str], dict[str, str] | None, str | None]:
+def _weight_files(folder: str, raw: dict[str, bytes] | None = None
+                  ) -> tuple[list[str], dict[str, str] | None, str | None]:
     """(files to read, weight_map or None, index path or None)."""
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.exists(index_path):
-        index = _read_json(index_path)
+        index = _read_json(index_path, raw)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(index_path, "weight_map", "must be a non-empty object {tensor name: file name}")
@@ -797,26 +864,29 @@ def _weight_files(folder: str) -> tuple[list[str], dict[str, str] | None, str | 
     raise CheckpointError(folder, None, f"holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True) -> Checkpoint:
-    """Load and validate the checkpoint folder `path` (see the module docstring for the rules).
-
-    mmap=True (default) keeps arrays as read-only views of memory-mapped files.
-    """
-    folder = os.fspath(path)
+def _configs(folder: str, raw: dict[str, bytes] | None = None) -> tuple[dict | None, dict | None, _Plan]:
+    """(config.json, hf_quant_config.json, the plan they give) of a checkpoint folder."""
     if not os.path.isdir(folder):
         raise CheckpointError(folder, None, "is not a folder; pass the checkpoint directory")
     config_path = os.path.join(folder, CONFIG_FILE)
     hf_path = os.path.join(folder, HF_QUANT_CONFIG_FILE)
-    config = _read_json(config_path) if os.path.exists(config_path) else None
-    hf_quant_config = _read_json(hf_path) if os.path.exists(hf_path) else None
-    plan = _plan_from_configs(config, config_path, hf_quant_config, hf_path, folder)
+    config = _read_json(config_path, raw) if os.path.exists(config_path) else None
+    hf_quant_config = _read_json(hf_path, raw) if os.path.exists(hf_path) else None
+    return config, hf_quant_config, _plan_from_configs(config, config_path, hf_quant_config, hf_path, folder)
 
-    files, weight_map, index_path = _weight_files(folder)
-    stored: dict[str, StoredTensor] = {}
+
+_T = TypeVar("_T")
+
+
+def _gather(folder: str, files: Sequence[str], weight_map: Mapping[str, str] | None, index_path: str | None,
+            entries: Callable[[str], Mapping[str, _T]]) -> tuple[dict[str, _T], dict[str, str]]:
+    """({tensor: entries(file path)[tensor]}, {tensor: file path}) over `files`: each tensor in one file, the
+    one the index maps it to, and every tensor of the index present."""
+    stored: dict[str, _T] = {}
     file_of: dict[str, str] = {}
     for file in files:
         file_path = os.path.join(folder, file)
-        for name, tensor in read_safetensors(file_path, mmap=mmap).tensors.items():
+        for name, tensor in entries(file_path).items():
             if name in stored:
                 raise CheckpointError(file_path, name, f"also stored in {file_of[name]}; a tensor may live in one file")
             if weight_map is not None and weight_map.get(name) != file:
@@ -829,7 +899,121 @@ def load_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True) -> Check
             if name not in stored:
                 raise CheckpointError(os.path.join(folder, file), name, f"is listed in {index_path} but missing "
                                                                         "from this file; the shard is incomplete")
+    return stored, file_of
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True) -> Checkpoint:
+    """Load and validate the checkpoint folder `path` (see the module docstring for the rules).
+
+    mmap=True (default) keeps arrays as read-only views of memory-mapped files. (A reader that
+    must survive a file being truncated under it opens the folder with `open_checkpoint`.)
+    """
+    folder = os.fspath(path)
+    config, hf_quant_config, plan = _configs(folder)
+    files, weight_map, index_path = _weight_files(folder)
+    stored, file_of = _gather(folder, files, weight_map, index_path,
+                              lambda file_path: read_safetensors(file_path, mmap=mmap).tensors)
     return _assemble(stored, file_of, plan, config or {}, hf_quant_config)
+
+
+class OpenCheckpoint:
+    """A checkpoint folder opened by `open_checkpoint`: checked for structure, read one layer or tensor at a time.
+
+    `linear(name)` and `tensor(name)` read with plain file reads (`SafetensorsFile`), never a
+    memory map, so memory holds what the caller keeps, and a file truncated or rewritten while it
+    is read is a SafetensorsError naming it (`require_unchanged()` checks every file at once);
+    never a SIGBUS. `linear(name)` runs the value checks of `load_checkpoint` on that layer.
+    `json_bytes` holds the bytes of the JSON files read (config.json, hf_quant_config.json, the
+    index), so a caller can copy and hash exactly what was validated. Close it (context manager).
+    """
+
+    def __init__(self, path: str, config: dict | None, hf_quant_config: dict | None, plan: _Plan,
+                 files: dict[str, SafetensorsFile], weight_map: dict[str, str] | None, json_bytes: dict[str, bytes],
+                 header_of: dict[str, TensorInfo], file_of: dict[str, str]) -> None:
+        self.path = path
+        self.format, self.quant_algo = plan.format, plan.quant_algo
+        self.config = dict(config or {})
+        self.hf_quant_config = dict(hf_quant_config) if hf_quant_config is not None else None
+        self.files = files  # file name -> the open file
+        self.weight_map = weight_map
+        self.json_bytes = json_bytes
+        self._header_of, self._file_of = header_of, file_of  # tensor -> header entry, file path
+        self._recipes, self.tensor_names = _structure(header_of, file_of, plan)
+        self.layer_names = sorted(self._recipes)
+
+    def file_of(self, tensor: str) -> str:
+        """The name of the file holding `tensor` (a layer's tensor or another one)."""
+        return os.path.basename(self._file_of[tensor])
+
+    def layer_file(self, layer: str) -> str:
+        """The name of the file holding the layer's weight."""
+        recipe = self._recipes[layer]
+        return self.file_of(recipe.names["weight_packed" if recipe.nvfp4 else "weight"])
+
+    def info(self, tensor: str) -> TensorInfo:
+        """Dtype tag, shape and offsets of `tensor` (from the header: nothing is read)."""
+        return self._header_of[tensor]
+
+    def tensor(self, name: str) -> StoredTensor:
+        """The tensor `name`, read now (a read-only array of its own)."""
+        return self.files[self.file_of(name)].read(name)
+
+    def linear(self, name: str, *, codes: bool = True) -> NVFP4Linear | FP8Linear:
+        """The quantized linear `name`, read now and checked as `load_checkpoint` checks it (CheckpointError).
+
+        codes=False skips an NVFP4 layer's codes (weight_packed), which no rule reads: it is then a
+        read-only zero-stride placeholder of the right shape - for checks only (unpackable_reason),
+        never for packing. An FP8 layer's codes are always read (NaN codes are an error).
+        """
+        recipe = self._recipes[name]
+        placeholder = recipe.names["weight_packed"] if recipe.nvfp4 and not codes else None
+
+        def array_of(tensor: str) -> np.ndarray:
+            if tensor == placeholder:
+                return np.broadcast_to(np.zeros((), np.uint8), self._header_of[tensor].shape)
+            return self.tensor(tensor).array
+
+        return _build(recipe, array_of, self._file_of)
+
+    def require_unchanged(self) -> None:
+        """Raise SafetensorsError naming the first file whose size or modification time changed since it was opened."""
+        for file in self.files.values():
+            file.require_unchanged()
+
+    def close(self) -> None:
+        for file in self.files.values():
+            file.close()
+
+    def __enter__(self) -> OpenCheckpoint:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> OpenCheckpoint:
+    """Open the checkpoint folder `path` for reading layer by layer (`OpenCheckpoint`).
+
+    Checks now what needs no tensor value: the configs, the index, every header, and the
+    structure `load_checkpoint` checks (names, dtypes, which tensors form which layer, the
+    config's agreement); the value checks run per layer, in `linear(name)`.
+    """
+    folder = os.fspath(path)
+    json_bytes: dict[str, bytes] = {}
+    config, hf_quant_config, plan = _configs(folder, json_bytes)
+    names, weight_map, index_path = _weight_files(folder, json_bytes)
+    files: dict[str, SafetensorsFile] = {}
+    try:
+        for file in names:
+            files[file] = SafetensorsFile(os.path.join(folder, file))
+        header_of, file_of = _gather(folder, names, weight_map, index_path,
+                                     lambda file_path: files[os.path.basename(file_path)].header.tensors)
+        return OpenCheckpoint(folder, config, hf_quant_config, plan, files, weight_map, json_bytes, header_of,
+                              file_of)
+    except BaseException:
+        for opened in files.values():
+            opened.close()
+        raise
 
 
 # ----------------------------------------------------------------------------------------------
@@ -998,5 +1182,6 @@ def save_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint, *, ove
 
 __all__ = [
     "CHECKPOINT_FORMATS", "Checkpoint", "CheckpointError", "FP8Linear", "FusedFP8", "FusedNVFP4", "NVFP4Linear",
-    "fp8_block_scale_shape", "fuse_fp8_shards", "fuse_nvfp4_shards", "load_checkpoint", "save_checkpoint",
+    "OpenCheckpoint", "fp8_block_scale_shape", "fuse_fp8_shards", "fuse_nvfp4_shards", "load_checkpoint",
+    "open_checkpoint", "save_checkpoint",
 ]

@@ -36,6 +36,12 @@ Data is returned as read-only views of one `np.memmap` of the file (`mmap=True`,
 nothing is copied, a 100+ MB file "reads" in microseconds) or read once with `np.fromfile`
 (`mmap=False`, no file stays mapped). BOOL bytes other than 0/1 are rejected.
 
+A memory map has one hazard: another process truncating the file kills the reader with SIGBUS
+at its first access past the new end (no message, no clean-up). `SafetensorsFile` is the reader
+for that case (`qpn pack`): the file opened once, each tensor copied out with file reads, every
+read checked against the file's size and modification time at open, so a file that changes
+while it is read is a SafetensorsError naming it.
+
 Writing (`write_safetensors`) validates every tensor first, then writes a temporary file in
 the destination folder, fsyncs it, and `os.replace`s it onto the destination; on any failure
 the temporary file is removed and the destination is untouched (no partial file). The bytes
@@ -46,11 +52,13 @@ size then name, so every tensor starts at a multiple of its item size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
@@ -100,6 +108,7 @@ _TAG_OF_EXTENSION_DTYPE_NAME = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", 
 HEADER_SIZE_LIMIT = 100_000_000  # bytes; the safetensors package refuses larger headers
 METADATA_KEY = "__metadata__"
 _HEADER_ALIGN = 8
+_HASH_CHUNK = 16 << 20  # bytes per read when hashing a file
 
 
 class SafetensorsError(FileError):
@@ -216,24 +225,32 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     path = os.fspath(path)
     file_size = os.path.getsize(path)
     with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise SafetensorsError(
-                path, None, f"file is {file_size} bytes, shorter than the 8-byte header length; it is truncated"
-            )
-        n = int.from_bytes(prefix, "little")
-        if n > HEADER_SIZE_LIMIT:
-            raise SafetensorsError(
-                path, None, f"header length {n} exceeds the {HEADER_SIZE_LIMIT}-byte limit; the file is corrupt"
-            )
-        if 8 + n > file_size:
-            raise SafetensorsError(
-                path,
-                None,
-                f"header length {n} reaches byte {8 + n}, beyond the end of the {file_size}-byte file; "
-                "the file is truncated (re-download or re-export it)",
-            )
-        raw = f.read(n)
+        return _parse_header(path, f, file_size)
+
+
+def _parse_header(path: str, f: BinaryIO, file_size: int) -> SafetensorsHeader:
+    """The validated header of the open file `f` (read from its start) of `file_size` bytes."""
+    f.seek(0)
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise SafetensorsError(
+            path, None, f"file is {file_size} bytes, shorter than the 8-byte header length; it is truncated"
+        )
+    n = int.from_bytes(prefix, "little")
+    if n > HEADER_SIZE_LIMIT:
+        raise SafetensorsError(
+            path, None, f"header length {n} exceeds the {HEADER_SIZE_LIMIT}-byte limit; the file is corrupt"
+        )
+    if 8 + n > file_size:
+        raise SafetensorsError(
+            path,
+            None,
+            f"header length {n} reaches byte {8 + n}, beyond the end of the {file_size}-byte file; "
+            "the file is truncated (re-download or re-export it)",
+        )
+    raw = f.read(n)
+    if len(raw) < n:  # the file shrank since its size was taken
+        raise SafetensorsError(path, None, f"read {len(raw)} of the header's {n} bytes; the file is truncated")
     try:
         text = raw.decode("utf-8")
         header = json.loads(text, object_pairs_hook=lambda pairs: _no_duplicate_keys(path, pairs))
@@ -337,6 +354,108 @@ def read_safetensors(path: str | os.PathLike[str], *, mmap: bool = True) -> Safe
             raise SafetensorsError(path, name, "BOOL bytes must be 0 or 1; the data is corrupt")
         tensors[name] = StoredTensor(array, info.dtype)
     return SafetensorsContents(tensors, header.metadata)
+
+
+class FileStamp(NamedTuple):
+    """What a read compares to notice that a file changed under it: size and modification time."""
+
+    size: int
+    mtime_ns: int
+
+
+def file_stamp(st: os.stat_result) -> FileStamp:
+    return FileStamp(st.st_size, st.st_mtime_ns)
+
+
+def changed_message(stamp: FileStamp, now: FileStamp) -> str:
+    """The words of a FileError for a file whose stamp moved from `stamp` to `now` while qpn read it."""
+    how = (f"its size went from {stamp.size} to {now.size} bytes" if now.size != stamp.size
+           else "it was modified (same size, new modification time)")
+    return (f"the file changed while qpn was reading it ({how}); a file that changes under qpn is bad input and "
+            "nothing was written: let whatever writes it finish (or copy / download it again), then rerun")
+
+
+class SafetensorsFile:
+    """One safetensors file opened once and read tensor by tensor with plain file reads (no memory map).
+
+    For readers that must survive a file changing under them (`qpn pack`): a memory-mapped file
+    that another process truncates kills the reader with SIGBUS at its first access past the new
+    end - no message, no clean-up. Here every read is a copy (`read(name)` -> a read-only
+    StoredTensor of its own, so memory holds one tensor at a time, not the file), checks its byte
+    count, and compares the file's size and modification time with those seen at open; a
+    truncated or rewritten file is a SafetensorsError naming it. `sha256()` hashes the same open
+    file. The header is validated as `read_safetensors_header` does. Use as a context manager.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO would block a plain open
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SafetensorsError(self.path, None, "is not a regular file; the checkpoint's weights are files")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._file = os.fdopen(fd, "rb")
+        try:
+            self.stamp = file_stamp(st)
+            self.header = _parse_header(self.path, self._file, st.st_size)
+            self.require_unchanged()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def require_unchanged(self, tensor: str | None = None) -> None:
+        """Raise SafetensorsError if the file's size or modification time differ from those seen at open."""
+        now = file_stamp(os.fstat(self._file.fileno()))
+        if now != self.stamp:
+            raise SafetensorsError(self.path, tensor, changed_message(self.stamp, now))
+
+    def read(self, name: str) -> StoredTensor:
+        """Tensor `name` of the header, read now into its own read-only array."""
+        info = self.header.tensors[name]
+        begin, end = info.data_offsets
+        buffer = np.empty(end - begin, dtype=np.uint8)
+        self._file.seek(self.header.data_start + begin)
+        got = self._file.readinto(buffer.data) if buffer.size else 0  # buffered: loops to the end or EOF
+        if got != buffer.size:
+            now = file_stamp(os.fstat(self._file.fileno()))
+            raise SafetensorsError(self.path, name, changed_message(self.stamp, now) if now != self.stamp else
+                                   f"read {got} of its {buffer.size} bytes; the file is truncated")
+        self.require_unchanged(name)
+        if info.dtype == "BOOL" and (buffer > 1).any():
+            raise SafetensorsError(self.path, name, "BOOL bytes must be 0 or 1; the data is corrupt")
+        buffer.flags.writeable = False
+        return StoredTensor(buffer.view(DTYPE_OF_TAG[info.dtype]).reshape(info.shape), info.dtype)
+
+    def sha256(self, progress: Callable[..., Iterable] | None = None) -> str:
+        """sha256 of the whole file as it is open (progress(iterable, desc=, total=, unit=) shows the chunks)."""
+        digest = hashlib.sha256()
+        self._file.seek(0)
+        chunks: Iterable[bytes] = iter(lambda: self._file.read(_HASH_CHUNK), b"")
+        if progress is not None:
+            chunks = progress(chunks, desc=f"hash {os.path.basename(self.path)}",
+                              total=-(-self.stamp.size // _HASH_CHUNK) or None, unit="chunk")
+        size = 0
+        for chunk in chunks:
+            digest.update(chunk)
+            size += len(chunk)
+        if size != self.stamp.size:
+            self.require_unchanged()
+            raise SafetensorsError(self.path, None, f"read {size} of its {self.stamp.size} bytes; the file is "
+                                                    "truncated")
+        self.require_unchanged()
+        return digest.hexdigest()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
 # ----------------------------------------------------------------------------------------------
