@@ -311,10 +311,16 @@ def cmd_pack(args: argparse.Namespace) -> int:
         counts[key] = counts.get(key, 0) + 1
     files = sorted(os.listdir(args.out))
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
+    copied = manifest.get("copied_files", {})
+    others = f" and {plural(len(copied), 'other file')}" if copied else ""
     print(f"packed {plural(len(manifest['layers']), 'layer')} "
           f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}), "
-          f"copied {plural(len(manifest['tensors']), 'tensor')} -> {args.out} ({plural(len(files), 'file')}, "
+          f"copied {plural(len(manifest['tensors']), 'tensor')}{others} -> {args.out} ({plural(len(files), 'file')}, "
           f"{_size(size)}) in {seconds:.1f} s")
+    _, skipped = packing.source_extras(args.checkpoint)
+    if skipped:  # the packed folder lacks these: say so, once
+        print(f"qpn pack: warning: not copied into {args.out}: "
+              + "; ".join(f"{entry} ({why})" for entry, why in skipped.items()), file=sys.stderr)
     return EXIT_OK
 
 
@@ -608,12 +614,7 @@ def verify_source(source: Source, *, ms: Sequence[int] = DEFAULT_MS, seed: int =
                if packing.sha256_array(c.tensors[name].array) != entry["sha256"]]
         if bad:
             other.append(f"copied tensors whose sha256 differs from the manifest: {', '.join(bad)}")
-        for file in packing.COPIED_CONFIG_FILES:
-            path = os.path.join(source.path, file)
-            expected = c.manifest["source"]["files"].get(file)
-            if (expected is None) != (not os.path.exists(path)) or \
-                    (expected is not None and packing.sha256_file(path) != expected):
-                other.append(f"{file} is not the source's (sha256 differs from the manifest)")
+        other += packing.copied_file_problems(c)  # the configs and the other copied files
     return results, other
 
 

@@ -12,6 +12,14 @@ gives identical bytes; nothing records the time or the source path):
     hf_quant_config.json   the older ModelOpt config (if present)
     model.safetensors      or the source's own shard names + model.safetensors.index.json: every
                            layer and tensor lands in the file that held it in the source
+    every other file       of the source's top level, copied byte for byte and listed in the
+                           manifest's copied_files (tokenizer.json, tokenizer_config.json,
+                           generation_config.json, chat templates, README ...), so the folder
+                           serves as it is; not copied: other *.safetensors files and indexes
+                           (weights the checkpoint does not list), hidden entries (.git, .cache,
+                           .gitattributes), and - reported by `qpn pack` - subfolders, links to
+                           nothing, FIFOs and devices (`source_extras`). A link is followed: the
+                           copy is a regular file holding the content.
 
 Tensors of a quantized linear X (N output features, K input features; N_pad = N rounded up to 32,
 or to 128 for FP8 128x128 block scales; pad rows are exact zeros and are cropped by the readers):
@@ -38,6 +46,8 @@ qpn_manifest.json (sorted keys, 2-space indent):
     {"format": "qpn-packed", "version": 1, "producer": {"name": "qpn", "version": ...},
      "source": {"format": "modelopt" | "compressed-tensors", "quant_algo": "NVFP4" | ...,
                 "files": {file name: sha256 of the source file}},
+     "copied_files": {file name: {"sha256": ..., "size": bytes}} (only if the source had such files:
+                     a checkpoint without them packs to the same bytes as before this key existed),
      "layers": {X: {"format": "nvfp4" | "fp8", "layout": "QPN2" | "QPN8", "n": N, "k": K,
                     "n_padded": N_pad, "file": shard, "global_scale": [g] (nvfp4),
                     "granularity": "tensor" | "channel" | "block", "scale_name": ...,
@@ -49,6 +59,16 @@ qpn_manifest.json (sorted keys, 2-space indent):
 weight_packed and weight_scale; fp8: weight and weight_scale), so a packed folder verifies on its
 own: `PackedLayer.unpack()` is the exact inverse of the prepack and must give those bytes back.
 
+`load_packed` checks that every copied file is there with its recorded size; `qpn verify` also
+compares its sha256 (`copied_file_problems`).
+
+Reading the source: `pack_checkpoint` reads it with plain file reads, one layer or tensor at a
+time (`quantized.open_checkpoint`), never through a memory map, which a truncation by another
+process turns into a SIGBUS. Every source file must stay as it was from the moment it is first
+read until the output is complete (size and modification time, checked at every read and once
+more before the manifest is written); a shard or copied file that changes is a
+SafetensorsError / PackError naming it, and nothing is written.
+
 Errors: `PackError` (a ValueError naming the folder, the layer and the rule) for layers that
 cannot be packed (K not a multiple of 64 for QPN2 / 16 for QPN8 / 128 for block scales, blocks
 whose largest weight overflows fp16) and for packed folders that break this format.
@@ -59,7 +79,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeGuard
@@ -251,13 +271,85 @@ def _source_files(folder: str) -> tuple[list[str], dict[str, str] | None]:
     return [SINGLE_FILE], None
 
 
-def _file_of_layer(name: str, weight_map: Mapping[str, str] | None) -> str:
-    if weight_map is None:
-        return SINGLE_FILE
-    for suffix in ("weight", "weight_packed"):
-        if f"{name}.{suffix}" in weight_map:
-            return weight_map[f"{name}.{suffix}"]
-    raise AssertionError(f"layer {name!r} has no weight in the index")  # load_checkpoint guarantees one
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(".safetensors") or name.endswith(".safetensors.index.json")
+
+
+def source_extras(folder: str | os.PathLike[str]) -> tuple[list[str], dict[str, str]]:
+    """(files `qpn pack` copies as they are, {entry: why it is not copied}) of a checkpoint folder.
+
+    Copied: every entry at the top of the folder that is (or links to) a regular file, except
+    the weights (`*.safetensors`, `*.safetensors.index.json`: qpn pack writes its own), the
+    config files (copied as configs) and hidden entries (`.git`, `.cache`, `.gitattributes`:
+    version-control and download metadata, not part of the model; left out silently). Not copied,
+    and reported: folders, links to nothing, FIFOs / sockets / devices (never opened). A link is
+    followed (an HF cache snapshot is all links): the copy holds the content, as a regular file.
+    """
+    folder = os.fspath(folder)
+    copy, skipped = [], {}
+    entries = sorted(os.listdir(folder))
+    weights = {INDEX_FILE, *_source_files(folder)[0]} if any(map(_is_weight_file, entries)) else set()
+    for entry in entries:
+        if entry.startswith(".") or entry in COPIED_CONFIG_FILES or entry in weights:
+            continue
+        path = os.path.join(folder, entry)
+        if _is_weight_file(entry):
+            skipped[entry] = "a weight file the checkpoint does not list"
+            continue
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            skipped[entry] = "a symbolic link to nothing" if os.path.islink(path) else "cannot be read"
+            continue
+        if stat.S_ISDIR(mode):
+            skipped[entry] = "a folder: qpn pack copies the files at the top of the checkpoint only"
+        elif not stat.S_ISREG(mode):
+            skipped[entry] = "not a regular file"
+        else:
+            copy.append(entry)
+    return copy, skipped
+
+
+def _copy_chunks(source: str, target: str) -> tuple[str, int, safetensors_io.FileStamp]:
+    """Copy the regular file `source` to `target` in chunks, fsynced: (sha256, size, stamp of the source).
+
+    The source must not change while it is copied (size and modification time compared before and
+    after): a PackError naming it otherwise, as for the weights.
+    """
+    fd = os.open(source, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PackError(source, None, "is no longer a regular file; it changed while qpn was reading it")
+        stamp = safetensors_io.file_stamp(st)
+        digest, size = hashlib.sha256(), 0
+        with open(target, "xb") as out:
+            for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        now = safetensors_io.file_stamp(os.fstat(f.fileno()))
+    if now != stamp or size != stamp.size:
+        raise PackError(source, None, safetensors_io.changed_message(stamp, now))
+    return digest.hexdigest(), size, stamp
+
+
+def _require_unchanged(path: str, stamp: safetensors_io.FileStamp) -> None:
+    try:
+        now = safetensors_io.file_stamp(os.stat(path))
+    except OSError:
+        now = safetensors_io.FileStamp(-1, -1)
+    if now != stamp:
+        raise PackError(path, None, safetensors_io.changed_message(stamp, now))
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _layer_entry(name: str, linear: quantized.NVFP4Linear | quantized.FP8Linear, file: str,
@@ -298,7 +390,7 @@ def _not_packed_output(folder: str) -> str | None:
         return f"it has no {MANIFEST_FILE}"
     try:
         manifest = _read_json(manifest_path)
-        written = {MANIFEST_FILE, INDEX_FILE, *COPIED_CONFIG_FILES}
+        written = {MANIFEST_FILE, INDEX_FILE, *COPIED_CONFIG_FILES, *manifest.get("copied_files", {})}
         written |= {entry["file"] for key in ("layers", "tensors") for entry in manifest[key].values()}
     except (PackError, OSError, TypeError, KeyError, AttributeError):
         return f"its {MANIFEST_FILE} is not a qpn packed manifest"
@@ -339,39 +431,50 @@ def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[st
                     progress: Progress = _no_progress) -> dict[str, Any]:
     """Pack the checkpoint folder `source` (ModelOpt / compressed-tensors) into the folder `target`.
 
-    Loads and validates `source` with qpn.ref.load_checkpoint, checks that every quantized linear
-    can be packed (all reasons are reported at once, before anything is written), prepacks each
-    one with qpn.ref, and writes the folder described in the module docstring into a temporary
-    sibling folder that is renamed into place: a failure leaves no partial `target`. An existing
-    non-empty `target` needs overwrite=True, and is replaced (swapped atomically, recoverably:
-    qpn.checkpoints.atomic) only if qpn pack wrote it; `target` may never be, contain or lie inside
-    `source`. Returns the manifest.
+    Opens and checks `source` with quantized.open_checkpoint, then reads every quantized linear
+    once to run the checks of load_checkpoint and to see that it can be packed (all reasons are
+    reported at once, before anything is written), prepacks each one with qpn.ref, and writes the
+    folder described in the module docstring into a temporary sibling folder that is renamed
+    into place: a failure leaves no partial `target`. Sources are read with plain file reads, one
+    layer or tensor at a time (no memory map), and a source file that changes while the pack
+    runs (truncated, rewritten, a copied file edited) is a SafetensorsError / PackError naming it;
+    nothing is written then. An existing non-empty `target` needs overwrite=True, and is replaced
+    (swapped atomically, recoverably: qpn.checkpoints.atomic) only if qpn pack wrote it; `target`
+    may never be, contain or lie inside `source`. Returns the manifest.
     """
     source = os.path.abspath(os.fspath(source))
     target = os.path.abspath(os.fspath(target))
     if is_packed(source):
         raise PackError(source, None, "is already a qpn packed checkpoint; pack the original checkpoint instead")
-    checkpoint = quantized.load_checkpoint(source)
-    if not checkpoint.linears:
+    with quantized.open_checkpoint(source) as checkpoint:
+        return _pack(checkpoint, source, target, overwrite, progress)
+
+
+def _pack(checkpoint: quantized.OpenCheckpoint, source: str, target: str, overwrite: bool,
+          progress: Progress) -> dict[str, Any]:
+    names = checkpoint.layer_names
+    if not names:
         raise PackError(source, None, "holds no quantized linear layer; there is nothing to pack")
-    problems = [(name, reason) for name, linear in checkpoint.linears.items()
-                if (reason := unpackable_reason(linear)) is not None]
+    problems = [(name, reason) for name in progress(names, desc="check", total=len(names), unit="layer")
+                if (reason := unpackable_reason(checkpoint.linear(name, codes=False))) is not None]
     if problems:
         lines = "\n".join(f"  {name}: {reason}" for name, reason in problems)
-        raise PackError(source, None, f"{len(problems)} of {len(checkpoint.linears)} quantized layers cannot be "
+        raise PackError(source, None, f"{len(problems)} of {len(names)} quantized layers cannot be "
                                       f"packed (nothing was written):\n{lines}")
     _check_target(source, target, overwrite)
 
-    files, weight_map = _source_files(source)
-    hashed = [f for f in (*COPIED_CONFIG_FILES, INDEX_FILE) if os.path.exists(os.path.join(source, f))] + files
-    file_hashes = {f: sha256_file(os.path.join(source, f), progress) for f in sorted(set(hashed))}
+    files = sorted(checkpoint.files)
+    extras, _ = source_extras(source)
+    # sha256 of the JSON bytes that were validated, and of each shard through the file it is read from
+    file_hashes = {f: hashlib.sha256(data).hexdigest() for f, data in checkpoint.json_bytes.items()}
+    file_hashes.update({f: checkpoint.files[f].sha256(progress) for f in files})
 
     layers_of: dict[str, list[str]] = {file: [] for file in files}
-    for name in sorted(checkpoint.linears):
-        layers_of[_file_of_layer(name, weight_map)].append(name)
+    for name in names:
+        layers_of[checkpoint.layer_file(name)].append(name)
     tensors_of: dict[str, list[str]] = {file: [] for file in files}
-    for name in sorted(checkpoint.tensors):
-        tensors_of[weight_map[name] if weight_map is not None else SINGLE_FILE].append(name)
+    for name in sorted(checkpoint.tensor_names):
+        tensors_of[checkpoint.file_of(name)].append(name)
 
     manifest: dict[str, Any] = {
         "format": PACKED_FORMAT,
@@ -385,17 +488,26 @@ def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[st
     total_size = 0  # tensor bytes, as transformers' index files count them
     with atomic_folder(target, overwrite=overwrite, protected=(source,), **_TARGET_RULES) as tmp:
         for config_file in COPIED_CONFIG_FILES:
-            if os.path.exists(os.path.join(source, config_file)):
-                shutil.copyfile(os.path.join(source, config_file), os.path.join(tmp, config_file))
+            if config_file in checkpoint.json_bytes:
+                _write_bytes(os.path.join(tmp, config_file), checkpoint.json_bytes[config_file])
+        stamps: dict[str, safetensors_io.FileStamp] = {}
+        copied: dict[str, dict[str, Any]] = {}
+        for name in progress(extras, desc="copy", total=len(extras), unit="file"):
+            sha, size, stamps[name] = _copy_chunks(os.path.join(source, name), os.path.join(tmp, name))
+            copied[name] = {"sha256": sha, "size": size}
+            file_hashes[name] = sha
+        if copied:  # only then: a checkpoint without such files packs to the same bytes as before
+            manifest["copied_files"] = copied
+
         steps = progress(((file, name) for file in files for name in layers_of[file]), desc="pack",
-                         total=len(checkpoint.linears), unit="layer")
+                         total=len(names), unit="layer")
         stored: dict[str, dict[str, safetensors_io.StoredTensor]] = {file: {} for file in files}
         pending = {file: len(layers_of[file]) for file in files}
         written: set[str] = set()
 
         def write(file: str) -> None:
             for name in tensors_of[file]:
-                tensor = checkpoint.tensors[name]
+                tensor = checkpoint.tensor(name)
                 stored[file][name] = tensor
                 manifest["tensors"][name] = {"file": file, "dtype": tensor.dtype, "shape": list(tensor.shape),
                                              "sha256": sha256_array(tensor.array)}
@@ -407,22 +519,27 @@ def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[st
             written.add(file)
 
         for file, name in steps:
-            linear = checkpoint.linears[name]
+            linear = checkpoint.linear(name)
             buffers = prepack_layer(linear)
             for suffix, array in buffers.items():
                 tag = "F16" if array.dtype == np.float16 else ("F32" if array.dtype == np.float32 else "U8")
                 array = array if array.flags.c_contiguous else array.copy()  # (ascontiguousarray makes 0-d 1-d)
                 stored[file][f"{name}.{suffix}"] = safetensors_io.StoredTensor(array, tag)
             manifest["layers"][name] = _layer_entry(name, linear, file, buffers)
+            del linear, buffers
             pending[file] -= 1
             if pending[file] == 0:  # write each file as soon as its layers are done: one shard in memory
                 write(file)
         for file in files:
             if file not in written:
                 write(file)
-        if weight_map is not None:
+        if checkpoint.weight_map is not None:
             write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total_size},
                                                        "weight_map": dict(sorted(out_map.items()))})
+        # every source file is as it was when first read, or nothing appears at `target`
+        checkpoint.require_unchanged()
+        for name, stamp in stamps.items():
+            _require_unchanged(os.path.join(source, name), stamp)
         write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
     return manifest
 
@@ -535,6 +652,11 @@ class PackedCheckpoint:
     @property
     def quant_algo(self) -> str:
         return self.manifest["source"]["quant_algo"]
+
+    @property
+    def copied_files(self) -> Mapping[str, Mapping[str, Any]]:
+        """{file: {"sha256", "size"}}: the source's other files, copied as they are (empty if it had none)."""
+        return self.manifest.get("copied_files", {})
 
     def to_checkpoint(self) -> quantized.Checkpoint:
         """The source checkpoint (qpn.ref.Checkpoint), every layer unpacked: save_checkpoint writes it back."""
@@ -664,6 +786,49 @@ def _check_layer_values(layer: PackedLayer) -> None:
                              f"{entry['input_scale'][0]!r} (and it must be finite and > 0)")
 
 
+def _check_copied_files(folder: str, manifest_path: str, manifest: Mapping[str, Any]) -> None:
+    """The manifest's copied_files (optional: only a source with such files has them) and their presence and
+    sizes in the folder (their sha256 is `qpn verify`'s: copied_file_problems). Raises PackError."""
+    copied = manifest.get("copied_files", {})
+    if not isinstance(copied, dict):
+        raise PackError(manifest_path, None, f"copied_files must be an object, got {type(copied).__name__}; the "
+                                             "manifest is damaged")
+    for name, entry in copied.items():
+        if (os.path.basename(name) != name or name.startswith(".") or _is_weight_file(name)
+                or name in (MANIFEST_FILE, *COPIED_CONFIG_FILES)):
+            raise PackError(manifest_path, None, f"copied_files names {name!r}, a name qpn pack never copies; the "
+                                                 "manifest is damaged")
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64
+                and isinstance(entry.get("size"), int) and not isinstance(entry["size"], bool)
+                and entry["size"] >= 0):
+            raise PackError(manifest_path, None, f"copied_files[{name!r}] must be {{\"sha256\": hex, \"size\": "
+                                                 f"bytes}}, got {entry!r}; the manifest is damaged")
+        path = os.path.join(folder, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            what = "is missing" if not os.path.lexists(path) else "is not a regular file (qpn pack copies files)"
+            raise PackError(folder, None, f"copied file {name} {what}; the folder was edited after packing: "
+                                          "re-pack it")
+        size = os.path.getsize(path)
+        if size != entry["size"]:
+            raise PackError(folder, None, f"copied file {name} has {size} bytes but the manifest records "
+                                          f"{entry['size']}; the folder was edited after packing: re-pack it")
+
+
+def copied_file_problems(checkpoint: PackedCheckpoint) -> list[str]:
+    """What differs between a packed folder's copied files (configs and copied_files) and the manifest's sha256."""
+    problems = []
+    sources = checkpoint.manifest["source"]["files"]
+    for file in COPIED_CONFIG_FILES:
+        path = os.path.join(checkpoint.path, file)
+        expected = sources.get(file)
+        if (expected is None) != (not os.path.exists(path)) or (expected is not None and sha256_file(path) != expected):
+            problems.append(f"{file} is not the source's (sha256 differs from the manifest)")
+    for file, entry in checkpoint.copied_files.items():
+        if sha256_file(os.path.join(checkpoint.path, file)) != entry["sha256"]:
+            problems.append(f"{file} is not the source's (sha256 differs from the manifest's copied_files)")
+    return problems
+
+
 def prepack_group_scales(weight_scale: np.ndarray, granularity: str, n: int, n_pad: int, k: int) -> np.ndarray:
     """The QPN8 group_scales `prepack_layer` writes for an fp32 scale (pad channels get scale 1.0)."""
     s = np.asarray(weight_scale, np.float32)
@@ -709,6 +874,7 @@ def load_packed(path: str | os.PathLike[str], *, mmap: bool = True, check_values
     for name, entry in manifest["tensors"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             raise PackError(manifest_path, None, f"tensor {name!r}: the entry must be an object with a file name")
+    _check_copied_files(folder, manifest_path, manifest)
 
     files = sorted({e["file"] for e in manifest["layers"].values()} | {e["file"] for e in manifest["tensors"].values()})
     stored: dict[str, safetensors_io.StoredTensor] = {}
@@ -784,7 +950,8 @@ def load_packed(path: str | os.PathLike[str], *, mmap: bool = True, check_values
 
 
 __all__ = [
-    "MANIFEST_FILE", "PACKED_FORMAT", "PACKED_VERSION", "PackError", "PackedCheckpoint", "PackedLayer", "is_packed",
-    "k_multiple", "layer_format", "load_packed", "pack_checkpoint", "padded_rows", "prepack_layer", "sha256_array",
-    "sha256_file", "source_tensors", "unpackable_reason",
+    "MANIFEST_FILE", "PACKED_FORMAT", "PACKED_VERSION", "PackError", "PackedCheckpoint", "PackedLayer",
+    "copied_file_problems", "is_packed", "k_multiple", "layer_format", "load_packed", "pack_checkpoint",
+    "padded_rows", "prepack_layer", "sha256_array", "sha256_file", "source_extras", "source_tensors",
+    "unpackable_reason",
 ]
