@@ -731,6 +731,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
+    if args.keep:  # bad input before the model loads, in the command line's words (TargetError: exit 2)
+        demo.check_keep(args.keep, "--keep")
     try:
         return demo.run(device=args.device, keep=args.keep, progress=_progress_of(args))
     except demo.DemoError as exc:  # the model package or the asked-for GPU is missing

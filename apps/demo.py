@@ -20,6 +20,7 @@ Exit 0 when every layer verifies and every sentence's cosine reaches MIN_COSINE;
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .. import checkpoints, ref
+from ..checkpoints.atomic import TargetError, require_writable_target
 from ..ref.formats import QPN2
 
 if TYPE_CHECKING:  # annotations only: torch is imported when the demo runs
@@ -144,6 +146,59 @@ def _pick_device(device: str) -> tuple[str, str]:
     return device, (detail if device == "cuda" else f"CPU ({os.cpu_count()} cores); CUDA: {detail}")
 
 
+_WRITE_FIXES = {  # errno of a failed write -> the fix the message suggests
+    errno.EROFS: "choose a folder on a writable disk", errno.ENOSPC: "free space on that disk or keep elsewhere",
+    errno.EACCES: "choose a folder you can write to", errno.EPERM: "choose a folder you can write to"}
+
+
+def demo_folders(root: str) -> dict[str, str]:
+    """{path: what it is} of the four folders the demo writes into `root` (the --keep folder)."""
+    folders = {}
+    for fmt in FORMATS:
+        folders[os.path.join(root, f"minilm-{fmt}")] = "checkpoint"
+        folders[os.path.join(root, f"minilm-{fmt}-qpn")] = "packed checkpoint"
+    return folders
+
+
+def check_keep(keep: str, flag: str = "keep") -> str:
+    """The folder `keep` names, checked before anything loads; raises TargetError (exit 2) naming `flag`.
+
+    It may be absent (it is created, with its parents, under the nearest existing folder) or a
+    folder; one can write there (a probe folder is made and removed: permission bits say nothing
+    to root, and only a write shows a read-only disk); and each of the demo's four folders in it
+    is absent, empty, or the demo's own earlier output (the rules of save_checkpoint and qpn pack
+    with overwrite, so a rerun replaces them and nothing else). Files of the user's next to
+    them are left alone. Returns the absolute path.
+    """
+    root = os.path.abspath(keep)
+    where = f"{flag} {keep}"
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise TargetError(f"{where}: exists and is not a folder; the demo writes its checkpoints into a folder: "
+                          "name a new or an existing folder")
+    existing = root
+    while not os.path.isdir(existing):
+        if os.path.lexists(existing):
+            raise TargetError(f"{where}: {existing} is a file, so the folder cannot be created below it; "
+                              "choose another path")
+        existing = os.path.dirname(existing)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".qpn-demo-probe-", dir=existing))
+    except OSError as exc:
+        fix = _WRITE_FIXES.get(exc.errno or 0, "check the disk and the folder's permissions")
+        raise TargetError(f"{where}: cannot write in {existing}: {exc.strerror or exc}; {fix}") from None
+    from ..checkpoints.packed import _not_packed_output
+    from ..checkpoints.quantized import _not_saved_by_qpn
+
+    for folder, what in (demo_folders(root) if existing == root else {}).items():  # a new root holds none
+        ours = _not_packed_output if what == "packed checkpoint" else _not_saved_by_qpn
+        try:
+            require_writable_target(folder, True, flag, ours=ours, what=what)
+        except TargetError as exc:
+            raise TargetError(f"{where}: the demo writes its {what} {os.path.basename(folder)} there, but {exc}") \
+                from None
+    return root
+
+
 def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
@@ -157,6 +212,8 @@ def run(device: str = "auto", keep: str | None = None, progress: Callable = lamb
     from .cli import EXIT_FAILED, EXIT_OK, Backends, format_table, open_source, upstream_summary, verify_source
 
     start = time.perf_counter()
+    if keep:
+        check_keep(keep)  # before the model loads: a bad folder is reported in a second, not after it
     device, device_text = _pick_device(device)
     print(f"qpn demo: {MODEL_NAME} -> ModelOpt NVFP4 and FP8 checkpoints -> qpn pack -> qpn verify -> "
           f"load_quantized -> embed {len(SENTENCES)} sentences")

@@ -2,6 +2,8 @@
 
 - a source shard that changes while `qpn pack` reads it (truncated, or rewritten in place) is bad
   input - exit 2, one message naming the file, no temporary folder left - never a SIGBUS;
+- `qpn demo --keep DIR` checks DIR before the model loads, and its messages name `--keep`,
+  never an API argument (`overwrite=True`);
 - `qpn pack` copies every file of the source that is not a weight file (tokenizer, generation
   config, chat template, ...) and lists it in the manifest, so the packed folder stands alone.
 
@@ -12,16 +14,20 @@ memory map kills the process, so the first cases run the pack in a subprocess.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 
+from qpn import ref
+from qpn.apps import cli, demo
 from qpn.checkpoints import packed, safetensors_io
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -144,6 +150,76 @@ def test_the_reader_names_a_file_that_changed_after_it_was_opened(tmp_path):
         os.truncate(path, f.header.data_start)
         with pytest.raises(safetensors_io.SafetensorsError, match=f"{path}: .*changed while qpn"):
             f.read(names[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# qpn demo --keep: checked before the model loads, in the command line's words
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """The demo's model load fails loudly: a test passes only if --keep was refused before it."""
+
+    def load_minilm(device="cpu"):
+        raise AssertionError("the model was loaded before --keep was checked")
+
+    monkeypatch.setattr(demo, "load_minilm", load_minilm)
+
+
+def _user_checkpoint_folder(keep):
+    os.makedirs(keep / "minilm-nvfp4")
+    (keep / "minilm-nvfp4" / "thesis.tex").write_text("years of work")
+    return keep
+
+
+KEEP_REFUSED = {  # case -> (--keep path from the tmp root, words the message must hold)
+    "a file": (lambda root: (root / "file.txt").write_text("x") and root / "file.txt", "is not a folder"),
+    "a path under a file": (lambda root: (root / "file.txt").write_text("x") and root / "file.txt" / "sub",
+                            "is a file"),
+    "a folder holding a user's minilm-nvfp4": (lambda root: _user_checkpoint_folder(root / "keep"), "minilm-nvfp4"),
+}
+
+
+@pytest.mark.parametrize("case", list(KEEP_REFUSED))
+def test_demo_keep_is_checked_before_the_model_loads(tmp_path, capsys, no_model, case):
+    make, words = KEEP_REFUSED[case]
+    keep = make(tmp_path)
+    before = tree(tmp_path)
+    code, out, err = run(["demo", "--keep", keep, "-q"], capsys)
+    assert code == 2, err
+    assert err.startswith("qpn demo: error: --keep ") and str(keep) in err and words in err, err
+    assert "overwrite=True" not in err and "[Errno" not in err and len(err.strip().splitlines()) == 1, err
+    assert out == "" and tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("errno_, words", [(errno.EROFS, "choose a folder on a writable disk"),
+                                           (errno.EACCES, "choose a folder you can write to")])
+def test_demo_keep_on_a_read_only_disk_is_refused_before_the_model_loads(tmp_path, capsys, no_model, monkeypatch,
+                                                                          errno_, words):
+    def cannot(prefix="", suffix="", dir=None):  # what mkdtemp raises there (root ignores chmod: simulate it)
+        raise OSError(errno_, os.strerror(errno_), os.path.join(dir, f"{prefix}abcdefgh{suffix}"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", cannot)
+    for keep in (tmp_path / "keep", tmp_path / "exists"):
+        if keep.name == "exists":
+            os.makedirs(keep)
+        code, _, err = run(["demo", "--keep", keep], capsys)
+        assert code == 2 and err.startswith(f"qpn demo: error: --keep {keep}: ") and words in err, err
+        assert os.strerror(errno_) in err and "[Errno" not in err and ".qpn" not in err, err
+    assert not (tmp_path / "keep").exists()
+
+
+def test_demo_keep_accepts_its_own_earlier_output_and_new_paths(tmp_path, capsys, no_model):
+    keep = tmp_path / "keep"
+    os.makedirs(keep)
+    (keep / "notes.txt").write_text("the user's, next to the demo's folders: left alone")
+    for fmt, kind in (("nvfp4", "nvfp4"), ("fp8", "fp8-tensor")):
+        ref.save_checkpoint(keep / f"minilm-{fmt}", __import__("test_cli").build(kind))
+        packed.pack_checkpoint(keep / f"minilm-{fmt}", keep / f"minilm-{fmt}-qpn")
+    for path in (keep, tmp_path / "new" / "deeper"):
+        with pytest.raises(AssertionError, match="model was loaded"):
+            cli.main(["demo", "--keep", str(path), "-q"])
+    assert not (tmp_path / "new").exists()  # checking created nothing
 
 
 # ----------------------------------------------------------------------------------------------
