@@ -133,6 +133,32 @@ def test_a_truncation_before_any_tensor_read_is_bad_input(tmp_path, capsys, monk
         assert not out.exists() and leftovers(copies) == [], nth
 
 
+def test_a_truncation_while_pack_hashes_a_shard_is_bad_input(tmp_path, capsys, monkeypatch):
+    src = write(tmp_path, "nvfp4", sharded=True)
+    real = safetensors_io.SafetensorsFile.sha256
+
+    def truncate_then_hash(self, progress=None):
+        os.truncate(self.path, self.stamp.size // 2)
+        return real(self, progress)
+
+    monkeypatch.setattr(safetensors_io.SafetensorsFile, "sha256", truncate_then_hash)
+    code, _, err = run(["pack", src, tmp_path / "out"], capsys)
+    assert code == 2 and os.path.join(src, shards(src)[0]) in err and "changed while qpn" in err, err
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_pack_never_memory_maps_its_source(tmp_path, monkeypatch):
+    src = write(tmp_path, "mixed", sharded=True)
+
+    def no_map(*args, **kwargs):
+        raise AssertionError("qpn pack memory-mapped a source file")
+
+    monkeypatch.setattr(safetensors_io.np, "memmap", no_map)
+    packed.pack_checkpoint(src, tmp_path / "out")
+    monkeypatch.undo()
+    assert packed.load_packed(tmp_path / "out").quant_algo == "MIXED_PRECISION"
+
+
 def test_the_reader_names_a_file_that_changed_after_it_was_opened(tmp_path):
     src = write(tmp_path, "nvfp4")
     path = os.path.join(src, "model.safetensors")
