@@ -8,7 +8,9 @@ call `register()`; if VLLM_PLUGINS is set, it must list "qpn"):
 
 Public names:
 - `QPNConfig` (a vLLM `QuantizationConfig`): name "qpn", activations fp16, minimum capability 75,
-  config files ["hf_quant_config.json"], `from_config`, `get_quant_method(layer, prefix)`.
+  config files [] (vLLM reads config.json's quantization_config or hf_quant_config.json itself; a
+  checkpoint with neither is refused: "<path> is not a quantized checkpoint ..."), `from_config`,
+  `get_quant_method(layer, prefix)`.
 - `QPNNVFP4LinearMethod`, `QPNFP8LinearMethod` (vLLM `LinearMethodBase`): `create_weights`,
   `process_weights_after_loading`, `apply(layer, x, bias=None)`; qpn extras `apply_gated(layer, x)`
   (fused gate_up + SiLU-and-mul epilogue inside the op) and `dequantized_weight(layer)`.
@@ -17,6 +19,11 @@ Public names:
 - `register()`: calls vLLM's `register_quantization_config("qpn")`; idempotent.
 - `QPNKVCacheMethod`: vLLM's BaseKVCacheMethod for attention layers (None without vLLM).
 - `VLLM_AVAILABLE`: whether vLLM's classes are the base classes in use (_compat.py).
+
+Load errors: every error raised while vLLM loads a qpn layer names the checkpoint tensor and the vLLM
+layer, e.g. "checkpoint tensor 'model.layers.0.self_attn.q_proj.weight_scale' (vLLM layer
+'model.layers.0.self_attn.qkv_proj', shard 'q'): weight_scale must be finite and > 0, got nan; ...", with
+values and indices as the checkpoint file holds them (sharding.py, "Errors").
 
 Where each part lives, as in vLLM's ModelOpt method:
 - config.py: `QPNConfig` (ModelOpt config parsing, which method each layer gets) and `register()`.

@@ -12,6 +12,14 @@ raises a ValueError saying why, instead of vLLM's bare "does not match" message.
 `dtype="half"`: the kernels take fp16 activations (get_supported_act_dtypes), so a bf16 model must
 run in fp16.
 
+A checkpoint without any quantization config: vLLM 0.32 reads both ModelOpt forms into the model's
+hf_config.quantization_config (config.json's `quantization_config`, else hf_quant_config.json) before
+it would search the folder for the files get_config_filenames names, so qpn names none
+(CONFIG_FILENAMES is empty): vLLM then builds `QPNConfig()`, a config that records "not quantized",
+and hands it the model path (`maybe_update_config`), which raises one clear error (NOT_QUANTIZED)
+instead of vLLM's "Cannot find the config file for qpn". get_quant_method raises it too, for a
+caller that never hands over the path.
+
 Embeddings and lm_head (VocabParallelEmbedding, ParallelLMHead) are left to vLLM (get_quant_method
 returns None: vLLM's unquantized embedding); vLLM gives them the same `output_partition_sizes` /
 `input_size` attributes as its linear layers, so they are recognised by class, never by shape.
@@ -35,10 +43,14 @@ from .methods import (
     QPNNVFP4LinearMethod,
     _unquantized_method,
 )
+from .sharding import DEFAULT_PACKED_MODULES as DEFAULT_PACKED_MODULES  # kept for imports
 
 QUANT_NAME = "qpn"
 MIN_CAPABILITY = 75  # Turing (sm_75); newer cards run the compute_75 PTX
-CONFIG_FILENAMES = ["hf_quant_config.json"]
+CONFIG_FILENAMES: list[str] = []  # none: vLLM has read both ModelOpt forms already (module docstring)
+NOT_QUANTIZED = ("{path} is not a quantized checkpoint (no hf_quant_config.json and no quantization_config in "
+                 "config.json); qpn serves ModelOpt NVFP4 / FP8 checkpoints in vLLM (compressed-tensors NVFP4 in "
+                 "PyTorch, through qpn.torch_bridge.load_quantized): quantize first, or drop --quantization qpn")
 # ModelOpt per-layer algorithm -> qpn method kind ("nvfp4", "fp8_<granularity>"): the checkpoint
 # reader's own algorithm table (qpn.checkpoints.quantized), so both read the same algorithms the same way
 LAYER_ALGOS = {**dict.fromkeys(NVFP4_ALGOS, QPN2.format),
@@ -46,8 +58,6 @@ LAYER_ALGOS = {**dict.fromkeys(NVFP4_ALGOS, QPN2.format),
 EMBEDDING_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}  # ParallelLMHead subclasses the former
 ATTENTION_CLASSES = {"Attention", "MLAAttention"}  # vLLM's attention layers (KV-cache scales)
 QUANT_ALGOS = tuple(LAYER_ALGOS) + ("MIXED_PRECISION",)
-# vLLM models set packed_modules_mapping on the config; this is the fallback for the usual names
-DEFAULT_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 # ----------------------------------------------------------------------------- layer classes
@@ -96,14 +106,17 @@ class QPNConfig(QuantizationConfig):
     `exclude_modules` (exact names or fnmatch wildcards); quantized_layers: MIXED_PRECISION's
     {layer name: per-layer algo}; kv_cache_quant_algo is recorded (vLLM reads it from the
     checkpoint config itself to pick the fp8 KV cache; QPNKVCacheMethod loads the scales).
+    quant_algo None (`QPNConfig()`, what vLLM builds for a checkpoint without a quantization config):
+    not_quantized is True and maybe_update_config / get_quant_method raise NOT_QUANTIZED (module docstring).
     """
 
-    def __init__(self, quant_algo: str, exclude_modules: Sequence[str] | None = None,
+    def __init__(self, quant_algo: str | None = None, exclude_modules: Sequence[str] | None = None,
                  quantized_layers: Mapping[str, str] | None = None, group_size: int | None = None,
                  kv_cache_quant_algo: str | None = None) -> None:
         super().__init__()
-        algo = str(quant_algo).upper()
-        if algo not in QUANT_ALGOS:
+        self.not_quantized = quant_algo is None
+        algo = "" if quant_algo is None else str(quant_algo).upper()
+        if algo not in QUANT_ALGOS and not self.not_quantized:
             raise ValueError(f"quant_algo {quant_algo!r} is not supported by qpn; supported: {QUANT_ALGOS} "
                              "(MXFP8, NVFP4_AWQ, W4A8_AWQ and other algorithms need vLLM's own methods)")
         self.quant_algo = algo
@@ -130,6 +143,8 @@ class QPNConfig(QuantizationConfig):
                                  f"{tuple(LAYER_ALGOS)}")
 
     def __repr__(self) -> str:
+        if self.not_quantized:
+            return "QPNConfig(not quantized)"
         return (f"QPNConfig(quant_algo={self.quant_algo!r}, exclude_modules={self.exclude_modules!r}, "
                 f"quantized_layers={len(self.quantized_layers)} entries)")
 
@@ -203,6 +218,13 @@ class QPNConfig(QuantizationConfig):
                              "path)")
         return QUANT_NAME
 
+    def maybe_update_config(self, model_name: str, hf_config: object = None, revision: str | None = None) -> None:
+        """vLLM hands over the model path right after building the config: where the checkpoint has no
+        quantization config (QPNConfig()), the one clear error, naming the path (module docstring)."""
+        del hf_config, revision
+        if self.not_quantized:
+            raise ValueError(NOT_QUANTIZED.format(path=model_name))
+
     def apply_vllm_mapper(self, hf_to_vllm_mapper: object) -> None:
         """Rename checkpoint layer names to the vLLM model's (models with an hf_to_vllm_mapper)."""
         if self.exclude_modules and hasattr(hf_to_vllm_mapper, "apply_list"):
@@ -211,6 +233,8 @@ class QPNConfig(QuantizationConfig):
             self.quantized_layers = dict(hf_to_vllm_mapper.apply_dict(self.quantized_layers))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethod | None:
+        if self.not_quantized:
+            raise ValueError(NOT_QUANTIZED.format(path="the checkpoint"))
         names = _class_names(layer)
         if is_linear_layer(layer):
             algo = self.layer_algo(prefix)

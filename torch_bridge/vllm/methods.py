@@ -15,16 +15,25 @@ K_part = input_size_per_partition, S = number of logical shards, e.g. 3 for q/k/
         must be multiples of 32 rows on this rank and start on a 128-row block (ValueError otherwise):
         each shard is packed with its own grid and the 32-row tiles concatenated
 
+Values are judged as each checkpoint tensor is loaded (sharding.py, "Errors": the error names the
+checkpoint tensor and the vLLM layer, indices are the file's): NVFP4 weight_scale bytes neither NaN
+nor negative, weight_scale_2 and FP8 weight_scale finite and > 0, FP8 scales inside fp16 (S16 =
+RN16(256 * s)), FP8 weight codes not NaN. input_scale is loaded unjudged: weight-only qpn never
+reads it.
+
 process_weights_after_loading (every slot must have been loaded; ValueError otherwise):
-- NVFP4: prepack through torch.ops.qpn.nvfp4_prepack (qpn.torch_bridge.pack_nvfp4 validates the
-  values: NaN scale bytes, fp16 overflow). Global scale: if every shard's weight_scale_2 is the
-  same fp32 value, that scalar (N_part is then padded to 32 inside and the padding cropped in
-  apply); otherwise one value per 32-row tile, each shard's tiles carrying its own scale, which
-  needs every shard's N_part to be a multiple of 32 (ValueError otherwise). Different shard
+- NVFP4: each shard's blocks must fit fp16 with that shard's weight_scale_2 (the rule of
+  qpn.ref.require_nvfp4_fits_fp16, judged per shard so that the error names the shard's checkpoint
+  tensors and indexes them as the file does), then prepack through torch.ops.qpn.nvfp4_prepack
+  (qpn.torch_bridge.pack_nvfp4 validates the values again). Global scale: if every shard's
+  weight_scale_2 is the same fp32 value, that scalar (N_part is then padded to 32 inside and the
+  padding cropped in apply); otherwise one value per 32-row tile, each shard's tiles carrying its
+  own scale, which needs every shard's N_part to be a multiple of 32 (ValueError otherwise). Different shard
   scales are NEVER collapsed with max() (that makes the smaller shards 1.5-3x too large).
 - FP8: per-shard scalars become a per-channel scale vector (each row keeps its shard's scale:
   exact), then torch.ops.qpn.fp8_prepack (per-channel QPN8: S16 = RN16(256 * s)); block scales
   prepack as they are (QPN8 block layout).
+- Any other ValueError of the packing names the vLLM layer.
 - The original parameters are deleted; the layer keeps qpn_codes, qpn_scales (and
   qpn_global_scale for NVFP4) as frozen Parameters.
 
@@ -43,15 +52,18 @@ from the same config. Activations stay fp16: only the cache is fp8.
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from ...ref.codecs import decode_e4m3
 from ...ref.formats import FP8_GRANULARITIES, QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ...ref.geometry import GROUP_K, TILE_N
+from ...ref.nvfp4 import nvfp4_block_overflows
 from ..module import PackedWeight, pack_fp8, pack_nvfp4  # importing module registers torch.ops.qpn.*
 from ._compat import LinearMethodBase, QPNLayer, QuantizeMethod, _VllmKVCacheMethod, _VllmUnquantizedLinearMethod
 from .sharding import (
@@ -63,7 +75,12 @@ from .sharding import (
     _block_rows,
     _register,
     _require_loaded,
+    e4m3_code_rule,
+    fp8_scale_rule,
     layer_geometry,
+    loaded_source,
+    nvfp4_block_scale_rule,
+    positive_scale_rule,
 )
 
 if TYPE_CHECKING:
@@ -76,9 +93,14 @@ FP8_K_MULTIPLE = QPN8.k_multiple
 _UNLOADED = float("nan")  # initial value of per-shard slots (the loaded-slot bookkeeping is what counts)
 
 
+def _packed_modules(quant_config: QPNConfig | None) -> dict[str, list[str]] | None:
+    """The model's packed_modules_mapping, which vLLM sets on the quant config (sharding: checkpoint names)."""
+    return getattr(quant_config, "packed_modules_mapping", None)
+
+
 def _begin_create(layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: Sequence[int],
-                  wf: WeightFormat) -> ShardGeometry:
-    geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes)
+                  wf: WeightFormat, quant_config: QPNConfig | None) -> ShardGeometry:
+    geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes, _packed_modules(quant_config))
     k = geom.k_partition
     if k <= 0 or k % wf.k_multiple != 0:
         input_size = getattr(layer, "input_size", "?")
@@ -93,6 +115,15 @@ def _begin_create(layer: QPNLayer, input_size_per_partition: int, output_partiti
     layer.input_size_per_partition = k
     layer.output_size_per_partition = geom.n_partition
     return geom
+
+
+def _packed_named(geom: ShardGeometry, pack: Callable[[], PackedWeight]) -> PackedWeight:
+    """pack(), its ValueError prefixed with the vLLM layer (the values were judged at load time already;
+    this catches what is left, such as a layout rule)."""
+    try:
+        return pack()
+    except ValueError as exc:
+        raise ValueError(f"vLLM layer {geom.prefix!r}: {exc}") from exc
 
 
 def _finish(layer: QPNLayer, wf: WeightFormat, packed: PackedWeight, deleted: tuple[str, ...]) -> None:
@@ -175,21 +206,23 @@ class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
         del input_size, output_size, params_dtype
-        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, self.weight_format)
+        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, self.weight_format,
+                             self.quant_config)
         n, k, s = geom.n_partition, geom.k_partition, len(geom.partitions)
         _register(layer, geom, "weight", torch.empty((n, k // 2), dtype=torch.uint8), _ROWS, extra_weight_attrs)
         _register(layer, geom, "weight_scale", torch.empty((n, k // NVFP4_GROUP_SIZE), dtype=torch.float8_e4m3fn),
-                  _ROWS, extra_weight_attrs)
+                  _ROWS, extra_weight_attrs, rule=nvfp4_block_scale_rule)
         _register(layer, geom, "weight_scale_2", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
-                  extra_weight_attrs)
+                  extra_weight_attrs, rule=positive_scale_rule)
         _register(layer, geom, "input_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
                   extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: QPNLayer) -> None:
         geom: ShardGeometry = layer.qpn_geometry
         _require_loaded(layer, geom, ("weight", "weight_scale", "weight_scale_2"))
+        _require_shards_fit_fp16(layer, geom)
         global_scale = _nvfp4_global_scale(geom, layer.weight_scale_2.data)
-        packed = pack_nvfp4(layer.weight.data, layer.weight_scale.data, global_scale)
+        packed = _packed_named(geom, lambda: pack_nvfp4(layer.weight.data, layer.weight_scale.data, global_scale))
         _finish(layer, self.weight_format, packed, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
 
 
@@ -211,18 +244,20 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
         del input_size, output_size, params_dtype
-        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, self.weight_format)
+        geom = _begin_create(layer, input_size_per_partition, output_partition_sizes, self.weight_format,
+                             self.quant_config)
         n, k, s = geom.n_partition, geom.k_partition, len(geom.partitions)
-        _register(layer, geom, "weight", torch.empty((n, k), dtype=torch.float8_e4m3fn), _ROWS, extra_weight_attrs)
+        _register(layer, geom, "weight", torch.empty((n, k), dtype=torch.float8_e4m3fn), _ROWS, extra_weight_attrs,
+                  rule=e4m3_code_rule)
         if self.granularity == "tensor":
             _register(layer, geom, "weight_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
-                      extra_weight_attrs)
+                      extra_weight_attrs, rule=fp8_scale_rule)
         elif self.granularity == "channel":
             _register(layer, geom, "weight_scale", torch.full((n,), _UNLOADED, dtype=torch.float32), _ROWS,
-                      extra_weight_attrs)
+                      extra_weight_attrs, rule=fp8_scale_rule)
         else:
             _register(layer, geom, "weight_scale", torch.full(_block_scale_grid(geom), _UNLOADED, dtype=torch.float32),
-                      _BLOCK_GRID, extra_weight_attrs)
+                      _BLOCK_GRID, extra_weight_attrs, rule=fp8_scale_rule)
         _register(layer, geom, "input_scale", torch.full((s,), _UNLOADED, dtype=torch.float32), _PER_SHARD,
                   extra_weight_attrs)
 
@@ -231,13 +266,37 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
         _require_loaded(layer, geom, ("weight", "weight_scale"))
         s = layer.weight_scale.data
         if self.weight_format is QPN8_BLOCK:
-            packed = _pack_fp8_block_shards(layer.weight.data, s, geom)
+            packed = _packed_named(geom, lambda: _pack_fp8_block_shards(layer.weight.data, s, geom))
         else:
             if self.granularity == "tensor":  # each row keeps its own shard's multiplier: exact
                 rows = torch.tensor(list(geom.partitions), device=s.device)
                 s = torch.repeat_interleave(s, rows)
-            packed = pack_fp8(layer.weight.data, s.contiguous(), "channel")
+            packed = _packed_named(geom, lambda: pack_fp8(layer.weight.data, s.contiguous(), "channel"))
         _finish(layer, self.weight_format, packed, ("weight", "weight_scale", "input_scale"))
+
+
+def _require_shards_fit_fp16(layer: QPNLayer, geom: ShardGeometry) -> None:
+    """Each shard's NVFP4 blocks, with that shard's weight_scale_2, must fit fp16 (the rule of
+    qpn.ref.require_nvfp4_fits_fp16); the error names the shard's checkpoint tensors and the first
+    overflowing block as the file indexes it (loaded_source: this rank's and the fused-on-disk offsets)."""
+    scales = layer.weight_scale.data.view(torch.uint8).cpu().numpy()
+    g = layer.weight_scale_2.data.cpu().numpy()
+    for i, (offset, rows) in enumerate(zip(geom.offsets, geom.partitions, strict=True)):
+        part = scales[offset:offset + rows]
+        over = nvfp4_block_overflows(part, np.full(rows, g[i], dtype=np.float32))
+        if not over.any():
+            continue
+        row, block = (int(j) for j in np.argwhere(over)[0])
+        source, g_source = loaded_source(layer.weight_scale, i), loaded_source(layer.weight_scale_2, i)
+        byte = int(part[row, block])
+        s = float(decode_e4m3(np.uint8(byte)))
+        shard = geom.shard_ids[i] if geom.shard_ids != (None,) else None
+        raise ValueError(
+            f"{geom.where(source.tensor, shard)}: weight_scale[{source.row + row}, {source.col + block}] = "
+            f"0x{byte:02X} (e4m3 {s:g}) with weight_scale_2 = {float(g[i]):g} ({g_source.tensor!r}) lets the block "
+            f"reach 6 * {s:g} * {float(g[i]):g} = {6 * s * float(g[i]):.6g}, beyond fp16's 65504 ({int(over.sum())} "
+            "blocks overflow on this rank); the fp16 contract cannot represent this layer: re-quantize it at a "
+            "smaller scale, or keep it unquantized (exclude_modules)")
 
 
 def _nvfp4_global_scale(geom: ShardGeometry, g: Tensor) -> Tensor:
@@ -296,7 +355,8 @@ class QPNUnquantizedLinearMethod(LinearMethodBase):
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
         del input_size, output_size
-        geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes)
+        geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes,
+                              _packed_modules(self.quant_config))
         layer.qpn_geometry = geom
         _register(layer, geom, "weight", torch.empty((geom.n_partition, geom.k_partition), dtype=params_dtype),
                   _ROWS, extra_weight_attrs, cast_ok=True)
