@@ -651,7 +651,8 @@ def verify_report_tail(source: Source, results: Sequence[LayerResult], other: Se
     lines = []
     if upstream:
         lines.append("(upstream differs: share of weights where upstream's decode roundings P / E (NVFP4) or the "
-                     "checkpoint semantics (FP8) give other fp16 bytes than the qpn contract)")
+                     "checkpoint semantics (FP8) give other fp16 bytes than the qpn contract; "
+                     f"{ref.UPSTREAM_VARIANTS})")
     failed = [r for r in results if not r.ok]
     lines += [f"FAIL {r.name}: {problem}" for r in failed for problem in r.problems]
     lines += [f"FAIL {problem}" for problem in other]
@@ -778,7 +779,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"activation rows for the linear check (default {','.join(map(str, DEFAULT_MS))})")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random activations")
     p.add_argument("--upstream", action="store_true",
-                   help="also report how many weights upstream's decode roundings (P / E) would change")
+                   help="also report how many weights upstream's decode roundings would change (NVFP4: "
+                        f"{ref.UPSTREAM_VARIANTS.replace('%', '%%')}")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("inspect", parents=[common], help="per-layer table of a checkpoint",

@@ -59,7 +59,8 @@ FORMATS = {"nvfp4": ("NVFP4", 0.95), "fp8": ("FP8", 0.99)}
 MODEL_NAME = "all-MiniLM-L6-v2"
 COLUMNS = ("(ckpt / packed MiB: the ModelOpt folder and the qpn pack output on disk; layers: how many passed "
            "qpn verify; upstream differs: share of all weights whose fp16 value upstream's decode roundings P / E "
-           "would change, or for FP8 where the checkpoint semantics differ from the QPN8 contract, by 1 ulp; "
+           f"would change ({ref.UPSTREAM_VARIANTS}), or for FP8 where the checkpoint semantics differ from the QPN8 "
+           "contract, by 1 ulp; "
            f"mean / min cos: cosine similarity of the {len(SENTENCES)} sentence embeddings with the fp32 model's, "
            "averaged / the worst one)")
 

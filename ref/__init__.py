@@ -36,7 +36,14 @@ from .nvfp4 import (
     require_nvfp4_fits_fp16,
     unpack_nibbles,
 )
-from .qpn2 import qpn2_dequantize, qpn2_dequantize_variant_e, qpn2_dequantize_variant_p, qpn2_prepack, qpn2_unpack
+from .qpn2 import (
+    UPSTREAM_VARIANTS,
+    qpn2_dequantize,
+    qpn2_dequantize_variant_e,
+    qpn2_dequantize_variant_p,
+    qpn2_prepack,
+    qpn2_unpack,
+)
 from .qpn8 import qpn8_dequantize, qpn8_prepack, qpn8_scale_granularity, qpn8_unpack, require_qpn8_fits_fp16
 
 # the public checkpoint names of qpn.ref before qpn.checkpoints existed -> their module there

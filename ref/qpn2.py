@@ -244,6 +244,11 @@ def _variant_inputs(codes: np.ndarray, scales: np.ndarray, global_scale: float |
     return n, k, g_rows, e2m1, e4m3
 
 
+# What the letters P and E mean wherever qpn reports how often upstream's roundings differ
+UPSTREAM_VARIANTS = ("P = the rounding of upstream's Turing-route NVFP4 decode kernels, E = its later kernels' "
+                     "(docs/QPN2.md, \"How upstream's decode kernels round\")")
+
+
 def qpn2_dequantize_variant_p(codes: np.ndarray, scales: np.ndarray, global_scale: float | np.ndarray, n: int,
                               k: int) -> np.ndarray:
     """Upstream's Turing-route decode rounding (variant P), for measurement: float16 [n, k].
