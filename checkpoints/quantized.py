@@ -104,7 +104,7 @@ from typing import Any, Literal, NamedTuple, NoReturn, Protocol, TypeVar, overlo
 import numpy as np
 
 from ..ref.checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
-from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES, QPN2, QPN8  # the first two: also kept for imports
+from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES, QPN2, QPN8
 from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from ..ref.geometry import GROUP_K, TILE_N
 from .atomic import atomic_folder, require_writable_target, write_json

@@ -77,7 +77,6 @@ PIPELINE = {
     **{(QPN8_BLOCK.key, nb, False): {1: (4, 2), 2: (2, 2), 3: (1, 2), 4: (4, 1)}[nb] for nb in (1, 2, 3, 4)},
     **{(wf.key, nb, True): (2 if nb <= 2 else 1, 1) for wf in (QPN2, QPN8, QPN8_BLOCK) for nb in (1, 2, 3, 4)},
 }
-QPN8_K_MULTIPLE = QPN8.k_multiple  # kept for imports
 
 
 def pipeline_macros(unroll: int, min_blocks: int) -> tuple[tuple[str, str], ...]:
@@ -172,7 +171,6 @@ def decode_split(fmt: str, n: int, k: int) -> tuple[int, int, int]:
     return split_k(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[fmt], _SMS[device.id])
 
 
-DECODE_FORMATS = FORMAT_NAMES  # kept for imports
 
 
 def decode_threshold(fmt: str, n: int, k: int) -> int:
@@ -186,8 +184,8 @@ def decode_threshold(fmt: str, n: int, k: int) -> int:
     shape-dependent and a future kernel (or a Turing measurement) may move it below 32.
     Pure host arithmetic: safe to call on every forward, also during CUDA-graph capture.
     """
-    if fmt not in DECODE_FORMATS:
-        raise ValueError(f"fmt must be one of {DECODE_FORMATS}, got {fmt!r}")
+    if fmt not in FORMAT_NAMES:
+        raise ValueError(f"fmt must be one of {FORMAT_NAMES}, got {fmt!r}")
     if n <= 0 or k <= 0:
         raise ValueError(f"n and k must be positive, got n={n}, k={k}")
     return MAX_M

@@ -50,16 +50,11 @@ import numpy as np
 
 from .checks import require_array, require_buffer_shape, require_multiple, require_no_nan_e4m3, require_shape
 from .codecs import decode_e2m1, decode_e4m3
-from .formats import PAD_K64_FIX, QPN2, WeightFormat
-from .formats import PAD_N_FIX as PAD_N_FIX  # kept for imports
+from .formats import QPN2, WeightFormat
 from .geometry import COLUMN_OF_LANE, GROUP_K, KORDER, TILE_N
 from .global_scale import global_scale_per_row
 from .nvfp4 import nvfp4_dequantize, unpack_nibbles
 
-# kept for imports: the rules are ref/formats.py's QPN2
-QPN2_N_MULTIPLE = QPN2.n_multiple
-QPN2_K_MULTIPLE = QPN2.k_multiple
-PAD_K_FIX = PAD_K64_FIX
 QPN2_BYTES_PER_LANE_GROUP = GROUP_K // 2  # 8 bytes = 16 nibbles = one uint64
 
 _U64 = np.dtype("<u8")  # explicit little-endian: byte 0 of a group is the low byte everywhere

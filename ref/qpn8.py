@@ -51,18 +51,12 @@ import numpy.typing as npt
 
 from .checks import require_array, require_no_nan_e4m3, require_positive_scale
 from .codecs import E4M3_MAX, decode_e4m3
-from .formats import FP8_BLOCK, FP8_GRANULARITIES, QPN8, WeightFormat, weight_format
-from .formats import PAD_K16_FIX as PAD_K16_FIX  # kept for imports
-from .formats import PAD_N_FIX as PAD_N_FIX  # kept for imports
-from .formats import QPN8_BLOCK as QPN8_BLOCK_SCALES  # the format; this module's QPN8_BLOCK is its block size
+from .formats import FP8_BLOCK, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from .fp8 import _ALL_CODES, fp8_block_grid, fp8_scale_granularity
 from .geometry import GROUP_K, TILE_N
 from .lookup import lookup_blocks
 from .qpn2 import _korder_shuffle, _korder_unshuffle, _lanes_to_rows, _require_buffer, _rows_to_lanes
 
-# kept for imports: the rules are ref/formats.py's
-QPN8_GRANULARITIES = FP8_GRANULARITIES
-QPN8_BLOCK = FP8_BLOCK
 QPN8_SCALE_FACTOR = 256.0  # S16 = RN16(256 * s) undoes the bit trick's 2^-8
 QPN8_MAX_WEIGHT_FACTOR = E4M3_MAX / QPN8_SCALE_FACTOR  # 448 * 2^-8 = 1.75, exact
 
@@ -172,9 +166,9 @@ def qpn8_group_scales_format(shape: tuple[int, ...], n: int, k: int) -> WeightFo
     if shape == QPN8.buffer("group_scales").shape(n, k):
         QPN8.require_dims(n, k)
         return QPN8
-    block_shape = QPN8_BLOCK_SCALES.buffer("group_scales").shape(n, k)
+    block_shape = QPN8_BLOCK.buffer("group_scales").shape(n, k)
     if k % FP8_BLOCK == 0 and n % TILE_N == 0 and shape == block_shape:
-        return QPN8_BLOCK_SCALES
+        return QPN8_BLOCK
     raise ValueError(
         f"group_scales must be float16 [1, {n}] (channel / tensor) or [K/128, N/32] = "
         f"[{block_shape[0]}, {block_shape[1]}] (128x128 block, needs K % 128 == 0 and N % 32 == 0) for a "

@@ -60,13 +60,8 @@ def test_the_validation_helpers_are_defined_once():
     assert sorted(defined) == sorted(f"ref/checks.py: {name}" for name in helpers)
 
 
-def test_kept_names_are_the_descriptions_values():
-    from qpn.ref import fp8, qpn2, qpn8
-
-    assert (qpn2.QPN2_N_MULTIPLE, qpn2.QPN2_K_MULTIPLE, qpn2.PAD_K_FIX) == (32, 64, formats.PAD_K64_FIX)
-    assert (qpn8.QPN8_BLOCK, fp8.FP8_BLOCK, qpn8.PAD_K16_FIX) == (128, 128, formats.PAD_K16_FIX)
-    assert qpn8.QPN8_GRANULARITIES == fp8.FP8_GRANULARITIES == ("tensor", "channel", "block")
-    assert (L.QPN8_K_MULTIPLE, L.DECODE_FORMATS, L.SLICE_MULTIPLE) == (16, ("nvfp4", "fp8"), {"qpn2": 4, "qpn8": 1})
+def test_the_split_multiples_are_the_descriptions_key():
+    assert L.SLICE_MULTIPLE == {"qpn2": 4, "qpn8": 1}
 
 
 def test_qpn8_group_scales_format_is_the_shape_rule():

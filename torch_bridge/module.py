@@ -36,16 +36,12 @@ from torch import Tensor, nn
 
 from .. import checkpoints, ref
 from ..ref.checks import require_nvfp4_block_scales
-from ..ref.formats import FORMAT_NAMES, QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
-from ..ref.formats import FP8_GRANULARITIES as FP8_GRANULARITIES  # kept for imports
+from ..ref.formats import FORMAT_NAMES, FP8_GRANULARITIES, QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ..ref.fp8 import fp8_block_grid
 from ..ref.geometry import GROUP_K
 from .ops import PAD_INPUT_FEATURES_FIX  # importing ops registers the torch.ops.qpn.* ops
 
-# kept for imports: the pad values are ref.formats' (QPN2.pad_scale is e4m3 +0, byte 0x00)
-FORMATS = FORMAT_NAMES
-NVFP4_PAD_SCALE_BYTE = int(ref.encode_e4m3(QPN2.pad_scale))
-FP8_PAD_SCALE = QPN8.pad_scale
+_NVFP4_PAD_SCALE_BYTE = int(ref.encode_e4m3(QPN2.pad_scale))  # QPN2.pad_scale is e4m3 +0, byte 0x00
 
 # What the packers take: a checkpoint tensor as torch or numpy (qpn.ref's carriers); scales may be a
 # Python float too (read as fp32, _float32).
@@ -56,8 +52,8 @@ ScaleIn: TypeAlias = Tensor | np.ndarray | np.generic | float
 def _format_of(format: str, fp8_granularity: str) -> WeightFormat:
     """The description QPNLinear(format, fp8_granularity=...) runs; fp8_granularity must be valid
     even for nvfp4 (where it is ignored: it is a keyword with a default)."""
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format not in FORMAT_NAMES:
+        raise ValueError(f"format must be one of {FORMAT_NAMES}, got {format!r}")
     if fp8_granularity not in FP8_GRANULARITIES:
         raise ValueError(f"fp8_granularity must be one of {FP8_GRANULARITIES}, got {fp8_granularity!r}")
     return weight_format(format, fp8_granularity if format == QPN8.format else None)
@@ -157,7 +153,7 @@ def pack_nvfp4(weight_packed: ArrayIn, weight_scale: ArrayIn, global_scale: Scal
     tiles = QPN2.buffer("global_scale").shape(n_pad, k)
     g_tiles = g.reshape(1).expand(tiles) if g.numel() == 1 else g.reshape(-1)
     codes, scales = torch.ops.qpn.nvfp4_prepack(_pad_rows(wp, n_pad, QPN2.pad_code),
-                                                _pad_rows(ws, n_pad, NVFP4_PAD_SCALE_BYTE))
+                                                _pad_rows(ws, n_pad, _NVFP4_PAD_SCALE_BYTE))
     return PackedWeight(QPN2.format, codes, scales, g_tiles.contiguous().clone(), k, n)
 
 

@@ -50,16 +50,10 @@ from torch import Tensor
 
 from .. import ref
 from ..ref.checks import require_multiple
-from ..ref.formats import FP8_BLOCK as FP8_BLOCK  # kept for imports
 from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ..ref.geometry import GROUP_K, TILE_N
 from . import _cpu
-
-# kept for imports: the rules are ref.formats' (QPN2, QPN8, QPN8_BLOCK)
-NVFP4_N_MULTIPLE = QPN2.n_multiple
-NVFP4_K_MULTIPLE = QPN2.k_multiple
-FP8_N_MULTIPLE = QPN8.n_multiple
-FP8_K_MULTIPLE = QPN8.k_multiple
+from .epilogue import silu_and_mul
 
 _E4M3_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 
@@ -261,25 +255,6 @@ def _cpu_linear_rn16(x: Tensor, n: int, fused: Callable[[np.ndarray, np.ndarray]
 @functools.lru_cache(maxsize=64)
 def _cpu_x_position_index(k: int) -> Tensor:
     return torch.from_numpy(_cpu.x_position_index(k))
-
-
-def silu_and_mul(y: Tensor) -> Tensor:
-    """Gated epilogue on an fp16 [M, N] linear result: RN16(RN16(silu32(gate)) * up).
-
-    gate = y[:, :N/2], up = y[:, N/2:]. silu32(v) = RN32(v / RN32(1 + expf(-v))). On the CPU,
-    expf is float64 exp rounded once to fp32 (qpn.ref's definition, so the CPU matches ref); on
-    CUDA it is torch's fp32 exp, i.e. CUDA's expf - the function the decode kernels call, so
-    both CUDA paths agree. fp16 * fp16 is exact in fp32 and rounded once.
-    """
-    half = y.shape[1] // 2
-    gate = y[:, :half].float()
-    up = y[:, half:].float()
-    if y.device.type == "cpu":
-        exp_neg = torch.exp(-gate.double()).float()
-    else:
-        exp_neg = torch.exp(-gate)
-    silu16 = (gate / (1.0 + exp_neg)).to(torch.float16)
-    return (silu16.float() * up).to(torch.float16)
 
 
 def _cuda() -> ModuleType:

@@ -43,7 +43,7 @@ from .methods import (
     QPNNVFP4LinearMethod,
     _unquantized_method,
 )
-from .sharding import DEFAULT_PACKED_MODULES as DEFAULT_PACKED_MODULES  # kept for imports
+from .sharding import DEFAULT_PACKED_MODULES
 
 QUANT_NAME = "qpn"
 MIN_CAPABILITY = 75  # Turing (sm_75); newer cards run the compute_75 PTX
