@@ -29,9 +29,7 @@ import signal
 import sys
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn
@@ -43,25 +41,42 @@ from ..checkpoints import packed as packing
 from ..checkpoints.atomic import TargetError
 from ..checkpoints.packed import PackError
 from ..ref.formats import QPN2
+from .output import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_NO_HARDWARE,
+    EXIT_OK,
+    EXIT_SIGNAL_BASE,
+    UsageError,
+    format_table,
+    plural,
+    progress_bars,
+    size_text,
+)
+from .verify import (
+    DEFAULT_MS,
+    DEFAULT_SEED,
+    Backends,
+    VerifyTable,
+    cuda_status,
+    format_name,
+    open_source,
+    require_quantized_layers,
+    verify_report_head,
+    verify_report_tail,
+    verify_source,
+)
 
 if TYPE_CHECKING:  # annotations only: torch is imported where a command needs it (the reference runs without)
-    import torch
+    pass
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NO_HARDWARE = 0, 1, 2, 3
-EXIT_SIGNAL_BASE = 128  # a command stopped by signal S exits 128 + S, as a shell reports it
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))  # + SIGINT
-DEFAULT_MS = (1, 40)  # activation rows for the linear check: a decode M and one past the decode/prefill split (32)
-DEFAULT_SEED = 0
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "decode": "bench_decode.py",  # `qpn bench [WHICH] [ARGS...]`
                  "model": "bench_model.py"}
 
 # what `main` turns into "qpn CMD: error: ..." and exit 2 (bad input, never a traceback)
 INPUT_ERRORS = (checkpoints.CheckpointError, checkpoints.SafetensorsError, PackError, TargetError, OSError)
-
-
-class UsageError(Exception):
-    """Bad input found by a command (exit 2)."""
 
 
 class Stopped(BaseException):
@@ -72,177 +87,14 @@ class Stopped(BaseException):
         super().__init__(signal.Signals(signum).name)
 
 
-def plural(count: int, noun: str) -> str:
-    """"1 layer", "2 layers" (every noun here takes an s)."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
-# ----------------------------------------------------------------------------------------------
-# output helpers
-
-
-def progress_bars(enabled: bool) -> Callable:
-    """progress(iterable, desc=, total=, unit=) -> iterable: tqdm bars on stderr, or the iterable itself."""
-    if enabled:
-        try:
-            from tqdm import tqdm
-        except ImportError:  # bars are a nicety: run without them
-            enabled = False
-    if not enabled:
-        return lambda iterable, **_: iterable
-
-    def bar(iterable: Iterable, desc: str | None = None, total: int | None = None, unit: str = "it") -> Iterable:
-        return tqdm(iterable, desc=desc, total=total, unit=unit, leave=False, file=sys.stderr, dynamic_ncols=True)
-
-    return bar
-
-
-_NO_BARS = progress_bars(False)  # verify_source's default: one shared pass-through, built once at import
-
-
 def _progress_of(args: argparse.Namespace) -> Callable:
     return progress_bars(not args.quiet and sys.stderr.isatty())
-
-
-def _table_line(cells: Sequence[object], widths: Sequence[int]) -> str:
-    return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-
-
-def _table_rule(widths: Sequence[int]) -> str:
-    return "  ".join("-" * w for w in widths)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-    return "\n".join([_table_line(headers, widths), _table_rule(widths), *(_table_line(row, widths) for row in rows)])
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
-
-
-# ----------------------------------------------------------------------------------------------
-# backends
-
-
-def cuda_status(need_torch: bool = True) -> tuple[bool, str]:
-    """(usable, description): a CUDA device that CuPy (and, if need_torch, torch) can use."""
-    if need_torch:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False, f"torch.cuda.is_available() is False (torch {torch.__version__})"
-    try:
-        import cupy
-    except ImportError as exc:
-        return False, (f"CuPy is not importable ({exc}; install the extra: "
-                       "pip install -e \".[cuda12]\" or \".[cuda13]\")")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver / no device
-        return False, f"CuPy sees no CUDA device ({type(exc).__name__}: {exc})"
-    if count == 0:
-        return False, "CuPy sees no CUDA device"
-    name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
-    return True, name.decode() if isinstance(name, bytes) else str(name)
-
-
-@dataclass
-class Backends:
-    """The dequantize / linear backends present: "cpu" (numba, torch.ops.qpn) and "cuda" (CuPy kernels)."""
-
-    devices: dict[str, torch.device]  # name -> torch.device
-    lines: list[str]  # one description per backend, present or not
-
-    @classmethod
-    def find(cls) -> Backends:
-        lines = ["numpy reference (qpn.ref): present"]
-        devices: dict[str, torch.device] = {}
-        try:
-            import torch
-
-            from .. import torch_bridge  # noqa: F401  registers torch.ops.qpn.*
-        except Exception as exc:  # torch / numba missing or broken: the reference still runs
-            lines.append(f"numba CPU (torch.ops.qpn): not found ({type(exc).__name__}: {exc})")
-            lines.append("CUDA (qpn.cupy_kernels): not found (needs torch)")
-            return cls(devices, lines)
-        devices["cpu"] = torch.device("cpu")
-        lines.append(f"numba CPU (torch.ops.qpn on cpu): present (torch {torch.__version__})")
-        ok, detail = cuda_status()
-        if ok:
-            devices["cuda"] = torch.device("cuda")
-            lines.append(f"CUDA (torch.ops.qpn on cuda, qpn.cupy_kernels): present ({detail})")
-        else:
-            lines.append(f"CUDA (qpn.cupy_kernels): not found - {detail}")
-        return cls(devices, lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# loading PATH (original or packed)
-
-
-@dataclass
-class Source:
-    """A folder given on the command line: an original checkpoint or a packed one."""
-
-    path: str
-    packed: bool
-    checkpoint: checkpoints.Checkpoint | packing.PackedCheckpoint
-
-    @property
-    def layer_names(self) -> list[str]:
-        c = self.checkpoint
-        return sorted(c.layers if isinstance(c, packing.PackedCheckpoint) else c.linears)
-
-    def describe(self) -> str:
-        c = self.checkpoint
-        kind = "qpn packed checkpoint of a" if self.packed else "original"
-        return (f"{self.path}: {kind} {c.format} {c.quant_algo} checkpoint, "
-                f"{plural(len(self.layer_names), 'quantized layer')}, {plural(len(c.tensors), 'other tensor')}")
-
-
-def open_source(path: str, *, check_values: bool = True) -> Source:
-    if not os.path.exists(path):
-        raise UsageError(f"{path} does not exist; pass a checkpoint folder")
-    if not os.path.isdir(path):
-        raise UsageError(f"{path} is not a folder; pass the checkpoint folder, not a file in it")
-    if packing.is_packed(path):
-        return Source(path, True, packing.load_packed(path, check_values=check_values))
-    return Source(path, False, checkpoints.load_checkpoint(path))
-
-
-def _format_name(fmt: str, granularity: str | None) -> str:
-    """NVFP4, FP8/tensor, ...: the public format name, as `qpn pack` prints it, and the FP8 scale granularity."""
-    return fmt.upper() if granularity is None else f"{fmt.upper()}/{granularity}"
 
 
 def _scale_summary(values: np.ndarray) -> str:
     values = np.asarray(values, dtype=np.float32).reshape(-1)
     lo, hi = float(values.min()), float(values.max())
     return f"{lo:.6g}" if lo == hi else f"{lo:.4g}..{hi:.4g}"
-
-
-def require_quantized_layers(source: Source) -> None:
-    """UsageError (exit 2) for a folder with no quantized layer: `inspect` / `verify` would report
-    "0 of 0 layers ok" for something that is not a usable quantized checkpoint."""
-    if source.layer_names:
-        return
-    c = source.checkpoint
-    if isinstance(c, packing.PackedCheckpoint):
-        raise UsageError(f"{source.path}: no quantized layer: looked for the layers its {packing.MANIFEST_FILE} "
-                         "lists, found none listed; pack the original checkpoint again")
-    quantization_config = "config.json quantization_config" if "quantization_config" in c.config else \
-        "hf_quant_config.json"
-    fix = "point qpn at the quantized export (ModelOpt / compressed-tensors weights next to their config)"
-    if any(name.endswith(f".{packing.CODES}") for name in c.tensors):
-        fix = (f"its *.{packing.CODES} tensors are qpn pack's: this is a packed folder whose "
-               f"{packing.MANIFEST_FILE} is missing - pack the original checkpoint again")
-    raise UsageError(f"{source.path}: no quantized layer: looked for quantized linears as {quantization_config} "
-                     f"({c.format} {c.quant_algo}) describes them, found {plural(len(c.tensors), 'tensor')}, none "
-                     f"quantized; {fix}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,8 +127,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if n_padded != n and not status.startswith("cannot"):
             status += f", N padded to {n_padded}"
         quantized_bytes += nbytes
-        rows.append((name, _format_name(fmt, granularity), str(n), str(k), _scale_summary(scale),
-                     _size(nbytes), status))
+        rows.append((name, format_name(fmt, granularity), str(n), str(k), _scale_summary(scale),
+                     size_text(nbytes), status))
     print(source.describe())
     print(format_table(("layer", "format", "N", "K", "global scale", "bytes", "status"), rows))
     other = sum(t.nbytes for t in c.tensors.values())
@@ -285,7 +137,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         counts[row[1]] = counts.get(row[1], 0) + 1
     blocked = sum(row[6].startswith("cannot pack") for row in rows)
     print(f"{plural(len(rows), 'quantized layer')} ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}), "
-          f"{_size(quantized_bytes)}; {plural(len(c.tensors), 'other tensor')}, {_size(other)}"
+          f"{size_text(quantized_bytes)}; {plural(len(c.tensors), 'other tensor')}, {size_text(other)}"
           + (f"; {plural(blocked, 'layer')} cannot be packed" if blocked else ""))
     print("(global scale: NVFP4 weight_scale_2 multiplier; FP8: the weight_scale, min..max over channels/blocks)")
     return EXIT_OK
@@ -316,7 +168,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     print(f"packed {plural(len(manifest['layers']), 'layer')} "
           f"({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}), "
           f"copied {plural(len(manifest['tensors']), 'tensor')}{others} -> {args.out} ({plural(len(files), 'file')}, "
-          f"{_size(size)}) in {seconds:.1f} s")
+          f"{size_text(size)}) in {seconds:.1f} s")
     _, skipped = packing.source_extras(args.checkpoint)
     if skipped:  # the packed folder lacks these: say so, once
         print(f"qpn pack: warning: not copied into {args.out}: "
@@ -326,351 +178,6 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # qpn verify
-
-
-OK, FAIL, ABSENT = "ok", "FAIL", "-"
-
-
-@dataclass
-class LayerResult:
-    name: str
-    fmt: str
-    n: int
-    k: int
-    cells: dict = field(default_factory=dict)  # column -> OK / FAIL / ABSENT
-    problems: list = field(default_factory=list)  # "column: what went wrong"
-    upstream: dict = field(default_factory=dict)  # "P" / "E" (NVFP4) or "ckpt" (FP8) -> share of weights that differ
-
-    @property
-    def upstream_text(self) -> str:
-        return ", ".join(f"{key} {100 * share:.1f} %" for key, share in self.upstream.items())
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def fail(self, column: str, message: str) -> None:
-        self.cells[column] = FAIL
-        self.problems.append(f"{column}: {message}")
-
-
-def _bits16(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint16)
-
-
-def _ordered16(a16: np.ndarray) -> np.ndarray:
-    """fp16 bits -> int16 on a monotone line: +-magnitude (+0 and -0 both 0), so ulps are differences."""
-    v = _bits16(a16).reshape(-1).view(np.int16)  # v = -32768 + magnitude where the sign bit is set
-    sign = v >> 15  # -1 where negative, else 0 (arithmetic shift)
-    ordered = v ^ (sign & np.int16(0x7FFF))  # negative: -1 - magnitude
-    ordered -= sign  # negative: -magnitude (4x faster than np.where on 58 M weights)
-    return ordered
-
-
-def _worst_ulp_distance(a16: np.ndarray, b16: np.ndarray) -> int:
-    """max |a - b| in fp16 ulps over finite fp16 arrays of one shape (+0 and -0 are 0 apart).
-
-    Bits first: where a and b share a sign, their ulp distance is the difference of their bit
-    patterns; where the signs differ, that difference is 0x8000 +- (at most 0x7BFF), never within
-    +-1 modulo 2^16. So when every uint16 difference is -1, 0 or 1, the answer is 0 or 1 (two
-    uint16 passes and two reductions, 0.1 s per 58 M weights instead of 0.45 s); otherwise the
-    exact int32 distance decides (also for +0 vs -0).
-    """
-    diff = np.subtract(_bits16(a16), _bits16(b16))  # uint16, modulo 2^16
-    diff += np.uint16(1)  # -1, 0, 1 -> 0, 1, 2
-    if diff.size == 0 or diff.max() <= 2:
-        return int(diff.size > 0 and (diff.min() != 1 or diff.max() != 1))
-    a, b = _ordered16(a16).astype(np.int32), _ordered16(b16).astype(np.int32)
-    return int(np.abs(a - b).max())
-
-
-def _nvfp4_values_off_contract(weight_scale: np.ndarray, global_scale: np.ndarray) -> int:
-    """How many values of ref.nvfp4_value_table (what nvfp4_dequantize looks up), over the scale bytes
-    the layer uses x 16 codes, differ from the contract computed another way: float64 products (e4m3 *
-    g and e2m1 * RN32(...) are exact there: 4 x 24 and 3 x 24 significant bits), RN32 by one cast,
-    RN16 by numpy's float64 -> float16 cast (its own code path, not the float32 one the table uses)."""
-    used = np.unique(weight_scale)
-    g = float(np.float32(global_scale))
-    block_multiplier = (ref.decode_e4m3(used).astype(np.float64) * g).astype(np.float32)  # RN32
-    codes = ref.decode_e2m1(np.arange(16, dtype=np.uint8)).astype(np.float64)
-    w32 = (block_multiplier.astype(np.float64)[:, None] * codes[None, :]).astype(np.float32)  # RN32
-    expected = w32.astype(np.float64).astype(np.float16)  # RN16 (w32 is exact in float64)
-    got = ref.nvfp4_value_table(np.float32(g))[used]
-    return int(np.count_nonzero(_bits16(got) != _bits16(expected)))
-
-
-def _share_differing(a16: np.ndarray, b16: np.ndarray) -> float:
-    return float(np.mean(_bits16(a16) != _bits16(b16)))
-
-
-def _torch_buffers(layer: packing.PackedLayer, device: torch.device) -> tuple[torch.Tensor, ...]:
-    import torch
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.array(a)).to(device)  # a writable copy of the (read-only) mapped bytes
-
-    return tuple(t(a) for a in layer.kernel_buffers())
-
-
-def _dequantize_on(layer: packing.PackedLayer, device: torch.device) -> np.ndarray:
-    import torch
-
-    buffers = _torch_buffers(layer, device)
-    op = getattr(torch.ops.qpn, f"{layer.format}_dequantize")  # the ops are named by the public format (ops.py)
-    return op(*buffers)[: layer.n].cpu().numpy()
-
-
-def _linear_on(layer: packing.PackedLayer, x: np.ndarray, device: torch.device) -> np.ndarray:
-    import torch
-
-    buffers = _torch_buffers(layer, device)
-    xt = torch.from_numpy(x).to(device)
-    op = getattr(torch.ops.qpn, f"{layer.format}_linear")
-    return op(xt, *buffers)[:, : layer.n].cpu().numpy()
-
-
-def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ref.linear_bounds_fp32 with its fp32 matmuls on torch's CPU matmul: widening fp16 to fp32
-    there is vectorized, numpy's astype is not (0.15 s per 14336 x 4096 layer, half of the bound's
-    time; measured on the 2-core benchmark machine, bench_verify.py). torch's fp32 matmul accumulates
-    in fp32 at matmul precision "highest"; otherwise, ref's own numpy matmul."""
-    import torch
-
-    def torch_fp32_sums(w16: np.ndarray, x32: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-        w = torch.from_numpy(w16).float()  # exact
-        x = torch.from_numpy(x32)
-        s32 = w @ x[:m].T
-        return s32.numpy(), (w.abs_() @ x.abs().T).numpy()
-
-    highest = torch.get_float32_matmul_precision() == "highest"
-    return ref.linear_bounds_fp32(x16, w16, fp32_sums=torch_fp32_sums if highest else None)
-
-
-def _packed_layer_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear) -> packing.PackedLayer:
-    """Prepack an original layer with qpn.ref, as `qpn pack` would (for verifying an original folder)."""
-    buffers = packing.prepack_layer(linear)
-    wf = packing.weight_format_of(linear)
-    entry = {} if isinstance(linear, checkpoints.NVFP4Linear) else {"granularity": linear.granularity,
-                                                           "scale_name": linear.scale_name}
-    return packing.PackedLayer(
-        linear.name, wf.format, linear.n, linear.k, buffers[packing.CODES],
-        buffers[packing.SCALES] if wf is QPN2 else buffers[packing.GROUP_SCALES],
-        buffers.get(packing.GLOBAL_SCALE), buffers.get(packing.WEIGHT_SCALE), buffers.get(packing.INPUT_SCALE), entry)
-
-
-def _new_result(source: Source, name: str) -> LayerResult:
-    """The layer's name, format, N and K, before any check (the table can be laid out from these)."""
-    c = source.checkpoint
-    if isinstance(c, packing.PackedCheckpoint):
-        layer = c.layers[name]
-        return LayerResult(name, _format_name(layer.format, layer.granularity), layer.n, layer.k)
-    linear = c.linears[name]
-    return LayerResult(name, _format_name(packing.layer_format(linear), getattr(linear, "granularity", None)),
-                       linear.n, linear.k)
-
-
-def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int], seed: int,
-                 upstream: bool) -> LayerResult:
-    """Every check of one layer (module docstring of the `verify` command in README / --help)."""
-    c = source.checkpoint
-    result = _new_result(source, name)
-    if isinstance(c, packing.PackedCheckpoint):
-        layer = c.layers[name]
-    else:
-        linear = c.linears[name]
-        reason = packing.unpackable_reason(linear)
-        if reason is not None:
-            result.fail("unpack", f"cannot be packed: {reason}")
-            return result
-        layer = _packed_layer_of(linear)
-
-    # 1. unpack: the packed bytes give back the checkpoint's bytes, and prepacking those gives the packed bytes
-    try:
-        original = layer.unpack()
-    except ValueError as exc:
-        result.fail("unpack", str(exc))
-        return result
-    back = {role: t.array for role, t in packing.source_tensors(original).items()}
-    if isinstance(c, packing.PackedCheckpoint):
-        expected = layer.entry["source_tensors"]
-        bad = [role for role, a in back.items() if packing.sha256_array(a) != expected[role]["sha256"]]
-        if bad:
-            result.fail("unpack", f"unpacking gives {', '.join(bad)} bytes whose sha256 differs from the manifest's "
-                                  "(the packed file is corrupt)")
-        scalars = {"global_scale": getattr(original, "global_scale", None), "input_scale": original.input_scale}
-        if isinstance(original, checkpoints.FP8Linear) and layer.granularity == "tensor":
-            scalars["weight_scale"] = original.weight_scale
-        bad = [key for key, value in scalars.items()
-               if (value is None) != (key not in layer.entry) or
-               (value is not None and np.float32(layer.entry[key][0]) != value)]
-        if bad:
-            result.fail("unpack", f"{', '.join(bad)} differ from the manifest's (the packed file is corrupt)")
-        repacked = packing.prepack_layer(original)
-        bad = [s for s, a in layer.buffers().items() if not np.array_equal(_u8(a), _u8(repacked[s]))]
-        if bad:
-            result.fail("unpack", f"{', '.join(f'{name}.{s}' for s in bad)} differ from a fresh prepack of the "
-                                  "unpacked layer (the packed file is corrupt)")
-    else:
-        wanted = {role: t.array for role, t in packing.source_tensors(c.linears[name]).items()}
-        bad = [role for role in wanted if not np.array_equal(_u8(wanted[role]), _u8(back[role]))]
-        if bad:
-            result.fail("unpack", f"unpack(prepack(x)) != x for {', '.join(bad)}")
-    result.cells.setdefault("unpack", OK)
-
-    # 2. dequantize: every backend gives the reference's fp16 bytes
-    try:
-        if isinstance(original, checkpoints.NVFP4Linear):
-            # Decoded once: the packed bytes are the checkpoint's (step 1), so qpn2_dequantize would
-            # repeat this very call. What is left to check is the reference's arithmetic; how it
-            # looks the values up is checked by the backends below.
-            w16 = ref.nvfp4_dequantize(original.weight_packed, original.weight_scale, original.global_scale)
-            wrong = _nvfp4_values_off_contract(original.weight_scale, original.global_scale)
-            if wrong:
-                result.fail("ref", f"{wrong} of the (scale byte, code) values this layer uses differ from the "
-                                   "contract RN16(RN32(e2m1 * RN32(e4m3 * g))) evaluated in float64")
-        else:
-            # the bytes step 1 unpacked (and compared) from layer.codes, not a third permutation of them
-            w16 = ref.qpn8.qpn8_dequantize_unpacked(original.weight, layer.scales, layer.n_padded, layer.k)
-            checkpoint_w16 = ref.fp8_dequantize(original.weight, original.weight_scale)
-            worst = _worst_ulp_distance(w16, checkpoint_w16)
-            if worst > 1:  # the QPN8 contract differs from RN16(RN32(e4m3 * s)) by at most 1 ulp (docs/QPN8.md)
-                result.fail("ref", f"qpn8_dequantize is {worst} ulp from the checkpoint semantics (the contract "
-                                   "allows 1)")
-    except ValueError as exc:
-        result.fail("ref", str(exc))
-        return result
-    result.cells.setdefault("ref", OK)
-    for backend in ("cpu", "cuda"):
-        if backend not in backends.devices:
-            result.cells[backend] = ABSENT
-            continue
-        try:
-            got = _dequantize_on(layer, backends.devices[backend])
-        except Exception as exc:  # a backend that raises on valid buffers is a failure to report, not a crash
-            result.fail(backend, f"dequantize raised {type(exc).__name__}: {exc}")
-            continue
-        if not np.array_equal(_bits16(got), _bits16(w16)):
-            result.fail(backend, f"dequantize differs from the reference in {100 * _share_differing(got, w16):.3g} % "
-                                 "of weights")
-        else:
-            result.cells[backend] = OK
-
-    # 3. linear on random activations: inside the derived fp32-accumulation bound around the exact reference
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    xs = [rng.standard_normal((m, layer.k), dtype=np.float32).astype(np.float16) for m in ms]
-    # one fp32 bound for all M at once (w16 is widened once, not per M in float64)
-    lo_all, hi_all = _linear_bounds(np.concatenate(xs), w16)
-    rows = np.cumsum([0, *ms])
-    linear_cell = ABSENT
-    for m, x, start, stop in zip(ms, xs, rows[:-1], rows[1:], strict=True):
-        lo, hi = lo_all[start:stop], hi_all[start:stop]
-        for backend, device in backends.devices.items():
-            try:
-                y = _linear_on(layer, x, device)
-            except Exception as exc:
-                result.fail("linear", f"{backend} M={m} raised {type(exc).__name__}: {exc}")
-                continue
-            outside = ~((lo <= y) & (y <= hi))
-            if outside.any():
-                result.fail("linear", f"{backend} M={m}: {int(outside.sum())} outputs outside the fp32-accumulation "
-                                      "bound of ref.linear_bounds_of_fp32_sums")
-            elif linear_cell != FAIL:
-                linear_cell = OK
-    result.cells.setdefault("linear", linear_cell)
-
-    if upstream:
-        if layer.weight_format is QPN2:
-            args = (layer.codes, layer.scales, layer.nvfp4_global_scale(), layer.n_padded, layer.k)
-            p = ref.qpn2_dequantize_variant_p(*args)[:layer.n]
-            e = ref.qpn2_dequantize_variant_e(*args)[:layer.n]
-            result.upstream = {"P": _share_differing(p, w16), "E": _share_differing(e, w16)}
-        else:
-            result.upstream = {"ckpt": _share_differing(w16, checkpoint_w16)}
-    return result
-
-
-def _u8(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
-def verify_source(source: Source, *, ms: Sequence[int] = DEFAULT_MS, seed: int = DEFAULT_SEED,
-                  upstream: bool = False, progress: Callable = _NO_BARS,
-                  backends: Backends | None = None,
-                  on_result: Callable[[LayerResult], None] = lambda _: None) -> tuple[list[LayerResult], list[str]]:
-    """(per-layer results, problems outside the layers: copied tensors and config files of a packed folder).
-
-    on_result(result) is called as each layer finishes (`qpn verify` prints its row there).
-    """
-    backends = backends or Backends.find()
-    names = source.layer_names
-    results = []
-    for name in progress(names, desc="verify", total=len(names), unit="layer"):
-        results.append(verify_layer(name, source, backends, ms, seed, upstream))
-        on_result(results[-1])
-    other = []
-    c = source.checkpoint
-    if isinstance(c, packing.PackedCheckpoint):
-        bad = [name for name, entry in c.manifest["tensors"].items()
-               if packing.sha256_array(c.tensors[name].array) != entry["sha256"]]
-        if bad:
-            other.append(f"copied tensors whose sha256 differs from the manifest: {', '.join(bad)}")
-        other += packing.copied_file_problems(c)  # the configs and the other copied files
-    return results, other
-
-
-VERIFY_CHECKS = ("unpack", "ref", "cpu", "cuda", "linear")
-
-
-class VerifyTable:
-    """The per-layer table of `qpn verify`, laid out before the checks run so rows print as layers finish."""
-
-    def __init__(self, source: Source, upstream: bool) -> None:
-        firsts = [_new_result(source, name) for name in source.layer_names]
-        self.headers = ["layer", "format", "N", "K", *VERIFY_CHECKS] + (["upstream differs"] if upstream else [])
-        columns = [[r.name for r in firsts], [r.fmt for r in firsts], [str(r.n) for r in firsts],
-                   [str(r.k) for r in firsts]] + [[OK, FAIL, ABSENT]] * len(VERIFY_CHECKS) + [[]] * upstream
-        self.widths = [max([len(h), *(len(v) for v in col)]) for h, col in zip(self.headers, columns, strict=True)]
-        self.upstream = upstream
-
-    def head(self) -> list[str]:
-        return [_table_line(self.headers, self.widths), _table_rule(self.widths)]
-
-    def row(self, r: LayerResult) -> str:
-        cells = [r.name, r.fmt, r.n, r.k] + [r.cells.get(col, ABSENT) for col in VERIFY_CHECKS]
-        return _table_line(cells + ([r.upstream_text] if self.upstream else []), self.widths)
-
-
-def verify_report_head(source: Source, backends: Backends, ms: Sequence[int]) -> list[str]:
-    return [source.describe(), "backends:", *(f"  {line}" for line in backends.lines),
-            f"checks: unpack = packed bytes <-> checkpoint bytes; ref / cpu / cuda = fp16 weights byte-equal to the "
-            f"reference; linear = x[M, K] @ W16^T with M in {list(ms)} inside the fp32-accumulation bound"]
-
-
-def verify_report_tail(source: Source, results: Sequence[LayerResult], other: Sequence[str],
-                       upstream: bool) -> list[str]:
-    lines = []
-    if upstream:
-        lines.append("(upstream differs: share of weights where upstream's decode roundings P / E (NVFP4) or the "
-                     "checkpoint semantics (FP8) give other fp16 bytes than the qpn contract; "
-                     f"{ref.UPSTREAM_VARIANTS})")
-    failed = [r for r in results if not r.ok]
-    lines += [f"FAIL {r.name}: {problem}" for r in failed for problem in r.problems]
-    lines += [f"FAIL {problem}" for problem in other]
-    copied = (f"; {plural(len(source.checkpoint.tensors), 'other tensor')} "
-              + ("checked" if source.packed else "not checked"))
-    lines.append(f"{len(results) - len(failed)} of {plural(len(results), 'layer')} ok{copied}"
-                 + (f"; {len(failed) + len(other)} FAILED" if failed or other else ""))
-    return lines
-
-
-def upstream_summary(results: Sequence[LayerResult]) -> str:
-    """The `upstream` shares over all layers, weighted by each layer's N * K."""
-    totals: dict[str, float] = {}
-    weights = sum(r.n * r.k for r in results if r.upstream)
-    for r in results:
-        for key, share in r.upstream.items():
-            totals[key] = totals.get(key, 0.0) + share * r.n * r.k
-    return ", ".join(f"{key} {100 * total / weights:.1f} %" for key, total in totals.items()) if weights else ""
 
 
 def _parse_ms(text: str) -> tuple[int, ...]:

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from .. import checkpoints, ref
 from ..checkpoints.atomic import TargetError, require_writable_target
 from ..ref.formats import QPN2
+from .output import EXIT_FAILED, EXIT_OK, format_table
+from .verify import Backends, cuda_status, open_source, upstream_summary, verify_source
 
 if TYPE_CHECKING:  # annotations only: torch is imported when the demo runs
     import torch
@@ -137,8 +139,6 @@ def embed(model: SentenceModel, sentences: Sequence[str] = SENTENCES) -> torch.T
 
 
 def _pick_device(device: str) -> tuple[str, str]:
-    from .cli import cuda_status
-
     ok, detail = cuda_status()
     if device == "cuda" and not ok:
         raise DemoError(f"--device cuda asked for a GPU, but none is usable: {detail}")
@@ -210,7 +210,6 @@ def run(device: str = "auto", keep: str | None = None, progress: Callable = lamb
 
     from ..checkpoints import packed as packing
     from ..torch_bridge import load_quantized
-    from .cli import EXIT_FAILED, EXIT_OK, Backends, format_table, open_source, upstream_summary, verify_source
 
     start = time.perf_counter()
     if keep:

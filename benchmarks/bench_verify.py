@@ -65,25 +65,25 @@ def folder_bytes(path: str) -> int:
 
 def measure(fmt: str, blocks: int, root: str, profile: bool) -> dict:
     from qpn import ref
-    from qpn.apps import cli
+    from qpn.apps import verify
     from qpn.checkpoints import packed as packing
 
     original, packed_dir = os.path.join(root, f"{fmt}"), os.path.join(root, f"{fmt}-qpn")
     ref.save_checkpoint(original, synthetic_checkpoint(fmt, blocks))
     packing.pack_checkpoint(original, packed_dir)
     shutil.rmtree(original)
-    backends = cli.Backends.find()
-    source = cli.open_source(packed_dir, check_values=False)
-    warm = cli.Source(packed_dir, True, source.checkpoint)  # compile the numba kernels outside the timing
+    backends = verify.Backends.find()
+    source = verify.open_source(packed_dir, check_values=False)
+    warm = verify.Source(packed_dir, True, source.checkpoint)  # compile the numba kernels outside the timing
     first = source.layer_names[:1]
-    cli.verify_layer(first[0], warm, backends, cli.DEFAULT_MS, cli.DEFAULT_SEED, False)
+    verify.verify_layer(first[0], warm, backends, verify.DEFAULT_MS, verify.DEFAULT_SEED, False)
 
     profiler = cProfile.Profile() if profile else None
     start = time.perf_counter()
     if profiler:
         profiler.enable()
-    source = cli.open_source(packed_dir, check_values=False)
-    results, other = cli.verify_source(source, backends=backends)
+    source = verify.open_source(packed_dir, check_values=False)
+    results, other = verify.verify_source(source, backends=backends)
     if profiler:
         profiler.disable()
     seconds = time.perf_counter() - start

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from qpn import cli  # noqa: E402
+from qpn.apps import cli, verify  # noqa: E402
 from qpn.torch_bridge import QPNLinear  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_model.py"
@@ -78,7 +78,7 @@ def test_bench_model_rejects_a_bad_argument_with_exit_2(capsys):
     assert "must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(cli.cuda_status(need_torch=True)[0], reason="a CUDA GPU is present: bench model would run")
+@pytest.mark.skipif(verify.cuda_status(need_torch=True)[0], reason="a CUDA GPU is present: bench model would run")
 def test_bench_model_without_a_gpu_exits_3(capsys):
     assert cli.main(["bench", "model", "--tiny"]) == 3
     assert "needs a CUDA GPU" in capsys.readouterr().err

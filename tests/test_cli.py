@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from qpn import ref
-from qpn.apps import cli
+from qpn.apps import cli, output, verify
 from qpn.checkpoints import packed, safetensors_io
 from qpn.ref import Checkpoint, FP8Linear, NVFP4Linear, StoredTensor
 from qpn.torch_bridge import QPNLinear, load_quantized
@@ -326,7 +326,7 @@ def test_verify_permutes_qpn8_bytes_once_each_way(tmp_path, capsys, monkeypatch,
 
 
 def test_worst_ulp_distance_compares_bits_first_and_is_exact(monkeypatch):
-    """cli._worst_ulp_distance against the distance on the ordered line, computed in int64, on the
+    """verify._worst_ulp_distance against the distance on the ordered line, computed in int64, on the
     cases where bit differences and ulps part ways (signs, zeros, subnormals, the largest values);
     the common case (every pair within 1 ulp and of one sign) never builds the ordered line."""
     def slow(a, b):
@@ -341,20 +341,20 @@ def test_worst_ulp_distance_compares_bits_first_and_is_exact(monkeypatch):
     for a in values:
         for b in values:
             pair = (np.array([a, np.float16(1)]), np.array([b, np.float16(1)]))
-            assert cli._worst_ulp_distance(*pair) == slow(*pair), (a, b)
+            assert verify._worst_ulp_distance(*pair) == slow(*pair), (a, b)
     rng = np.random.default_rng(SEED)
     a = rng.standard_normal(1000).astype(np.float16)
     b = a.copy()
     b.view(np.uint16)[::7] += 1  # one ulp away from zero, same sign
     b.view(np.uint16)[3::7] -= 1
-    assert cli._worst_ulp_distance(a, a) == 0 and cli._worst_ulp_distance(a, b) == 1 == slow(a, b)
-    assert cli._worst_ulp_distance(a[:0], b[:0]) == 0
+    assert verify._worst_ulp_distance(a, a) == 0 and verify._worst_ulp_distance(a, b) == 1 == slow(a, b)
+    assert verify._worst_ulp_distance(a[:0], b[:0]) == 0
 
     def no_ordered_line(_):
         raise AssertionError("the ordered line was built for pairs within 1 ulp")
 
     monkeypatch.setattr(cli, "_ordered16", no_ordered_line)
-    assert cli._worst_ulp_distance(a, b) == 1
+    assert verify._worst_ulp_distance(a, b) == 1
 
 
 def test_inspect_tables_for_original_and_packed(packed_pair, kind, capsys):
@@ -460,21 +460,21 @@ def test_python_m_qpn_is_the_cli_and_never_prints_a_traceback(tmp_path):
 
 def test_progress_bars_only_on_a_terminal_and_without_quiet(capsys, tmp_path):
     items = [1, 2, 3]
-    assert cli.progress_bars(False)(items, desc="x") is items
-    assert list(cli.progress_bars(True)(items, desc="pack", total=3)) == items  # a tqdm bar
+    assert output.progress_bars(False)(items, desc="x") is items
+    assert list(output.progress_bars(True)(items, desc="pack", total=3)) == items  # a tqdm bar
     assert "pack:   0%" in capsys.readouterr().err  # (leave=False: the finished bar is erased)
     original = write(tmp_path, "nvfp4")
     code, _, err = run(["pack", original, tmp_path / "out"], capsys)  # stderr is captured: not a TTY
     assert code == 0 and err == ""
 
 
-@pytest.mark.skipif(cli.cuda_status(need_torch=False)[0], reason="a CUDA GPU is present: bench would run")
+@pytest.mark.skipif(verify.cuda_status(need_torch=False)[0], reason="a CUDA GPU is present: bench would run")
 def test_bench_without_a_gpu_says_so_and_exits_3(capsys):
     code, out, err = run(["bench", "--quick"], capsys)
     assert code == 3 and "needs a CUDA GPU" in err and "Nothing was measured" in err
 
 
-@pytest.mark.skipif(cli.cuda_status(need_torch=True)[0], reason="a CUDA GPU is present")
+@pytest.mark.skipif(verify.cuda_status(need_torch=True)[0], reason="a CUDA GPU is present")
 def test_demo_on_cuda_without_a_gpu_says_so_and_exits_3(capsys):
     code, out, err = run(["demo", "--device", "cuda"], capsys)
     assert code == 3 and "--device cuda" in err
@@ -488,7 +488,7 @@ def test_verify_bound_from_torch_sums_is_refs_bound():
     rng = np.random.default_rng(11)
     w16 = (rng.standard_normal((96, 256)) * 0.05).astype(np.float16)
     x16 = rng.standard_normal((41, 256)).astype(np.float16)
-    lo, hi = cli._linear_bounds(x16, w16)
+    lo, hi = verify._linear_bounds(x16, w16)
     reverse = np.zeros((41, 96), np.float32)
     for k in reversed(range(256)):
         reverse += x16[:, k:k + 1].astype(np.float32) * w16[:, k].astype(np.float32)
@@ -499,10 +499,10 @@ def test_verify_bound_from_torch_sums_is_refs_bound():
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high")
-        for a, b in zip(cli._linear_bounds(x16, w16), ref.linear_bounds_fp32(x16, w16), strict=True):
+        for a, b in zip(verify._linear_bounds(x16, w16), ref.linear_bounds_fp32(x16, w16), strict=True):
             assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
     finally:
         torch.set_float32_matmul_precision(previous)
     w16[7, 3] = np.inf
     with pytest.raises(ValueError, match="w16"):
-        cli._linear_bounds(x16, w16)
+        verify._linear_bounds(x16, w16)

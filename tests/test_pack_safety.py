@@ -458,14 +458,14 @@ def test_verify_into_a_closed_pipe_stops_early_and_quietly(tmp_path):
     log = tmp_path / "verified"
     driver = textwrap.dedent("""
         import sys
-        from qpn.apps import cli
+        from qpn.apps import cli, verify
         log, argv = sys.argv[1], sys.argv[2:]
-        real = cli.verify_layer
+        real = verify.verify_layer
         def counted(name, *args):
             with open(log, "a") as f:
                 f.write(name + "\\n")
             return real(name, *args)
-        cli.verify_layer = counted
+        verify.verify_layer = counted
         sys.exit(cli.main(argv))
     """)
     qpn = subprocess.Popen([sys.executable, "-c", driver, str(log), "verify", str(src)], stdout=subprocess.PIPE,

@@ -48,7 +48,7 @@ from torch.nn import Parameter
 
 from qpn import ref
 from qpn.torch_bridge import vllm as vm
-from qpn.torch_bridge.ops import silu_and_mul
+from qpn.torch_bridge.epilogue import silu_and_mul
 
 STACKED_PARAMS = (  # (fused name, checkpoint name, shard id), as in vLLM's Llama load_weights
     (".qkv_proj", ".q_proj", "q"),

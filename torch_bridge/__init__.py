@@ -9,5 +9,6 @@ linear method builds on.
 """
 
 from .convert import LoadReport, convert, load_quantized
+from .epilogue import silu_and_mul
 from .module import PackedWeight, QPNLinear, pack_fp8, pack_nvfp4, qpn_linear
-from .ops import fp8_dequantize, fp8_linear, fp8_prepack, nvfp4_dequantize, nvfp4_linear, nvfp4_prepack, silu_and_mul
+from .ops import fp8_dequantize, fp8_linear, fp8_prepack, nvfp4_dequantize, nvfp4_linear, nvfp4_prepack

@@ -36,7 +36,7 @@ cuBLAS accumulate AND reduce (split-K included) in fp32 whatever
 F.linear may reduce split-K partials in fp16 when that flag is on (its default). Without
 `mm(out_dtype=)` (torch < 2.8) both operands are upcast to fp32 instead: fp16 values are exact
 in fp32 and in TF32 (10 explicit mantissa bits either way), so products stay exact and the sum
-is fp32. The gated epilogue is ops.silu_and_mul (torch fp32 expf, as the decode kernels).
+is fp32. The gated epilogue is epilogue.silu_and_mul (torch fp32 expf, as the decode kernels).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from torch import Tensor
 
 from ..ref.formats import QPN2, QPN8, WeightFormat
 from ..ref.qpn8 import qpn8_scale_granularity
+from .epilogue import silu_and_mul
 
 if TYPE_CHECKING:  # annotations only: importing qpn.cupy_kernels at run time waits for the first CUDA call
     from typing import TypeAlias
@@ -201,8 +202,6 @@ def _fused(wf: WeightFormat, x: Tensor, n: int, k: int, n_out: int, gated: bool,
 
 def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
                  n: int, k: int, n_out: int, gated: bool) -> Tensor:
-    from .ops import silu_and_mul
-
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, n_out))
@@ -219,8 +218,6 @@ def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
 
 
 def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, n: int, k: int, n_out: int, gated: bool) -> Tensor:
-    from .ops import silu_and_mul
-
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, n_out))

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,16 +61,22 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from ...ref.codecs import decode_e4m3
-from ...ref.formats import FP8_GRANULARITIES, QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
+from ...ref.formats import FP8_BLOCK, FP8_GRANULARITIES, QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ...ref.geometry import GROUP_K, TILE_N
 from ...ref.nvfp4 import nvfp4_block_overflows
 from ..module import PackedWeight, pack_fp8, pack_nvfp4  # importing module registers torch.ops.qpn.*
-from ._compat import LinearMethodBase, QPNLayer, QuantizeMethod, _VllmKVCacheMethod, _VllmUnquantizedLinearMethod
+from ._compat import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizeMethod,
+    _VllmKVCacheMethod,
+    _VllmUnquantizedLinearMethod,
+)
 from .sharding import (
     _BLOCK_GRID,
     _PER_SHARD,
     _ROWS,
-    FP8_BLOCK,
+    QPNLayer,
     ShardGeometry,
     _block_rows,
     _register,
@@ -83,23 +89,17 @@ from .sharding import (
     positive_scale_rule,
 )
 
-if TYPE_CHECKING:
-    from .config import QPNConfig
-
 NVFP4_GROUP_SIZE = GROUP_K  # 16: ModelOpt's NVFP4 group_size, the one qpn runs
-# kept for imports: the rules are ref.formats' (QPN2, QPN8, QPN8_BLOCK)
-NVFP4_K_MULTIPLE = QPN2.k_multiple
-FP8_K_MULTIPLE = QPN8.k_multiple
 _UNLOADED = float("nan")  # initial value of per-shard slots (the loaded-slot bookkeeping is what counts)
 
 
-def _packed_modules(quant_config: QPNConfig | None) -> dict[str, list[str]] | None:
+def _packed_modules(quant_config: QuantizationConfig | None) -> dict[str, list[str]] | None:
     """The model's packed_modules_mapping, which vLLM sets on the quant config (sharding: checkpoint names)."""
     return getattr(quant_config, "packed_modules_mapping", None)
 
 
 def _begin_create(layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: Sequence[int],
-                  wf: WeightFormat, quant_config: QPNConfig | None) -> ShardGeometry:
+                  wf: WeightFormat, quant_config: QuantizationConfig | None) -> ShardGeometry:
     geom = layer_geometry(layer, input_size_per_partition, output_partition_sizes, _packed_modules(quant_config))
     k = geom.k_partition
     if k <= 0 or k % wf.k_multiple != 0:
@@ -167,7 +167,7 @@ class _QPNLinearMethodBase(LinearMethodBase):
     fmt = ""  # kept for code that reads it: weight_format.format
     weight_format: WeightFormat
 
-    def __init__(self, quant_config: QPNConfig | None = None):
+    def __init__(self, quant_config: QuantizationConfig | None = None):
         self.quant_config = quant_config
 
     def apply(self, layer: QPNLayer, x: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -232,7 +232,7 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
 
     fmt = QPN8.format
 
-    def __init__(self, quant_config: QPNConfig | None = None, granularity: str = "tensor"):
+    def __init__(self, quant_config: QuantizationConfig | None = None, granularity: str = "tensor"):
         super().__init__(quant_config)
         if granularity not in FP8_GRANULARITIES:
             raise ValueError(f"granularity must be 'tensor', 'channel' or 'block' (ModelOpt FP8 / "
@@ -348,7 +348,7 @@ class QPNUnquantizedLinearMethod(LinearMethodBase):
     """Excluded layers when vLLM is not installed: params_dtype weight [N_part, K_part] with the same
     sharding loader; y = RN16(x @ W^T) with fp32 accumulation (+ bias as in apply above)."""
 
-    def __init__(self, quant_config: QPNConfig | None = None):
+    def __init__(self, quant_config: QuantizationConfig | None = None):
         self.quant_config = quant_config
 
     def create_weights(self, layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -388,7 +388,7 @@ if _VllmKVCacheMethod is not None:
     QPNKVCacheMethod = _kv_cache_method_class(_VllmKVCacheMethod)
 
 
-def _unquantized_method(config: QPNConfig) -> QuantizeMethod:
+def _unquantized_method(config: QuantizationConfig) -> QuantizeMethod:
     if _VllmUnquantizedLinearMethod is not None:
         return _VllmUnquantizedLinearMethod()
     return QPNUnquantizedLinearMethod(config)

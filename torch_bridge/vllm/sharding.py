@@ -47,12 +47,12 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from ...ref.checks import require_no_nan_e4m3, require_nvfp4_block_scales, require_positive_scale
-from ...ref.formats import FP8_BLOCK as FP8_BLOCK  # kept for imports: FP8_PB_WO scales one 128x128 block each
+from ...ref.formats import FP8_BLOCK  # FP8_PB_WO scales one 128x128 block each
 from ...ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from ...ref.qpn8 import require_qpn8_fits_fp16
 
 if TYPE_CHECKING:
-    from ._compat import QPNLayer
+    from ...ref.formats import WeightFormat
 
 QKV_SHARD_IDS = ("q", "k", "v")
 # vLLM models set packed_modules_mapping on the config (fused layer -> the checkpoint layers it loads, in
@@ -79,6 +79,34 @@ ValueRule = Callable[[str, Tensor], None]
 
 
 # ----------------------------------------------------------------------------- layer geometry
+
+
+class QPNLayer(Protocol):
+    """A vLLM linear layer as the qpn methods see it (a torch.nn.Module; vLLM's own attributes, such
+    as tp_rank or output_sizes, are read by name in sharding.layer_geometry).
+
+    create_weights registers the checkpoint Parameters (weight, weight_scale, ...) and sets
+    qpn_geometry and the three attributes vLLM's ModelOpt methods set; process_weights_after_loading
+    replaces the checkpoint Parameters with qpn_codes / qpn_scales (/ qpn_global_scale) and sets
+    qpn_weight_format (ref.formats' description; qpn_format its public name) and qpn_out_features,
+    which apply reads.
+    """
+
+    qpn_geometry: ShardGeometry
+    logical_widths: list[int]
+    input_size_per_partition: int
+    output_size_per_partition: int
+    weight: Tensor
+    weight_scale: Tensor
+    weight_scale_2: Tensor
+    qpn_format: str  # qpn_weight_format.format, kept for code that reads the public name
+    qpn_weight_format: WeightFormat
+    qpn_codes: Tensor
+    qpn_scales: Tensor
+    qpn_global_scale: Tensor  # NVFP4 only
+    qpn_out_features: int
+
+    def register_parameter(self, name: str, param: Parameter | None) -> None: ...
 
 
 @dataclass(frozen=True)
