@@ -4,9 +4,9 @@ is one-way, as docs/ARCHITECTURE.md draws it:
 
     ref -> checkpoints -> torch_bridge -> apps,   ref -> cupy_kernels -> torch_bridge
 
-(an arrow: the right side may import the left). The root holds the package's `__init__.py`,
-`__main__.py` and the compatibility names `qpn.packed`, `qpn.cli`, `qpn.demo` (one re-export each,
-no code). Imports inside functions count too: a lazy import is still an edge of the graph.
+(an arrow: the right side may import the left). The root holds the package's `__init__.py` and
+`__main__.py` only: no re-export modules (issue 21). Between modules too the graph has no cycle.
+Imports inside functions count too: a lazy import is still an edge of the graph.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ALLOWED = {  # part -> the parts it may import (itself always)
     "torch_bridge": {"ref", "checkpoints", "cupy_kernels"},
     "apps": {"ref", "checkpoints", "cupy_kernels", "torch_bridge"},
 }
-ROOT_MODULES = {"__init__.py", "__main__.py", "packed.py", "cli.py", "demo.py"}
+ROOT_MODULES = {"__init__.py", "__main__.py"}
 
 
 def package_modules() -> list[Path]:
@@ -58,9 +58,87 @@ def imported_parts(path: Path) -> list[tuple[int, str, str, bool]]:
 def test_no_library_code_at_the_root():
     root_py = {p.name for p in ROOT.glob("*.py")}
     assert root_py == ROOT_MODULES, root_py ^ ROOT_MODULES
-    for name in ("packed.py", "cli.py", "demo.py"):  # compatibility names: a docstring and re-exports
-        body = ast.parse((ROOT / name).read_text()).body
-        assert all(isinstance(n, ast.ImportFrom) or isinstance(n, ast.Expr) for n in body), name
+
+
+def test_no_module_only_re_exports_another():
+    """No shims: a module whose body is a docstring and imports, or a name imported `as` itself with
+    a "kept for imports" comment, is a second name for code that lives elsewhere."""
+    shims = [str(p.relative_to(ROOT)) for p in package_modules() if p.name != "__init__.py"
+             and all(isinstance(n, (ast.Import, ast.ImportFrom, ast.Expr)) for n in ast.parse(p.read_text()).body)]
+    kept = [f"{p.relative_to(ROOT)}:{i}" for p in package_modules()
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "kept for imports" in line]
+    assert not shims and not kept, f"re-export modules {shims}, aliases {kept}"
+
+
+def module_of(parts: list[str]) -> str | None:
+    """The module a dotted path inside the package names: a .py file or a package's __init__.py."""
+    path = ROOT.joinpath(*parts)
+    if path.with_suffix(".py").is_file():
+        return "/".join(parts) + ".py"
+    if (path / "__init__.py").is_file():
+        return "/".join(parts + ["__init__.py"]) if parts else "__init__.py"
+    return None
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The package's modules that `path` imports, at module level or inside functions (relative imports:
+    `test_the_package_imports_itself_relatively` holds); `from . import x` names the module x."""
+    here = list(path.relative_to(ROOT).parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = here[: len(here) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+            for alias in node.names:
+                target = module_of(base + [alias.name]) or module_of(base)
+                if target is not None:
+                    found.add(target)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_module_graph_has_no_cycle():
+    """A package's __init__ imports its modules, so an edge into a package goes to its __init__ only
+    where no module of that name exists (`from .. import ref` is the package ref/)."""
+    graph = {str(p.relative_to(ROOT)): imported_modules(p) for p in package_modules()}
+    graph = {m: {t for t in targets if t != m} for m, targets in graph.items()}
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles (function-level imports included):\n" + "\n".join(map(" <-> ".join, cycles))
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_package_imports_itself_relatively():
@@ -89,20 +167,16 @@ def test_the_graph_check_sees_edges():
 
 
 def test_the_old_public_names_still_resolve_without_a_back_edge():
-    """qpn.ref.load_checkpoint & co., qpn.packed, qpn.cli, qpn.demo (docs/DESIGN.md) stay public;
-    importing the reference imports no checkpoint I/O (a fresh interpreter: nothing cached)."""
+    """qpn.ref.load_checkpoint & co. (docs/DESIGN.md) stay public; importing the reference imports no
+    checkpoint I/O (a fresh interpreter: nothing cached)."""
     import subprocess
     import sys
 
     code = (
         "import sys, qpn.ref as r\n"
         "assert not [m for m in sys.modules if m.startswith('qpn.checkpoints')], 'qpn.ref imported qpn.checkpoints'\n"
-        "import qpn.checkpoints as c, qpn.packed, qpn.cli, qpn.demo\n"
-        "from qpn.checkpoints import packed\n"
-        "from qpn.apps import cli, demo\n"
+        "import qpn.checkpoints as c\n"
         "assert r.load_checkpoint is c.load_checkpoint and r.StoredTensor is c.StoredTensor\n"
-        "assert qpn.packed.load_packed is packed.load_packed\n"
-        "assert qpn.cli.main is cli.main and qpn.demo.run is demo.run\n"
         "try:\n    r.no_such_name\nexcept AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
         "else:\n    raise AssertionError('qpn.ref invented an attribute')\n"
     )
