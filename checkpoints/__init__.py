@@ -1,7 +1,9 @@
 """qpn.checkpoints: reading, writing and packing checkpoints (numpy and qpn.ref only).
 
-- quantized.py: ModelOpt / compressed-tensors checkpoints -> one validated object per linear
-  layer (`load_checkpoint`, `save_checkpoint`, `Checkpoint`, `NVFP4Linear`, `FP8Linear`).
+- checkpoint.py: the in-memory checkpoint, one validated object per linear layer (`Checkpoint`,
+  `NVFP4Linear`, `FP8Linear`); fused.py: q/k/v and gate/up shards stacked into one layer.
+- folder.py: ModelOpt / compressed-tensors checkpoint folders (`load_checkpoint`, `open_checkpoint`,
+  `save_checkpoint`).
 - packed.py: the packed checkpoint format that `qpn pack` writes (docs/FORMATS.md).
 - safetensors_io.py: a strict, memory-mapped safetensors reader and an atomic writer.
 - atomic.py: atomic folder writes that survive SIGTERM and never replace what qpn did not write.
@@ -9,16 +11,9 @@
 The reference (qpn.ref) is the executable spec; this part moves bytes between it and the disk.
 """
 
-from .quantized import (
-    Checkpoint,
-    CheckpointError,
-    FP8Linear,
-    NVFP4Linear,
-    fuse_fp8_shards,
-    fuse_nvfp4_shards,
-    load_checkpoint,
-    save_checkpoint,
-)
+from .checkpoint import Checkpoint, CheckpointError, FP8Linear, NVFP4Linear
+from .folder import load_checkpoint, save_checkpoint
+from .fused import fuse_fp8_shards, fuse_nvfp4_shards
 from .safetensors_io import SafetensorsError, StoredTensor, read_safetensors, read_safetensors_header, write_safetensors
 
 __all__ = ["Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear", "SafetensorsError", "StoredTensor",

@@ -63,7 +63,7 @@ own: `PackedLayer.unpack()` is the exact inverse of the prepack and must give th
 compares its sha256 (`copied_file_problems`).
 
 Reading the source: `pack_checkpoint` reads it with plain file reads, one layer or tensor at a
-time (`quantized.open_checkpoint`), never through a memory map, which a truncation by another
+time (`open_checkpoint`), never through a memory map, which a truncation by another
 process turns into a SIGBUS. Every source file must stay as it was from the moment it is first
 read until the output is complete (size and modification time, checked at every read and once
 more before the manifest is written); a shard or copied file that changes is a
@@ -100,9 +100,18 @@ from ..ref.formats import (
     weight_format,
 )
 from ..ref.geometry import GROUP_K, TILE_N
-from . import quantized, safetensors_io
+from . import safetensors_io
 from .atomic import atomic_folder, recover_interrupted, require_writable_target, write_json
-from .quantized import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SAFETENSORS_METADATA, SINGLE_FILE
+from .checkpoint import CHECKPOINT_FORMATS, Checkpoint, FP8Linear, NVFP4Linear
+from .folder import (
+    CONFIG_FILE,
+    HF_QUANT_CONFIG_FILE,
+    INDEX_FILE,
+    SAFETENSORS_METADATA,
+    SINGLE_FILE,
+    OpenCheckpoint,
+    open_checkpoint,
+)
 
 PACKED_FORMAT = "qpn-packed"
 PACKED_VERSION = 1
@@ -148,29 +157,29 @@ class PackError(ValueError):
 # rules shared by pack, inspect and verify
 
 
-def weight_format_of(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> WeightFormat:
+def weight_format_of(linear: NVFP4Linear | FP8Linear) -> WeightFormat:
     """The qpn.ref.formats description of a layer: QPN2 for an NVFP4Linear, QPN8 / QPN8_BLOCK for an FP8Linear."""
-    if isinstance(linear, quantized.NVFP4Linear):
+    if isinstance(linear, NVFP4Linear):
         return QPN2
     return weight_format("fp8", linear.granularity)
 
 
-def layer_format(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> str:
+def layer_format(linear: NVFP4Linear | FP8Linear) -> str:
     """"nvfp4" for an NVFP4Linear, "fp8" for an FP8Linear."""
     return weight_format_of(linear).format
 
 
-def padded_rows(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> int:
+def padded_rows(linear: NVFP4Linear | FP8Linear) -> int:
     """N_pad: N rounded up to the layout's N multiple."""
     return weight_format_of(linear).padded_n(linear.n)
 
 
-def k_multiple(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> int:
+def k_multiple(linear: NVFP4Linear | FP8Linear) -> int:
     """The K rule of the layer's layout (qpn.ref.formats)."""
     return weight_format_of(linear).k_multiple
 
 
-def unpackable_reason(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> str | None:
+def unpackable_reason(linear: NVFP4Linear | FP8Linear) -> str | None:
     """Why `linear` (a qpn.ref NVFP4Linear / FP8Linear) cannot be packed, or None if it can.
 
     Reads shapes and scales only (never the codes), so it is cheap enough for `qpn inspect`.
@@ -181,7 +190,7 @@ def unpackable_reason(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> st
         return (f"K={linear.k} is not a multiple of {wf.k_multiple} ({wf.label}); "
                 "pad the input features with zero columns")
     try:
-        if isinstance(linear, quantized.NVFP4Linear):
+        if isinstance(linear, NVFP4Linear):
             ref.require_nvfp4_fits_fp16(linear.weight_scale, ref.global_scale_per_row(linear.global_scale, linear.n))
         else:
             ref.require_qpn8_fits_fp16(linear.weight_scale)
@@ -197,7 +206,7 @@ def _pad_rows(a: np.ndarray, rows: int, fill: float) -> np.ndarray:
     return np.concatenate([a, pad], axis=0)
 
 
-def prepack_layer(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> dict[str, np.ndarray]:
+def prepack_layer(linear: NVFP4Linear | FP8Linear) -> dict[str, np.ndarray]:
     """A qpn.ref NVFP4Linear / FP8Linear -> its packed buffers {suffix: array} (module docstring).
 
     Raises ValueError if the layer cannot be packed (see `unpackable_reason`).
@@ -205,7 +214,7 @@ def prepack_layer(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> dict[s
     wf = weight_format_of(linear)
     n_pad = wf.padded_n(linear.n)
     out: dict[str, np.ndarray] = {}
-    if isinstance(linear, quantized.NVFP4Linear):
+    if isinstance(linear, NVFP4Linear):
         wp = _pad_rows(linear.weight_packed, n_pad, wf.pad_code)
         ws = _pad_rows(linear.weight_scale, n_pad, _NVFP4_PAD_SCALE_BYTE)
         out[CODES], out[SCALES] = ref.qpn2_prepack(wp, ws)
@@ -238,7 +247,7 @@ def sha256_file(path: str | os.PathLike[str], progress: Progress = _no_progress)
     return digest.hexdigest()
 
 
-def source_tensors(linear: quantized.NVFP4Linear | quantized.FP8Linear) -> dict[str, safetensors_io.StoredTensor]:
+def source_tensors(linear: NVFP4Linear | FP8Linear) -> dict[str, safetensors_io.StoredTensor]:
     """The layer's quantized tensors by role, with the bytes and dtype tag the checkpoint stores."""
     # each role is the layer's attribute of that name (NVFP4Linear.weight_packed, FP8Linear.weight, ...)
     return {role: safetensors_io.StoredTensor(getattr(linear, role), tag)
@@ -352,7 +361,7 @@ def _write_bytes(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _layer_entry(name: str, linear: quantized.NVFP4Linear | quantized.FP8Linear, file: str,
+def _layer_entry(name: str, linear: NVFP4Linear | FP8Linear, file: str,
                  buffers: Mapping[str, np.ndarray]) -> dict[str, Any]:
     wf = weight_format_of(linear)
     entry: dict[str, Any] = {
@@ -367,7 +376,7 @@ def _layer_entry(name: str, linear: quantized.NVFP4Linear | quantized.FP8Linear,
             for role, t in source_tensors(linear).items()
         },
     }
-    if isinstance(linear, quantized.NVFP4Linear):
+    if isinstance(linear, NVFP4Linear):
         entry["global_scale"] = [float(linear.global_scale)]  # float32 -> float64 is exact; JSON keeps it
     else:
         entry["granularity"] = linear.granularity
@@ -431,7 +440,7 @@ def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[st
                     progress: Progress = _no_progress) -> dict[str, Any]:
     """Pack the checkpoint folder `source` (ModelOpt / compressed-tensors) into the folder `target`.
 
-    Opens and checks `source` with quantized.open_checkpoint, then reads every quantized linear
+    Opens and checks `source` with open_checkpoint, then reads every quantized linear
     once to run the checks of load_checkpoint and to see that it can be packed (all reasons are
     reported at once, before anything is written), prepacks each one with qpn.ref, and writes the
     folder described in the module docstring into a temporary sibling folder that is renamed
@@ -446,11 +455,11 @@ def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[st
     target = os.path.abspath(os.fspath(target))
     if is_packed(source):
         raise PackError(source, None, "is already a qpn packed checkpoint; pack the original checkpoint instead")
-    with quantized.open_checkpoint(source) as checkpoint:
+    with open_checkpoint(source) as checkpoint:
         return _pack(checkpoint, source, target, overwrite, progress)
 
 
-def _pack(checkpoint: quantized.OpenCheckpoint, source: str, target: str, overwrite: bool,
+def _pack(checkpoint: OpenCheckpoint, source: str, target: str, overwrite: bool,
           progress: Progress) -> dict[str, Any]:
     names = checkpoint.layer_names
     if not names:
@@ -610,7 +619,7 @@ class PackedLayer:
                              "read the layer with load_packed")
         return self.weight_scale
 
-    def unpack(self) -> quantized.NVFP4Linear | quantized.FP8Linear:
+    def unpack(self) -> NVFP4Linear | FP8Linear:
         """The source layer (qpn.ref NVFP4Linear / FP8Linear): exact inverse of the prepack, pad rows cropped.
 
         Raises ValueError if the pad rows are not the padding qpn writes or the per-tile global
@@ -626,11 +635,11 @@ class PackedLayer:
             if np.any(g.view(np.uint32) != g[:1].view(np.uint32)):
                 raise ValueError(f"layer {self.name!r}: the per-tile global scales differ, but qpn pack writes one "
                                  "value per layer; the packed file is corrupt")
-            return quantized.NVFP4Linear(self.name, wp[:n], ws[:n], g[0].copy(), self.input_scale)
+            return NVFP4Linear(self.name, wp[:n], ws[:n], g[0].copy(), self.input_scale)
         weight, _ = ref.qpn8_unpack(self.codes, self.scales, n_pad, k)
         if np.any(weight[n:] != wf.pad_code):
             raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is corrupt")
-        return quantized.FP8Linear(self.name, weight[:n], self.fp8_weight_scale(), self.entry["granularity"],
+        return FP8Linear(self.name, weight[:n], self.fp8_weight_scale(), self.entry["granularity"],
                                    self.input_scale, self.entry["scale_name"])
 
 
@@ -658,10 +667,10 @@ class PackedCheckpoint:
         """{file: {"sha256", "size"}}: the source's other files, copied as they are (empty if it had none)."""
         return self.manifest.get("copied_files", {})
 
-    def to_checkpoint(self) -> quantized.Checkpoint:
+    def to_checkpoint(self) -> Checkpoint:
         """The source checkpoint (qpn.ref.Checkpoint), every layer unpacked: save_checkpoint writes it back."""
         linears = {name: layer.unpack() for name, layer in self.layers.items()}
-        return quantized.Checkpoint(self.format, self.quant_algo, linears, self.tensors, self.config,
+        return Checkpoint(self.format, self.quant_algo, linears, self.tensors, self.config,
                                     self.hf_quant_config)
 
 
@@ -863,8 +872,8 @@ def load_packed(path: str | os.PathLike[str], *, mmap: bool = True, check_values
         if not isinstance(manifest.get(key), dict):
             raise PackError(manifest_path, None, f"has no {key!r} object; the manifest is damaged")
     source = manifest["source"]
-    if source.get("format") not in quantized.CHECKPOINT_FORMATS or not isinstance(source.get("quant_algo"), str):
-        raise PackError(manifest_path, None, f"source must name a format in {quantized.CHECKPOINT_FORMATS} and "
+    if source.get("format") not in CHECKPOINT_FORMATS or not isinstance(source.get("quant_algo"), str):
+        raise PackError(manifest_path, None, f"source must name a format in {CHECKPOINT_FORMATS} and "
                                              f"a quant_algo, got {source!r}; the manifest is damaged")
     for name, entry in manifest["layers"].items():
         try:

@@ -46,20 +46,18 @@ from .qpn2 import (
 )
 from .qpn8 import qpn8_dequantize, qpn8_prepack, qpn8_scale_granularity, qpn8_unpack, require_qpn8_fits_fp16
 
-# the public checkpoint names of qpn.ref before qpn.checkpoints existed -> their module there
-_CHECKPOINT_NAMES = {
-    **dict.fromkeys(("Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear", "fuse_fp8_shards",
-                     "fuse_nvfp4_shards", "load_checkpoint", "save_checkpoint"), "quantized"),
-    **dict.fromkeys(("SafetensorsError", "StoredTensor", "read_safetensors", "read_safetensors_header",
-                     "write_safetensors"), "safetensors_io"),
-}
+# the public checkpoint names of qpn.ref before qpn.checkpoints existed (the package qpn.checkpoints exports each)
+_CHECKPOINT_NAMES = frozenset((
+    "Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear", "fuse_fp8_shards", "fuse_nvfp4_shards",
+    "load_checkpoint", "save_checkpoint",
+    "SafetensorsError", "StoredTensor", "read_safetensors", "read_safetensors_header", "write_safetensors",
+))
 
 
 def __getattr__(name: str) -> object:
     """qpn.ref.load_checkpoint and the other checkpoint names: qpn.checkpoints', imported on first use."""
-    module = _CHECKPOINT_NAMES.get(name)
-    if module is None:
+    if name not in _CHECKPOINT_NAMES:
         raise AttributeError(f"module 'qpn.ref' has no attribute {name!r}")
     import importlib  # noqa: PLC0415
 
-    return getattr(importlib.import_module(f"..checkpoints.{module}", __name__), name)
+    return getattr(importlib.import_module("..checkpoints", __name__), name)

@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qpn.checkpoints import quantized as checkpoint_module
+from qpn.checkpoints import folder as checkpoint_module
 from qpn.checkpoints import safetensors_io
 from qpn.ref import (
     Checkpoint,

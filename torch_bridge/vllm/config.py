@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ...checkpoints.quantized import FP8_GRANULARITY_OF_ALGO, NVFP4_ALGOS
+from ...checkpoints.checkpoint import FP8_GRANULARITY_OF_ALGO, NVFP4_ALGOS
 from ...ref.formats import QPN2, QPN8
 from ._compat import VLLM_AVAILABLE, QuantizationConfig, QuantizeMethod, _VllmLinearBase
 from .methods import (

@@ -1,0 +1,261 @@
+"""The in-memory form of a quantized checkpoint: one validated object per linear layer.
+
+Both producers' readers (ModelOpt, compressed-tensors: qpn.checkpoints.folder) build these and
+`save_checkpoint` writes them; every field is checked when the object is made, so a linear that
+exists is a valid one.
+
+Data model (frozen dataclasses; arrays are numpy, e4m3 travels as uint8 bit patterns):
+
+- `NVFP4Linear(name, weight_packed, weight_scale, global_scale, input_scale=None)`:
+  weight_packed uint8 [N, K/2] (element 2j in the LOW nibble), weight_scale uint8 e4m3 bits
+  [N, K/16], global_scale float32 0-d, input_scale float32 0-d or None.
+  Convention: global_scale and input_scale are MULTIPLIERS, i.e. ModelOpt's `weight_scale_2`
+  and `input_scale`; value = e2m1 * e4m3(scale) * global_scale (docs/FORMATS.md).
+- `FP8Linear(name, weight, weight_scale, granularity, input_scale=None, scale_name="weight_scale")`:
+  weight uint8 e4m3 bits [N, K]; weight_scale float32, a multiplier: 0-d ("tensor"), [N]
+  ("channel"; [N, 1] on disk is accepted and flattened) or [ceil(N/128), ceil(K/128)]
+  ("block"; ModelOpt 0.47's FP8_PB_WO export writes [ceil(N/128), 1, ceil(K/128), 1], and a 0-d
+  scale for a weight of one block: both accepted and reshaped, same values, same order).
+  `scale_name` is the on-disk name, "weight_scale" or "weight_scale_inv" (block checkpoints in
+  the DeepSeek style; a multiplier despite the name), kept so saving writes it back.
+- `Checkpoint(format, quant_algo, linears, tensors, config, hf_quant_config=None)`:
+  format "modelopt" | "compressed-tensors"; quant_algo as the config says it, upper-cased
+  ("NVFP4", "W4A16_NVFP4", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MIXED_PRECISION";
+  always "NVFP4" for compressed-tensors); linears {layer name: NVFP4Linear | FP8Linear};
+  tensors {name: StoredTensor} = everything else (biases, embeddings, norms, unquantized
+  weights, kv-cache scales), kept with their dtype tags; config = config.json as a dict ({} if
+  absent); hf_quant_config = hf_quant_config.json as a dict, or None.
+
+The value rules each linear checks: exact dtypes, weight_scale shape [N, K/16] for weight
+[N, K/2], FP8 scale shape by granularity, no NaN e4m3 codes (0x7F/0xFF) in block scales or FP8
+weights, global scales and FP8 weight scales finite and > 0 (as fp8_dequantize requires), NVFP4
+block scales non-negative (`checks.require_nvfp4_block_scales`: no sign bit). A field that breaks
+one raises `FieldError`, whose `role` lets a reader name the tensor and file behind it
+(`CheckpointError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal, overload
+
+import numpy as np
+
+from ..ref.checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
+from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES
+from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d
+from ..ref.geometry import GROUP_K
+from .safetensors_io import StoredTensor, as_stored_tensor
+
+CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
+# the quant_algo names of a Checkpoint (ModelOpt's; a compressed-tensors checkpoint is "NVFP4")
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+FP8_GRANULARITY_OF_ALGO = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
+LAYER_ALGOS = NVFP4_ALGOS + tuple(FP8_GRANULARITY_OF_ALGO)
+FP8_SCALE_NAMES = ("weight_scale", "weight_scale_inv")
+
+
+class CheckpointError(FileError):
+    """A checkpoint breaks a rule (`FileError`: path is the file at fault, tensor the tensor or config entry)."""
+
+
+class FieldError(ValueError):
+    """A dataclass field is invalid; `role` lets the loader name the tensor and file behind it."""
+
+    def __init__(self, role: str, message: str):
+        self.role = role
+        super().__init__(message)
+
+
+@overload
+def _scalar_f32(value: object, owner: str, role: str, *, positive: bool, optional: Literal[False] = False
+                ) -> np.ndarray: ...
+@overload
+def _scalar_f32(value: object, owner: str, role: str, *, positive: bool, optional: bool) -> np.ndarray | None: ...
+def _scalar_f32(value: object, owner: str, role: str, *, positive: bool, optional: bool = False
+                ) -> np.ndarray | None:
+    """0-d float32 from a float32 array / numpy scalar of size 1 (nothing is cast)."""
+    if value is None:
+        if optional:
+            return None
+        raise FieldError(role, f"{owner}: {role} is required (a float32 scalar), got None")
+    array = np.asarray(value) if isinstance(value, (np.ndarray, np.generic)) else None
+    if array is None or array.dtype != np.float32 or array.size != 1 or array.ndim > 1:
+        got = f"dtype {array.dtype}, shape {array.shape}" if array is not None else type(value).__name__
+        raise FieldError(
+            role,
+            f"{owner}: {role} must be a float32 scalar (shape () or (1,)), got {got}; "
+            "checkpoints store it as fp32 - pass it unchanged (np.float32(x) for a Python float)",
+        )
+    array = array.reshape(())
+    ok = np.isfinite(array) and (array > 0 if positive else array >= 0)
+    if not ok:
+        raise FieldError(role, f"{owner}: {role} must be finite and {'> 0' if positive else '>= 0'}, got {array}")
+    return array
+
+
+def _uint8_matrix(value: object, owner: str, role: str, what: str) -> np.ndarray:
+    if not isinstance(value, np.ndarray) or value.dtype != np.uint8 or value.ndim != 2:
+        got = f"dtype {value.dtype}, shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+        raise FieldError(role, f"{owner}: {role} must be a 2-D uint8 array ({what}), got {got}; "
+                                "view float8 data as uint8")
+    if value.shape[0] == 0 or value.shape[1] == 0:
+        raise FieldError(role, f"{owner}: {role} must not be empty, got shape {value.shape}")
+    return value
+
+
+def _checked_e4m3(rule: Callable[[str, np.ndarray], None], bits: np.ndarray, owner: str, role: str) -> None:
+    try:
+        rule(f"{owner}: {role}", bits)
+    except ValueError as exc:
+        raise FieldError(role, str(exc)) from None
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise FieldError("name", f"a linear's name must be a non-empty string (its module prefix), got {name!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class NVFP4Linear:
+    """One NVFP4 linear: uint8 [N, K/2] codes (low nibble first), e4m3 [N, K/16] scales, fp32 multipliers."""
+
+    name: str
+    weight_packed: np.ndarray
+    weight_scale: np.ndarray
+    global_scale: np.ndarray
+    input_scale: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        owner = f"NVFP4 layer {self.name!r}"
+        wp = _uint8_matrix(self.weight_packed, owner, "weight_packed", "[N, K/2], two e2m1 codes per byte")
+        n, half_k = wp.shape
+        ws = _uint8_matrix(self.weight_scale, owner, "weight_scale", "[N, K/16] e4m3 bit patterns")
+        if half_k % (GROUP_K // 2) != 0 or ws.shape != (n, half_k * 2 // GROUP_K):
+            raise FieldError(
+                "weight_scale",
+                f"{owner}: weight_scale must have shape (N, K/16) = ({n}, {half_k * 2 / GROUP_K:g}) for weight_packed "
+                f"shape ({n}, {half_k}) (K = {half_k * 2}), got {ws.shape}; NVFP4 has one e4m3 scale per "
+                f"{GROUP_K} weights (group_size 16) and K must be a multiple of 16",
+            )
+        _checked_e4m3(require_nvfp4_block_scales, ws, owner, "weight_scale")
+        object.__setattr__(self, "global_scale", _scalar_f32(self.global_scale, owner, "global_scale", positive=True))
+        object.__setattr__(self, "input_scale",
+                           _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))
+
+    @property
+    def n(self) -> int:
+        return int(self.weight_packed.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.weight_packed.shape[1] * 2)
+
+
+@dataclass(frozen=True, eq=False)
+class FP8Linear:
+    """One FP8 linear: e4m3 uint8 [N, K] and an fp32 multiplier per tensor / channel / 128x128 block."""
+
+    name: str
+    weight: np.ndarray
+    weight_scale: np.ndarray
+    granularity: str
+    input_scale: np.ndarray | None = None
+    scale_name: str = "weight_scale"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        owner = f"FP8 layer {self.name!r}"
+        w = _uint8_matrix(self.weight, owner, "weight", "[N, K] e4m3 bit patterns")
+        n, k = w.shape
+        if self.granularity not in FP8_GRANULARITIES:
+            raise FieldError("granularity", f"{owner}: granularity must be one of {FP8_GRANULARITIES}, "
+                                             f"got {self.granularity!r}")
+        if self.scale_name not in FP8_SCALE_NAMES:
+            raise FieldError("scale_name", f"{owner}: scale_name must be one of {FP8_SCALE_NAMES}, "
+                                            f"got {self.scale_name!r}")
+        s = self.weight_scale
+        if not isinstance(s, (np.ndarray, np.generic)) or np.asarray(s).dtype != np.float32:
+            got = np.asarray(s).dtype if isinstance(s, (np.ndarray, np.generic)) else type(s).__name__
+            raise FieldError("weight_scale", f"{owner}: weight_scale must be float32, got {got}; "
+                                              "checkpoints store fp32 scales - pass them unchanged")
+        s = np.asarray(s)
+        if self.granularity == "tensor":
+            s = _scalar_f32(s, owner, "weight_scale", positive=True)
+        else:
+            if self.granularity == "channel":
+                expected: tuple[int, ...] = (n,)
+                accepted: tuple[tuple[int, ...], ...] = ((n,), (n, 1))
+                rule = "one scale per output channel, shape (N,) or (N, 1)"
+            else:
+                expected = fp8_block_grid(n, k)
+                accepted = (expected, fp8_block_grid_4d(n, k))
+                if expected == (1, 1):  # ModelOpt 0.47 writes a one-block grid as a 0-d scale
+                    accepted += ((),)
+                rule = (f"one scale per {FP8_BLOCK}x{FP8_BLOCK} block, shape (ceil(N/128), ceil(K/128)) or "
+                        "ModelOpt's (ceil(N/128), 1, ceil(K/128), 1)")
+            if s.shape not in accepted:
+                raise FieldError(
+                    "weight_scale",
+                    f"{owner}: a {self.granularity} weight_scale must have shape {expected} for weight shape {w.shape} "
+                    f"({rule}), got {s.shape}",
+                )
+            s = s.reshape(expected)
+            if not (np.all(np.isfinite(s)) and np.all(s > 0)):
+                raise FieldError("weight_scale", f"{owner}: weight_scale must be finite and > 0, got "
+                                                  f"{int((~(np.isfinite(s) & (s > 0))).sum())} bad values")
+        if self.scale_name == "weight_scale_inv" and self.granularity != "block":
+            raise FieldError("scale_name", f"{owner}: weight_scale_inv is the block-checkpoint name; a "
+                                            f"{self.granularity} scale is stored as weight_scale")
+        _checked_e4m3(require_no_nan_e4m3, w, owner, "weight")
+        object.__setattr__(self, "weight_scale", s)
+        object.__setattr__(self, "input_scale",
+                           _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))
+
+    @property
+    def n(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.weight.shape[1])
+
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A loaded (or to-be-saved) checkpoint; see the module docstring. Treat the dicts as read-only."""
+
+    format: str
+    quant_algo: str
+    linears: Mapping[str, NVFP4Linear | FP8Linear]
+    tensors: Mapping[str, StoredTensor]
+    config: Mapping
+    hf_quant_config: Mapping | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"format must be one of {CHECKPOINT_FORMATS}, got {self.format!r}")
+        if not isinstance(self.quant_algo, str) or not self.quant_algo:
+            raise ValueError(f"quant_algo must be a non-empty string such as 'NVFP4', got {self.quant_algo!r}")
+        linears = {}
+        for key, linear in dict(self.linears).items():
+            if not isinstance(linear, (NVFP4Linear, FP8Linear)):
+                raise ValueError(f"linears[{key!r}] must be an NVFP4Linear or FP8Linear, got {type(linear).__name__}")
+            if key != linear.name:
+                raise ValueError(f"linears[{key!r}] holds a layer named {linear.name!r}; key by the layer's name")
+            linears[key] = linear
+        tensors = {name: as_stored_tensor(value, name=f"tensors[{name!r}]")
+                   for name, value in dict(self.tensors).items()}
+        if not isinstance(self.config, Mapping):
+            raise ValueError(f"config must be a mapping (config.json), got {type(self.config).__name__}")
+        if self.hf_quant_config is not None and not isinstance(self.hf_quant_config, Mapping):
+            raise ValueError(f"hf_quant_config must be a mapping or None, got {type(self.hf_quant_config).__name__}")
+        object.__setattr__(self, "linears", dict(sorted(linears.items())))
+        object.__setattr__(self, "tensors", dict(sorted(tensors.items())))
+
+
+
+__all__ = ["CHECKPOINT_FORMATS", "Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear"]
