@@ -188,7 +188,7 @@ def check_keep(keep: str, flag: str = "keep") -> str:
         fix = _WRITE_FIXES.get(exc.errno or 0, "check the disk and the folder's permissions")
         raise TargetError(f"{where}: cannot write in {existing}: {exc.strerror or exc}; {fix}") from None
     from ..checkpoints.folder import _not_saved_by_qpn
-    from ..checkpoints.packed import _not_packed_output
+    from ..checkpoints.packed.write import _not_packed_output
 
     for folder, what in (demo_folders(root) if existing == root else {}).items():  # a new root holds none
         ours = _not_packed_output if what == "packed checkpoint" else _not_saved_by_qpn

@@ -4,7 +4,7 @@
   `NVFP4Linear`, `FP8Linear`); fused.py: q/k/v and gate/up shards stacked into one layer.
 - folder.py: ModelOpt / compressed-tensors checkpoint folders (`load_checkpoint`, `open_checkpoint`,
   `save_checkpoint`).
-- packed.py: the packed checkpoint format that `qpn pack` writes (docs/FORMATS.md).
+- packed/: the packed checkpoint format that `qpn pack` writes (docs/FORMATS.md).
 - safetensors_io.py: a strict, memory-mapped safetensors reader and an atomic writer.
 - atomic.py: atomic folder writes that survive SIGTERM and never replace what qpn did not write.
 

@@ -53,7 +53,7 @@ CHANGE_DRIVER = textwrap.dedent("""
     from qpn.apps import cli
     from qpn.checkpoints import packed, safetensors_io
     victim, how, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-    real = packed.prepack_layer
+    real = packed.write.prepack_layer  # the name qpn pack calls
     done = []
     def change_then_prepack(linear):
         if not done:
@@ -68,7 +68,7 @@ CHANGE_DRIVER = textwrap.dedent("""
                     f.seek(header.data_start)
                     f.write(bytes(header.file_size - header.data_start))
         return real(linear)
-    packed.prepack_layer = change_then_prepack
+    packed.write.prepack_layer = change_then_prepack
     sys.exit(cli.main(argv))
 """)
 
@@ -379,7 +379,7 @@ def test_a_copied_file_that_changes_during_the_pack_is_bad_input(tmp_path, capsy
             f.write(" ")
         return real(linear)
 
-    monkeypatch.setattr(packed, "prepack_layer", grow_then_prepack)
+    monkeypatch.setattr(packed.write, "prepack_layer", grow_then_prepack)  # the name qpn pack calls
     code, _, err = run(["pack", src, tmp_path / "out"], capsys)
     assert code == 2 and victim in err and "changed while qpn" in err, err
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

@@ -1,0 +1,215 @@
+"""One linear, packed: the QPN2 / QPN8 buffers of a layer (`prepack_layer`) and their exact inverse
+(`PackedLayer.unpack`), with the rules that pack, inspect and verify share.
+
+A packed linear X is stored as X.<suffix> tensors, the suffixes the kernel buffers of
+qpn.ref.formats (qpn_codes, qpn_scales, qpn_global_scale / qpn_group_scales) plus FP8's fp32 scale
+and the activation scale (the folder and its tensors: qpn.checkpoints.packed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ... import ref
+from ...ref.formats import QPN2, QPN8, Buffer, WeightFormat, weight_format
+from .. import safetensors_io
+from ..checkpoint import FP8Linear, NVFP4Linear
+
+
+def tensor_suffix(buffer: Buffer) -> str:
+    """The suffix a packed file stores a kernel buffer under: X.qpn_<buffer name of qpn.ref.formats>."""
+    return f"qpn_{buffer.name}"
+
+
+# suffixes of a packed linear's tensors: the kernel buffers of qpn.ref.formats, then the two scales
+# the kernels do not read (FP8's fp32 scale, which S16 rounds, and the activation scale)
+CODES, SCALES, GLOBAL_SCALE = (tensor_suffix(b) for b in QPN2.buffers)
+GROUP_SCALES = tensor_suffix(QPN8.buffer("group_scales"))
+WEIGHT_SCALE, INPUT_SCALE = "qpn_weight_scale", "qpn_input_scale"
+PACKED_SUFFIXES = (CODES, SCALES, GLOBAL_SCALE, GROUP_SCALES, WEIGHT_SCALE, INPUT_SCALE)
+
+# the e4m3 byte of QPN2's pad scale (+0: every pad weight is +0 whatever its code); pad rows are
+# the same bytes QPNLinear writes (tests/test_cli.py compares the two)
+NVFP4_PAD_SCALE_BYTE = int(ref.encode_e4m3(np.float32(QPN2.pad_scale)))
+
+
+def weight_format_of(linear: NVFP4Linear | FP8Linear) -> WeightFormat:
+    """The qpn.ref.formats description of a layer: QPN2 for an NVFP4Linear, QPN8 / QPN8_BLOCK for an FP8Linear."""
+    if isinstance(linear, NVFP4Linear):
+        return QPN2
+    return weight_format("fp8", linear.granularity)
+
+
+def layer_format(linear: NVFP4Linear | FP8Linear) -> str:
+    """"nvfp4" for an NVFP4Linear, "fp8" for an FP8Linear."""
+    return weight_format_of(linear).format
+
+
+def padded_rows(linear: NVFP4Linear | FP8Linear) -> int:
+    """N_pad: N rounded up to the layout's N multiple."""
+    return weight_format_of(linear).padded_n(linear.n)
+
+
+def k_multiple(linear: NVFP4Linear | FP8Linear) -> int:
+    """The K rule of the layer's layout (qpn.ref.formats)."""
+    return weight_format_of(linear).k_multiple
+
+
+def unpackable_reason(linear: NVFP4Linear | FP8Linear) -> str | None:
+    """Why `linear` (a qpn.ref NVFP4Linear / FP8Linear) cannot be packed, or None if it can.
+
+    Reads shapes and scales only (never the codes), so it is cheap enough for `qpn inspect`.
+    N never blocks packing (it is padded); K does, and so do scales whose weights overflow fp16.
+    """
+    wf = weight_format_of(linear)
+    if linear.k % wf.k_multiple != 0:
+        return (f"K={linear.k} is not a multiple of {wf.k_multiple} ({wf.label}); "
+                "pad the input features with zero columns")
+    try:
+        if isinstance(linear, NVFP4Linear):
+            ref.require_nvfp4_fits_fp16(linear.weight_scale, ref.global_scale_per_row(linear.global_scale, linear.n))
+        else:
+            ref.require_qpn8_fits_fp16(linear.weight_scale)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _pad_rows(a: np.ndarray, rows: int, fill: float) -> np.ndarray:
+    if a.shape[0] == rows:
+        return a
+    pad = np.full((rows - a.shape[0],) + a.shape[1:], fill, dtype=a.dtype)
+    return np.concatenate([a, pad], axis=0)
+
+
+def prepack_layer(linear: NVFP4Linear | FP8Linear) -> dict[str, np.ndarray]:
+    """A qpn.ref NVFP4Linear / FP8Linear -> its packed buffers {suffix: array} (module docstring).
+
+    Raises ValueError if the layer cannot be packed (see `unpackable_reason`).
+    """
+    wf = weight_format_of(linear)
+    n_pad = wf.padded_n(linear.n)
+    out: dict[str, np.ndarray] = {}
+    if isinstance(linear, NVFP4Linear):
+        wp = _pad_rows(linear.weight_packed, n_pad, wf.pad_code)
+        ws = _pad_rows(linear.weight_scale, n_pad, NVFP4_PAD_SCALE_BYTE)
+        out[CODES], out[SCALES] = ref.qpn2_prepack(wp, ws)
+        out[GLOBAL_SCALE] = np.full(wf.buffer("global_scale").shape(n_pad, linear.k), linear.global_scale,
+                                    dtype=np.float32)
+    else:
+        w = _pad_rows(linear.weight, n_pad, wf.pad_code)
+        s = linear.weight_scale
+        s_pad = _pad_rows(s, n_pad, wf.pad_scale) if linear.granularity == "channel" else s
+        out[CODES], out[GROUP_SCALES] = ref.qpn8_prepack(w, s_pad, linear.granularity)
+        out[WEIGHT_SCALE] = np.asarray(s, dtype=np.float32)
+    if linear.input_scale is not None:
+        out[INPUT_SCALE] = np.asarray(linear.input_scale, dtype=np.float32).reshape(())
+    return out
+
+
+def source_tensors(linear: NVFP4Linear | FP8Linear) -> dict[str, safetensors_io.StoredTensor]:
+    """The layer's quantized tensors by role, with the bytes and dtype tag the checkpoint stores."""
+    # each role is the layer's attribute of that name (NVFP4Linear.weight_packed, FP8Linear.weight, ...)
+    return {role: safetensors_io.StoredTensor(getattr(linear, role), tag)
+            for role, tag in weight_format_of(linear).source_tags.items()}
+
+
+
+def prepack_group_scales(weight_scale: np.ndarray, granularity: str, n: int, n_pad: int, k: int) -> np.ndarray:
+    """The QPN8 group_scales `prepack_layer` writes for an fp32 scale (pad channels get scale 1.0)."""
+    s = np.asarray(weight_scale, np.float32)
+    if granularity == "channel":
+        s = _pad_rows(s.reshape(n), n_pad, QPN8.pad_scale)
+    return ref.qpn8.qpn8_group_scales(s, n_pad, k, granularity)
+
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLayer:
+    """One packed linear: the QPNLinear buffers (numpy) plus what the manifest says about it.
+
+    nvfp4: codes uint8 [N_pad, K/2], scales uint8 [N_pad, K/16], global_scale float32 [N_pad/32];
+    fp8: codes uint8 [N_pad, K], scales = group_scales float16, weight_scale float32 (the source's).
+    """
+
+    name: str
+    format: str
+    n: int
+    k: int
+    codes: np.ndarray
+    scales: np.ndarray
+    global_scale: np.ndarray | None
+    weight_scale: np.ndarray | None
+    input_scale: np.ndarray | None
+    entry: Mapping[str, Any]  # the manifest's layer entry
+
+    @property
+    def n_padded(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def granularity(self) -> str | None:
+        return self.entry.get("granularity")
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The qpn.ref.formats description of the layer (ValueError for a granularity its format has not)."""
+        return weight_format(self.format, self.granularity)
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """{suffix: array} as `prepack_layer` returns them (for byte comparisons)."""
+        out = {CODES: self.codes}
+        if self.weight_format is QPN2:
+            out[SCALES], out[GLOBAL_SCALE] = self.scales, self.nvfp4_global_scale()
+        else:
+            out[GROUP_SCALES], out[WEIGHT_SCALE] = self.scales, self.fp8_weight_scale()
+        if self.input_scale is not None:
+            out[INPUT_SCALE] = self.input_scale
+        return out
+
+    def nvfp4_global_scale(self) -> np.ndarray:
+        """global_scale of an nvfp4 layer (None only for fp8; load_packed always sets it for nvfp4)."""
+        if self.global_scale is None:
+            raise ValueError(f"layer {self.name!r}: an nvfp4 PackedLayer needs global_scale float32 [N_pad/32], got "
+                             "None; read the layer with load_packed")
+        return self.global_scale
+
+    def kernel_buffers(self) -> tuple[np.ndarray, ...]:
+        """The buffers the decode kernels take, in the description's order (qpn.ref.formats)."""
+        buffers = self.buffers()
+        return tuple(buffers[tensor_suffix(b)] for b in self.weight_format.buffers)
+
+    def fp8_weight_scale(self) -> np.ndarray:
+        """weight_scale of an fp8 layer (None only for nvfp4; load_packed always sets it for fp8)."""
+        if self.weight_scale is None:
+            raise ValueError(f"layer {self.name!r}: an fp8 PackedLayer needs its float32 weight_scale, got None; "
+                             "read the layer with load_packed")
+        return self.weight_scale
+
+    def unpack(self) -> NVFP4Linear | FP8Linear:
+        """The source layer (qpn.ref NVFP4Linear / FP8Linear): exact inverse of the prepack, pad rows cropped.
+
+        Raises ValueError if the pad rows are not the padding qpn writes or the per-tile global
+        scales differ (neither can come out of `qpn pack`: the folder is corrupt).
+        """
+        n, k, n_pad, wf = self.n, self.k, self.n_padded, self.weight_format
+        if wf is QPN2:
+            wp, ws = ref.qpn2_unpack(self.codes, self.scales, n_pad, k)
+            if np.any(wp[n:] != wf.pad_code) or np.any(ws[n:] != NVFP4_PAD_SCALE_BYTE):
+                raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is "
+                                 "corrupt")
+            g = self.nvfp4_global_scale()
+            if np.any(g.view(np.uint32) != g[:1].view(np.uint32)):
+                raise ValueError(f"layer {self.name!r}: the per-tile global scales differ, but qpn pack writes one "
+                                 "value per layer; the packed file is corrupt")
+            return NVFP4Linear(self.name, wp[:n], ws[:n], g[0].copy(), self.input_scale)
+        weight, _ = ref.qpn8_unpack(self.codes, self.scales, n_pad, k)
+        if np.any(weight[n:] != wf.pad_code):
+            raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is corrupt")
+        return FP8Linear(self.name, weight[:n], self.fp8_weight_scale(), self.entry["granularity"],
+                                   self.input_scale, self.entry["scale_name"])
+
