@@ -353,7 +353,7 @@ def test_worst_ulp_distance_compares_bits_first_and_is_exact(monkeypatch):
     def no_ordered_line(_):
         raise AssertionError("the ordered line was built for pairs within 1 ulp")
 
-    monkeypatch.setattr(cli, "_ordered16", no_ordered_line)
+    monkeypatch.setattr(verify, "_ordered16", no_ordered_line)
     assert verify._worst_ulp_distance(a, b) == 1
 
 
