@@ -21,6 +21,10 @@ form one module, compiled once), with exactly the loader's options (`loader.nvrt
    skipped and the table says so.
 
 Prints a table: kernel | arch | registers | smem | stack | spills | status.
+
+`occupancy_sm75(registers, smem, warps_per_block)`: resident blocks and warps per Turing SM from
+those resource figures (CUDA's occupancy rules for cc 7.5); tests/test_turing_compile.py holds every
+decode build to shared memory that never limits a Turing SM below its registers (issue 25).
 """
 
 from __future__ import annotations
@@ -73,6 +77,55 @@ class KernelReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+# Turing (cc 7.5) limits per SM, as CUDA's occupancy calculator (cuda_occupancy.h, CUDA 13) applies
+# them: 65536 registers in 4 sub-partitions, allocated per warp in units of 256; 64 KiB of shared
+# memory (the 64 KiB carveout; no per-block reservation before cc 8.0), allocated in 256-byte units;
+# 32 warps; 16 blocks.
+SM75_REGISTERS = 65536
+SM75_REG_UNIT = 256
+SM75_SUBPARTITIONS = 4
+SM75_SMEM = 64 * 1024
+SM75_SMEM_UNIT = 256
+SM75_WARPS = 32
+SM75_BLOCKS = 16
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Blocks and warps per Turing SM, and which limit sets them (registers, shared, warps, blocks)."""
+
+    warps_per_block: int
+    blocks: int
+    limit: str
+    by: tuple[tuple[str, int], ...]  # (limit, blocks it allows)
+
+    @property
+    def warps(self) -> int:
+        return self.blocks * self.warps_per_block
+
+    def warps_allowed(self, limit: str) -> int:
+        """Warps per SM that `limit` alone allows (at most the SM's 32)."""
+        return min(SM75_WARPS, dict(self.by)[limit] * self.warps_per_block)
+
+
+def occupancy_sm75(registers: int, smem: int, warps_per_block: int) -> Occupancy:
+    """Resident blocks of `warps_per_block` warps per Turing SM for a kernel of `registers` registers
+    per thread and `smem` bytes of shared memory per block (cudaOccMaxActiveBlocksPerMultiprocessor's
+    rules for cc 7.5)."""
+    reg_warp = -(-registers * 32 // SM75_REG_UNIT) * SM75_REG_UNIT
+    if reg_warp * -(-warps_per_block // SM75_SUBPARTITIONS) * SM75_SUBPARTITIONS > SM75_REGISTERS:
+        by_regs = 0
+    elif reg_warp == 0:
+        by_regs = SM75_BLOCKS
+    else:
+        by_regs = SM75_REGISTERS // SM75_SUBPARTITIONS // reg_warp * SM75_SUBPARTITIONS // warps_per_block
+    smem_block = -(-smem // SM75_SMEM_UNIT) * SM75_SMEM_UNIT
+    by = (("registers", by_regs), ("shared", SM75_SMEM // smem_block if smem_block else SM75_BLOCKS),
+          ("warps", SM75_WARPS // warps_per_block), ("blocks", SM75_BLOCKS))
+    limit, blocks = min(by, key=lambda kv: kv[1])
+    return Occupancy(warps_per_block, blocks, limit, by)
 
 
 def parse_ptxas_log(log: str) -> dict[str, FunctionStats]:

@@ -12,7 +12,9 @@
 //         gscale  fp32, g(tile) = gscale[tile * gs_stride]  (stride 0: scalar, 1: per 32-column tile)
 //         x       fp16 [M][K] row-major, or its fragments (QPN_X_FRAG = 1)
 // Writes  y       fp16 [M][N] (gated: [M][N/2])
-// Shared  red (split-K partials, QPN_WARPS x QPN_HT KiB) + a 256-entry {X, Y} table per tile (1 KiB)
+// Shared  red + red_sum (split-K rounds: 8 + QPN_HT KiB, qpn_reduce_store) + a 256-entry {X, Y} table
+//         per tile (1 KiB): 10.0 KB (gated 12.0 KB) per block, so a 64 KB Turing SM's registers, not
+//         its shared memory, set how many blocks it holds
 //
 // Numerics: the weights are exactly the contract's W16 = RN16(RN32(e2m1 * RN32(e4m3 * g))),
 // products W16 * x exact in the tensor core, fp32 accumulation, one RN16 at the end.
@@ -177,7 +179,8 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
 #if !QPN_GEMM
-    __shared__ float red[QPN_WARPS][QPN_HT][2][4][32];
+    __shared__ float red[QPN_RED_WARPS][QPN_HT][2][4][32];  // split-K rounds (qpn_reduce_store)
+    __shared__ float red_sum[QPN_HT][256];
 #endif
     __shared__ qpn_u32 xy_table[QPN_WARP_TILES * QPN_HT][256];  // {X, Y} of every scale byte for each tile's g
     const int lane = threadIdx.x & 31;
@@ -330,6 +333,6 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #if QPN_GEMM
     qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
 #else
-    qpn_reduce_store(red, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
+    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
 #endif
 }

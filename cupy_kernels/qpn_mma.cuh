@@ -372,7 +372,18 @@ __device__ __forceinline__ void qpn_run_batches(int n_local, Load&& load, Comput
 // into acc; the block adds the warps' partial sums in shared memory in ascending warp order,
 // always, then rounds once to fp16 (RN16). Nothing here depends on M: a row computed alone and
 // the same row inside an M-row call go through identical fp32 operations (batch invariance).
-// Shared memory: QPN_WARPS x QPN_HT x 1 KiB (one 8-token block at a time).
+//
+// Shared memory: the warps pass through the buffer QPN_RED_WARPS at a time (rounds), one 8-token
+// block at a time: red = QPN_RED_WARPS x QPN_HT x 1 KiB = 8 KiB in every build, plus the running
+// sums between rounds (QPN_HT x 1 KiB). Round r adds warps [r R, r R + R) to the sum of the rounds
+// before it (stored exactly in fp32), so every output is still ((w0 + w1) + w2) + ... in ascending
+// warp order: the same bits as one round over all warps. Why not one slot per warp: a 16-warp
+// buffer (17.4 KB, 34.8 KB gated) let a 64 KB Turing SM hold only 3 blocks of 8 warps (1 gated),
+// 24 (8) of its 32 warps; with <= 12.3 KB per block the registers, not shared memory, set the
+// occupancy of every decode build (tests/test_turing_compile.py, turing_model.occupancy_sm75).
+#ifndef QPN_RED_WARPS
+#define QPN_RED_WARPS (8 / QPN_HT)  // warps per reduction round: an 8 KiB partial buffer
+#endif
 //
 // Gated epilogue (vLLM silu_and_mul on the rounded linear outputs):
 //   out = RN16( RN16(silu32(RN16(gate))) * RN16(up) ),  silu32(v) = v / (1 + expf(-v)) in fp32.
@@ -405,7 +416,7 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT]) {
 // order -- fixed whatever the arrival order, so the result is deterministic and, as the split
 // depends on N, K and the SM count, never on M, batch-invariant -- and stores the outputs.
 __device__ __forceinline__ void qpn_reduce_store(
-    float (*red)[QPN_HT][2][4][32], const QpnAcc (&acc)[QPN_HT],
+    float (*red)[QPN_HT][2][4][32], float (*red_sum)[256], const QpnAcc (&acc)[QPN_HT],
     qpn_u16* __restrict__ y, int m_rows, int y_cols, float* __restrict__ partial, unsigned* __restrict__ tickets)
 {
     __shared__ unsigned last_part;
@@ -417,37 +428,50 @@ __device__ __forceinline__ void qpn_reduce_store(
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j) {
         if (8 * j >= m_rows) break;  // uniform
-        __syncthreads();  // the previous block of red is consumed
+        for (int w0 = 0; w0 < split; w0 += QPN_RED_WARPS) {  // rounds (uniform)
+            const int round_warps = min(QPN_RED_WARPS, split - w0);
+            const bool last_round = w0 + QPN_RED_WARPS >= split;
+            __syncthreads();  // the previous round's (or block's) slots and sums are consumed
+            if (warp >= w0 && warp < w0 + QPN_RED_WARPS) {
 #pragma unroll
-        for (int h = 0; h < QPN_HT; ++h)
+                for (int h = 0; h < QPN_HT; ++h)
 #pragma unroll
-            for (int rb = 0; rb < 2; ++rb)
+                    for (int rb = 0; rb < 2; ++rb)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) red[warp][h][rb][i][lane] = acc[h][j][rb][i];
-        __syncthreads();
-        // 256 outputs of this 8-token block: v = 32 * token + column (consecutive threads store
-        // consecutive columns of one token row: 64-byte segments)
-        for (int v = threadIdx.x; v < 256; v += blockDim.x) {
-            const int mt = v >> 5, c = v & 31;
-            const int m = 8 * j + mt;
-            if (m >= m_rows) continue;
-            const int owner = (c & 3) | (((c >> 3) & 3) << 2) | (((c >> 2) & 1) << 4);  // lane_of_column
-            const int qp = owner & 3;                      // position in the owner's quad
-            const int rb = qp >> 1;                        // rowblock 0: quad lanes 0,1; 1: 2,3
-            const int i = 2 * (qp & 1) + (mt & 1);         // row gid (i=0,1) or gid+8 (i=2,3)
-            const int src = 4 * (owner >> 2) + (mt >> 1);  // lane holding (that row, token mt)
-            float s[QPN_HT];
-#pragma unroll
-            for (int h = 0; h < QPN_HT; ++h) {
-                s[h] = red[0][h][rb][i][src];
-                for (int w = 1; w < split; ++w) s[h] = __fadd_rn(s[h], red[w][h][rb][i][src]);
+                        for (int i = 0; i < 4; ++i) red[warp - w0][h][rb][i][lane] = acc[h][j][rb][i];
             }
-            const long long at = (long long)m * y_cols + col0 + c;
-            if (parts == 1) {
-                y[at] = qpn_output(s);
-            } else {
+            __syncthreads();
+            // 256 outputs of this 8-token block: v = 32 * token + column (consecutive threads store
+            // consecutive columns of one token row: 64-byte segments); v's thread is the same in
+            // every round, so its running sum red_sum[h][v] needs no barrier of its own
+            for (int v = threadIdx.x; v < 256; v += blockDim.x) {
+                const int mt = v >> 5, c = v & 31;
+                const int m = 8 * j + mt;
+                if (m >= m_rows) continue;
+                const int owner = (c & 3) | (((c >> 3) & 3) << 2) | (((c >> 2) & 1) << 4);  // lane_of_column
+                const int qp = owner & 3;                      // position in the owner's quad
+                const int rb = qp >> 1;                        // rowblock 0: quad lanes 0,1; 1: 2,3
+                const int i = 2 * (qp & 1) + (mt & 1);         // row gid (i=0,1) or gid+8 (i=2,3)
+                const int src = 4 * (owner >> 2) + (mt >> 1);  // lane holding (that row, token mt)
+                float s[QPN_HT];
 #pragma unroll
-                for (int h = 0; h < QPN_HT; ++h) partial[((long long)part * QPN_HT + h) * m_rows * y_cols + at] = s[h];
+                for (int h = 0; h < QPN_HT; ++h) {
+                    s[h] = w0 == 0 ? red[0][h][rb][i][src] : __fadd_rn(red_sum[h][v], red[0][h][rb][i][src]);
+                    for (int w = 1; w < round_warps; ++w) s[h] = __fadd_rn(s[h], red[w][h][rb][i][src]);
+                }
+                if (!last_round) {
+#pragma unroll
+                    for (int h = 0; h < QPN_HT; ++h) red_sum[h][v] = s[h];  // exact: the fp32 sum so far
+                    continue;
+                }
+                const long long at = (long long)m * y_cols + col0 + c;
+                if (parts == 1) {
+                    y[at] = qpn_output(s);
+                } else {
+#pragma unroll
+                    for (int h = 0; h < QPN_HT; ++h)
+                        partial[((long long)part * QPN_HT + h) * m_rows * y_cols + at] = s[h];
+                }
             }
         }
     }

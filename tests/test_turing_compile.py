@@ -1,7 +1,9 @@
 """CPU-only Turing compile check (cupy_kernels/compile_check.py): no GPU, no CuPy.
 
 Every registered kernel variant must build for sm_75 with 0 spills, no local memory, static
-shared memory <= 48 KiB and no instruction outside the Turing rules; and the checker itself must
+shared memory <= 48 KiB and no instruction outside the Turing rules; every decode build's shared
+memory lets a Turing SM hold 32 warps (registers, not shared memory, set its occupancy, computed
+from the ptxas report by CUDA's occupancy rules for cc 7.5); and the checker itself must
 be able to fail: deliberately bad sources (cp.async, m8n8k4, bf16, a spilling kernel, a local
 array, too much shared memory, a missing kernel) are each rejected for the right reason.
 Skips (with the reason) only when the NVRTC wheels (cuda-bindings, nvidia-cuda-nvrtc) are absent.
@@ -15,7 +17,7 @@ import sys
 
 import pytest
 
-from qpn.cupy_kernels import compile_check, loader
+from qpn.cupy_kernels import compile_check, linear, loader
 from qpn.cupy_kernels.variants import WRAPPER_MODULES, KernelVariant, all_variants
 
 
@@ -30,14 +32,71 @@ def cuda12():
 # ----------------------------------------------------------------------------- the real kernels
 
 
-def test_every_registered_variant_passes(nvrtc):
-    reports, notes = compile_check.check_variants(nvrtc=nvrtc)
+@pytest.fixture(scope="module")
+def checked(nvrtc):
+    """(reports, notes) of the compile check over every registered variant (built once per module)."""
+    return compile_check.check_variants(nvrtc=nvrtc)
+
+
+def test_every_registered_variant_passes(checked):
+    reports, notes = checked
     table = compile_check.format_table(reports)
     bad = [r for r in reports if not r.ok]
     assert not bad, "\n".join(notes) + "\n" + table
     sm75 = [r for r in reports if r.arch == "sm_75"]
     assert {r.label for r in sm75} == {v.label for v in all_variants()}, table
     assert all(r.stats is not None and r.stats.registers for r in sm75)
+
+
+# ----------------------------------------------------------------------------- Turing occupancy (issue 25)
+
+
+def _launch_splits(min_k: int) -> set[int]:
+    """Warps per block (the K split) that linear.split_k gives for K >= min_k, over layers of 1-2048
+    column tiles and GPUs of 40-132 SMs (it depends on N, K and the SM count only)."""
+    return {linear.split_k(tiles, groups, multiple, sms)[1]
+            for tiles in (1, 8, 40, 64, 128, 160, 256, 448, 512, 896, 1088, 2048)
+            for groups in range(min_k // 16, 1025, 4) for multiple in set(linear.SLICE_MULTIPLE.values())
+            for sms in (40, 68, 72, 132)}
+
+
+def test_the_decode_splits_of_real_layers():
+    # layers of K >= 1024 run blocks of 6 to 16 warps (QPN2's slices of whole 4-group batches leave 6
+    # or 7 where K / 16 is just above a multiple of 64), large ones 8 or 16; only K < 1024 runs fewer
+    assert _launch_splits(1024) <= set(range(6, 17)) and {8, 16} <= _launch_splits(1024)
+
+
+def test_occupancy_rules_of_a_turing_sm():
+    occ = compile_check.occupancy_sm75
+    # the buffer this replaced: a 16-warp split-K buffer (17412 B) left 3 blocks of 8 warps, 24 warps
+    assert (occ(64, 17412, 8).warps, occ(64, 17412, 8).limit) == (24, "shared")
+    assert (occ(96, 34820, 8).warps, occ(96, 34820, 8).limit) == (8, "shared")  # gated: 1 block
+    assert (occ(64, 10244, 8).warps, occ(64, 10244, 16).warps) == (32, 32)
+    # registers per sub-partition: 96 -> 3072 per warp, 5 warps per sub-partition, 20 per SM: 2 blocks of 8
+    assert (occ(96, 0, 8).warps, occ(96, 0, 8).limit) == (16, "registers")
+    assert occ(65, 0, 16).warps == 16 and occ(256, 0, 16).blocks == 0  # 65 -> 72 per thread; over the block's
+    assert occ(0, 0, 1).warps == 16  # 16 blocks per SM at most
+
+
+def test_shared_memory_never_limits_a_decode_build_on_turing(checked):
+    """Every decode build, at every block size the host launches for K >= 1024: shared memory lets a
+    64 KiB Turing SM hold at least as many blocks as its registers, warps and block slots do, so the
+    registers decide, and the 64-register builds (M <= 8, the M <= 16 / 24 builds capped at 64, QPN8
+    gated M <= 8) hold 32 warps in the blocks of 8 and 16 warps that large layers run."""
+    reports, _ = checked
+    decode = {v.label for v in linear.DECODE_VARIANTS}
+    rows = [r for r in reports if r.arch == "sm_75" and r.label in decode]
+    assert len(rows) == len(decode)
+    problems = []
+    for r in rows:
+        for warps in sorted(_launch_splits(1024)):
+            occ = compile_check.occupancy_sm75(r.stats.registers, r.stats.smem, warps)
+            by = dict(occ.by)
+            if by["shared"] < min(by["registers"], by["warps"], by["blocks"]):
+                problems.append(f"{r.label} {warps} warps/block: {r.stats.smem} B smem, {occ}")
+            if r.stats.registers <= 64 and warps in (8, 16) and occ.warps != 32:
+                problems.append(f"{r.label} {warps} warps/block: {occ.warps} warps per SM, not 32 ({occ})")
+    assert not problems, "\n".join(problems)
 
 
 def test_registry_covers_the_wrappers_and_sources_exist():

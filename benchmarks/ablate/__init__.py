@@ -49,7 +49,7 @@ class Edit:
 
 SINK = "    qpn_u32 ablate_sink = 0;\n"
 KEEP_ALIVE = "    if (ablate_sink == 0x9E3779B9u) acc[0][0][0][0] += 1.0f;  // keep the ablated loads alive\n"
-STORE = "    qpn_reduce_store(red, acc, y,"
+STORE = "    qpn_reduce_store(red, red_sum, acc, y,"
 
 
 def _sink(lambda_start: str) -> tuple[Edit, Edit]:
