@@ -2,8 +2,10 @@
 
 - checkpoint.py: the in-memory checkpoint, one validated object per linear layer (`Checkpoint`,
   `NVFP4Linear`, `FP8Linear`); fused.py: q/k/v and gate/up shards stacked into one layer.
-- folder.py: ModelOpt / compressed-tensors checkpoint folders (`load_checkpoint`, `open_checkpoint`,
-  `save_checkpoint`).
+- folder.py: checkpoint folders (`load_checkpoint`, `open_checkpoint`, `save_checkpoint`), read
+  by the reader of the producer their config names: modelopt.py (ModelOpt) or
+  compressed_tensors.py (compressed-tensors), each a `Producer` of producer.py, which also holds
+  what the two share (grouping tensors into layers, the explicit-entry rules).
 - packed/: the packed checkpoint format that `qpn pack` writes (docs/FORMATS.md).
 - safetensors_io.py: a strict, memory-mapped safetensors reader and an atomic writer.
 - atomic.py: atomic folder writes that survive SIGTERM and never replace what qpn did not write.

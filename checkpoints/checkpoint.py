@@ -1,8 +1,8 @@
 """The in-memory form of a quantized checkpoint: one validated object per linear layer.
 
-Both producers' readers (ModelOpt, compressed-tensors: qpn.checkpoints.folder) build these and
-`save_checkpoint` writes them; every field is checked when the object is made, so a linear that
-exists is a valid one.
+Both producers' readers (qpn.checkpoints.modelopt, qpn.checkpoints.compressed_tensors) build these
+and `save_checkpoint` writes them; every field is checked when the object is made, so a linear
+that exists is a valid one.
 
 Data model (frozen dataclasses; arrays are numpy, e4m3 travels as uint8 bit patterns):
 
