@@ -52,7 +52,7 @@ def test_import_loads_neither_numba_nor_llvmlite_until_a_cpu_kernel_runs():
     first kernel call then loads numba, and leaves torch's thread count as it was."""
     code = (
         "import sys, numpy as np, torch\n"
-        "import qpn, qpn.torch_bridge, qpn.torch_bridge.vllm_method, qpn.apps.cli\n"
+        "import qpn, qpn.torch_bridge, qpn.torch_bridge.vllm, qpn.apps.cli\n"
         "loaded = [m for m in ('numba', 'llvmlite') if m in sys.modules]\n"
         "assert not loaded, f'imported at import time: {loaded}'\n"
         "from qpn import ref\n"
