@@ -1,6 +1,6 @@
 """Decode-kernel benchmark (qpn2_linear / qpn8_linear, M <= 32): a script for the GPU machine.
 
-    python benchmarks/bench_decode.py [--sections ceiling,decode,variants,ablate,targets,gemm] [--quick]
+    python benchmarks/bench_decode.py [--sections ceiling,decode,variants,ablate,targets,gemm,l2rate] [--quick]
                                       [--shapes 4096x4096,...]
                                       [--out benchmarks/results] [--name decode_h200]
 
@@ -13,6 +13,10 @@ the streaming-read ceiling measured in the same run, speed-up over cuBLAS fp16 (
 the same weights resident in fp16, fp32 accumulation), and the dense path (dequantize + cuBLAS)
 at the same M. Correctness is checked before timing (qpn.ref.linear_bounds on the first two
 tiles' columns of every call shape).
+
+Section "l2rate" (issue 25): every decode build's K-loop rate with its weight resident in L2, in weight
+bytes per SM per clock, against the rate each Turing card needs (T4: 5.03 at 1.59 GHz, 6.40 at 1.25):
+the H200 cross-check of cupy_kernels/turing_model.py's estimates.
 
 Weights: random codes; e4m3 block scales 0x28..0x7D (2^-2..416) times g = 1e-3, i.e. every
 block on the fast decode path, as in real checkpoints (tests/test_decode_math.py: blocks whose
@@ -485,8 +489,152 @@ def section_gemm(ctx: bk.Context) -> bk.Section:
     return sec
 
 
+# L2-resident rate (issue 25 part 4): each decode build's compute rate with its weight held in the
+# H200's L2 (one copy, called back to back), in weight bytes per SM per clock, against the rate a
+# Turing card must reach for DRAM, not the SMs, to set the pace: spec GB/s / (SMs x clock). The rate
+# is the K loop's: the same N (so the same blocks and split, linear.split_k) at two K, the bytes and
+# the time of the extra groups per warp (launch, prologue, epilogue and wave tail cancel; one call of
+# these layers is only 3-7x a 3-4 us launch). (N, K1, K2): 16-warp blocks (256 tiles, ~2 blocks per
+# SM) and 8-warp blocks (512 tiles, ~4 per SM), 8 more groups per warp, <= 34 MB of weight.
+L2_PAIRS = ((8192, 2048, 4096), (16384, 1024, 2048))
+L2_MS = (1, 8, 16, 24, 32)  # one per build (QPN_NB = ceil(M / 8)), M = 1 and 8 both on the M <= 8 build
+TURING_NEEDS = (("T4 1.59 GHz", 320.0, 40, 1.59), ("T4 1.25 GHz", 320.0, 40, 1.25),
+                ("2080 Ti", 616.0, 68, 1.545), ("RTX 8000", 672.0, 72, 1.77))  # (card, GB/s spec, SMs, GHz)
+
+
+def turing_need(gbps_spec: float, sms: int, ghz: float) -> float:
+    """Weight bytes per SM per clock at which a card's SMs keep up with its DRAM spec."""
+    return gbps_spec / (sms * ghz)
+
+
+class ClockSampler:
+    """SM clock (MHz) sampled by `nvidia-smi -lms` while the block runs; `mhz` = the samples' median
+    (None without nvidia-smi)."""
+
+    def __enter__(self):
+        import shutil
+        import subprocess
+        import tempfile
+
+        self.samples: list[float] = []
+        self._log = tempfile.TemporaryFile(mode="w+")
+        exe = shutil.which("nvidia-smi")
+        self._proc = None if exe is None else subprocess.Popen(
+            [exe, "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=self._log, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+        self._log.seek(0)
+        self.samples = [float(v) for v in self._log.read().split() if v.replace(".", "", 1).isdigit()]
+        self._log.close()
+        return False
+
+    @property
+    def mhz(self) -> float | None:
+        import statistics
+
+        return statistics.median(self.samples) if self.samples else None
+
+
+def _qpn8_block_copy(cp, n, k, seed=0):
+    """One QPN8 weight with 128x128 block scales: e4m3 codes without NaN, S16 in [2^-6, 2^2]."""
+    rs = cp.random.RandomState(seed)
+    codes = rs.randint(0, 256, size=(n, k), dtype=cp.uint8)
+    codes = cp.where((codes & 0x7F) == 0x7F, codes - 1, codes).astype(cp.uint8)
+    return codes, cp.exp2(rs.uniform(-6.0, 2.0, size=(k // 128, n // 32))).astype(cp.float16)
+
+
+def section_l2rate(ctx: bk.Context) -> bk.Section:
+    """Every decode build with its weight resident in L2: the K loop's weight bytes per SM-clock
+    (two K, same N: L2_PAIRS) against what each Turing card needs."""
+    from qpn.cupy_kernels import decode_workspace_size, qpn2_dequantize, qpn2_linear, qpn8_dequantize, qpn8_linear
+    from qpn.cupy_kernels import linear as L
+
+    cp = ctx.cp
+    g_dev = cp.full(1, G, dtype=cp.float32)
+    needs = {name: turing_need(*spec) for name, *spec in TURING_NEEDS}
+    sec = bk.Section("l2rate", "Decode builds, weight resident in L2: the K loop's weight bytes per SM per clock", [
+        bk.Column("fmt", "format"), bk.Column("gated", "gated"), bk.Column("n", "N"), bk.Column("ks", "K1 / K2"),
+        bk.Column("m", "M"), bk.Column("split", "parts x warps x groups (K2)"),
+        bk.Column("us", "us K1 / K2"), bk.Column("gbps", "loop GB/s", "{:.0f}"),
+        bk.Column("vs_dram", "x read ceiling", "{:.2f}"), bk.Column("b_per_clk", "B/clk/SM", "{:.2f}"),
+        bk.Column("call_b_per_clk", "whole call K2 B/clk/SM", "{:.2f}"), bk.Column("verdict", "vs T4 5.03 / 6.40"),
+    ])
+    rows = []
+    with ClockSampler() as clock:
+        for n, k1, k2 in L2_PAIRS:
+            for fmt in ("qpn2", "qpn8", "qpn8_block"):
+                family = "qpn2" if fmt == "qpn2" else "qpn8"
+                if weight_bytes(fmt, n, k2) > 0.8 * ctx.l2_bytes:
+                    sec.notes.append(f"{fmt} {n}x{k2}: {weight_bytes(fmt, n, k2) / 1e6:.1f} MB > 0.8 x L2: skipped")
+                    continue
+                for gated in (False, True):
+                    for m in L2_MS:
+                        t, split = {}, ""
+                        for k in (k1, k2):
+                            if fmt == "qpn2":
+                                a, b = _qpn2_copies(cp, n, k, 1)[0]
+                            elif fmt == "qpn8":
+                                a, b = _qpn8_copies(cp, n, k, 1)[0]
+                            else:
+                                a, b = _qpn8_block_copy(cp, n, k)
+                            x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
+                            y = cp.empty((m, n // 2 if gated else n), cp.float16)
+                            ws = cp.empty(max(1, decode_workspace_size(family, m, n, k, gated)), cp.float32)
+                            if fmt == "qpn2":
+                                def call(i, x=x, y=y, ws=ws, gated=gated, a=a, b=b):
+                                    qpn2_linear(x, a, b, g_dev, out=y, gated=gated, workspace=ws)
+                            else:
+                                def call(i, x=x, y=y, ws=ws, gated=gated, a=a, b=b):
+                                    qpn8_linear(x, a, b, out=y, gated=gated, workspace=ws)
+                            call(0)
+                            if not gated and fmt != "qpn8_block":  # gated / block scales: the GPU tests check them
+                                w16 = qpn2_dequantize(a, b, G, n, k) if fmt == "qpn2" else qpn8_dequantize(a, b, n, k)
+                                _check(ctx, f"{fmt} {n}x{k} M={m}", y, x, w16, 64)
+                            t[k] = ctx.time_calls(call, 1)["us"]
+                            parts, warps, gpw = L.decode_split(family, n, k)
+                            split = f"{parts}x{warps}x{gpw}"
+                        extra = weight_bytes(fmt, n, k2) - weight_bytes(fmt, n, k1)
+                        rows.append({"fmt": fmt, "gated": "yes" if gated else "no", "n": n, "ks": f"{k1} / {k2}",
+                                     "m": m, "split": split, "us": f"{t[k1]:.2f} / {t[k2]:.2f}",
+                                     "us_k1": t[k1], "us_k2": t[k2], "bytes_k2": weight_bytes(fmt, n, k2),
+                                     "gbps": bk.gbps(extra, t[k2] - t[k1]),
+                                     "vs_dram": bk.gbps(extra, t[k2] - t[k1]) / ctx.ceiling["read"]})
+                        cp.get_default_memory_pool().free_all_blocks()
+    mhz = clock.mhz
+    hz = (mhz or 1980.0) * 1e6
+    for row in rows:
+        row["clock_mhz"] = mhz
+        row["b_per_clk"] = row["gbps"] * 1e9 / (ctx.sm_count * hz)
+        row["call_b_per_clk"] = bk.gbps(row["bytes_k2"], row["us_k2"]) * 1e9 / (ctx.sm_count * hz)
+        ok = [row["b_per_clk"] >= needs[c] for c in ("T4 1.59 GHz", "T4 1.25 GHz")]
+        row["verdict"] = "above both" if all(ok) else "above 1.59 GHz's only" if ok[0] else "below both"
+        sec.rows.append(row)
+    sec.notes += [
+        f"SM clock: median of {len(clock.samples)} nvidia-smi samples during the section: "
+        + (f"{mhz:.0f} MHz (min {min(clock.samples):.0f}, max {max(clock.samples):.0f})" if mhz else
+           "unavailable, 1980 MHz (boost) assumed"),
+        "Loop rate = (weight bytes at K2 - at K1) / (time at K2 - at K1): the same blocks and split, 8 more groups "
+        "per warp; B/clk/SM = that / (SMs x the clock). Whole call = all of K2's weight bytes / its time (launch, "
+        "prologue, epilogue and wave tail included). A Turing card's SMs keep up with its DRAM spec at "
+        + ", ".join(f"{name} {v:.2f}" for name, v in needs.items())
+        + " B/clk/SM (spec GB/s / (SMs x clock)); GDDR6 streams ~80-90 % of spec, which lowers the need in "
+        "proportion. The H200 runs the compute_75 PTX JIT-compiled for sm_90, with twice sm_75's fp32 / fp16x2 "
+        "rate per SM: cupy_kernels/turing_model.py scales this rate to the T4's pipes for its estimate.",
+        "x read ceiling: the loop rate over this run's DRAM read ceiling (> 1: faster than DRAM could feed it, "
+        "the bytes came from L2). One weight copy, called back to back (no rotation); split = linear.split_k on "
+        "this GPU's SM count.",
+    ]
+    return sec
+
+
 SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants,
-            "ablate": section_ablate, "mid": section_mid, "targets": section_targets, "gemm": section_gemm}
+            "ablate": section_ablate, "mid": section_mid, "targets": section_targets, "gemm": section_gemm,
+            "l2rate": section_l2rate}
 
 
 def build_parser() -> argparse.ArgumentParser:

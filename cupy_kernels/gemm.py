@@ -67,10 +67,11 @@ GEMM_MIN_FILL = 0.75  # of the resident block slots one wave of parts must fill 
 # Largest M the GEMM serves (above it: dequantize + cuBLAS), by compute capability and format.
 # sm_80 and newer: measured on the H200 (benchmarks/results/gemm_h200.md), where cuBLAS has wgmma and
 # the dense path wins from M ~ 96. Turing: projected by the sm_75 model (benchmarks/results/
-# turing_model.md, "GEMM builds"), not measured: there cuBLAS runs the same HMMA, and on a T4 the
-# dense path's own dequantize pass (2.56 bytes per weight) costs more than the GEMM's extra passes
-# up to M = 512 for QPN2 (tensor-bound: 3693 us at M = 512 vs a 5635 us dense floor, 28672x8192)
-# and to M ~ 256 for QPN8 (each pass re-streams its 1 byte per weight: 6063 vs 5635 us at M = 512).
+# turing_model.md, "GEMM builds": bounds), not measured: there cuBLAS runs the same HMMA, and on a T4
+# the dense path's own dequantize pass (2.56 bytes per weight) costs more than the GEMM's extra passes
+# up to M = 512 for QPN2 (tensor-bound: 3693 us at M = 512 vs a 5783 us dense floor, 28672x8192, at
+# 1.59 GHz; 5578 vs 6787 at the T4's sustained 1.25 GHz) and to M ~ 256 for QPN8 (each pass
+# re-streams its 1 byte per weight: 6524 vs 5783 us at M = 512, 3262 vs 3936 at 256; GDDR6 at 0.90).
 GEMM_MAX_M = {(7, QPN2.format): 512, (7, QPN8.format): 256}
 GEMM_MAX_M_OTHER = 64  # the H200's crossover, for every card newer than Turing
 # ... except layers of so few column blocks that the GEMM needs more parts than this: there the

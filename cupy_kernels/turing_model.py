@@ -1,4 +1,4 @@
-"""Turing performance model of the decode kernels, read from their SASS on the CPU (issue 13, part 2).
+"""Turing performance model of the decode kernels, read from their SASS on the CPU (issues 13 and 25).
 
 Run: `python -m qpn.cupy_kernels.turing_model [--out FILE.md] [--record FILE.json]` (no GPU, no CuPy;
 NVRTC from the `nvidia-cuda-nvrtc` wheel as for the compile check, `nvdisasm` from the
@@ -6,43 +6,56 @@ NVRTC from the `nvidia-cuda-nvrtc` wheel as for the compile check, `nvdisasm` fr
 
 Method (every step reads the compiled code, nothing about the loop is hard-coded):
 
-1. Build: every decode variant the `linear` wrapper registers (`linear.DECODE_VARIANTS`) is
-   compiled for sm_75 with `loader.compile_text`, the compile check's path and options, and the
-   cubin is disassembled with `nvdisasm -c`.
-2. The steady-state loop (`steady_loop`). Control flow: a `BRA.DIV` is never taken (it leads to
-   the fallback of a shuffle for diverged warps; the kernels shuffle only in warp-uniform code),
-   any other predicated branch may go either way, an unpredicated BRA / EXIT ends its block. The
-   K loop is the backward branch (target at or before it), reachable from the entry, whose body
-   holds HMMA and spans the most instructions (the scale-table and split-K reduction loops hold
-   no HMMA). Its steady state is the SHORTEST way round it, in instructions: the full batch (not
-   the slice's partial last batch) and QPN2's fast decode (not the exact path of blocks with
-   |S| < 2^-13) -- the cold paths are the longer ones.
-3. Unit: the group-tile, 16 k x 32 columns = 512 weights, one warp's work per group and tile.
+1. Build: every decode variant the `linear` wrapper registers (`linear.DECODE_VARIANTS`) and every
+   GEMM build (`gemm.KERNEL_VARIANTS`) is compiled for sm_75 with `loader.compile_text`, the compile
+   check's path and options (with the ptxas report: registers, shared memory), and the cubin is
+   disassembled with `nvdisasm -c`.
+2. The K loop (`find_loop`): the backward branch, reachable from the entry, whose body holds HMMA and
+   spans the most instructions. Control flow: `BRA.DIV` (the fallback of a shuffle for diverged warps)
+   and `@!PT` (a predicate that is never true) are never taken.
+3. What runs round it, per warp (`steady_loop`): the integer instructions whose inputs the launch
+   fixes (SR_TID.X of warp w of a QPN_WARPS-warp block, blockDim, immediates) are evaluated lane by
+   lane, from the entry to the loop head and once round the loop, so guards known from the launch go
+   their one way (the GEMM's x staging: `tid > 255` never true for 256 threads, a half-block trip
+   count for 128 units of staging); any other branch may go either way. Of the ways round, the steady
+   state is the one whose unconditional loads stream the most weight bytes (a full batch: the partial
+   one predicates its loads or branches round them), then the one that loads the most bytes in all
+   (the x staging of a full tile of tokens), then the shortest (QPN2's fast decode, not the exact path
+   of blocks with |S| < 2^-13). Counts are the mean over the block's warps.
+4. Unit: the group-tile, 16 k x 32 columns = 512 weights, one warp's work per group and tile.
    Group-tiles per iteration = HMMA / (4 * QPN_NB): an m16n8k8 HMMA multiplies 16 columns x 8 k
    of weights by one 8-token block, so a group-tile is 4 HMMA per 8-token block. It must equal
    QPN_UNROLL x tiles per block from the variant's macros (checked: a mismatch is an error).
-4. Pipes (`PIPES_*`): instructions per group-tile by class, cycles per SM at each pipe's rate,
-   plus issue (one warp-instruction per clock per SM sub-partition, 4 per SM).
-5. Bytes per group-tile: the weight stream = the loop's evict-first loads (`LDG...EF`, the
+5. Pipes (`PIPES_*`): instructions per group-tile by class, cycles per SM at each pipe's rate,
+   plus issue (one warp-instruction per clock per SM sub-partition, 4 per SM). Option
+   (`Card.fp16_on_tensor`): fp16x2 instructions share a dispatch port with the tensor cores (Turing
+   runs fp16 arithmetic on its tensor-core datapath), so they add to the HMMA limit instead of the
+   FMA pipe's.
+6. Bytes per group-tile: the weight stream = the loop's evict-first loads (`LDG...EF`, the
    kernels' `ld.global.cs`), lane width x 32 lanes; x = 32 * M bytes (16 k x 2 bytes per token
    row), read again for every tile (qpn_load_x_group), counted as L2-to-SM traffic.
+7. Occupancy (`compile_check.occupancy_sm75`): blocks and warps per Turing SM from the ptxas
+   registers and shared memory, at the block sizes the host launches (8 and 16 warps).
 
-The GEMM builds (cupy_kernels/gemm.py, M > 32) are measured the same way and projected per call
-(`project_gemm`: ceil(M / 64) passes over the weight) against the card's fp16 tensor-core and
-bandwidth floors.
+Two kinds of projection, never a measurement:
+- Upper bound (`project`): latency perfectly hidden, no split-K / prologue / epilogue cost, L1 hits
+  on x not counted, DRAM at the high end of GDDR6's streaming efficiency (GDDR6_STREAM_EFFICIENCY;
+  HBM's 0.97 does not carry over), the clock as given (T4: the 1.59 GHz boost, and the ~1.25 GHz it
+  holds under its 70 W cap). A bound above a target says only that the SASS does not exclude it.
+- Estimate (`estimate_t4`): the rate the same build sustains per SM-clock on the H200 with its weight
+  in L2 (bench_decode.py "l2rate"), moved to the T4's pipes by the ratio of the two SASS models'
+  compute cycles, times 40 SMs x 1.25 GHz, capped by GDDR6 at 80-90 % of 320 GB/s: a range.
 
-Assumptions (the model is an upper bound; the H200 check in the report measures how far off):
-latency perfectly hidden (enough resident warps, whatever the registers allow), no split-K /
-prologue / epilogue cost (large layers), L1 hits on x not counted (all x bytes from L2; ncu on the
-H200 saw 76 % of that at M = 32, 27-31 % at M <= 8), DRAM streams at STREAM_EFFICIENCY of its
-spec (the H200's measured read ceiling / spec; GDDR6 unmeasured), boost clocks held (a T4 at its
-70 W cap may clock lower: compute-bound rows scale with the clock).
+The GEMM builds (cupy_kernels/gemm.py, M > 32) are projected per call (`project_gemm`: ceil(M / 64)
+passes over the weight) against the card's fp16 tensor-core and bandwidth floors, as bounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import heapq
 import importlib.util
 import json
 import os
@@ -52,12 +65,13 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from . import gemm, loader
+from . import compile_check, gemm, loader
 from .variants import KernelVariant
 
 # ----------------------------------------------------------------------------- the machines
@@ -111,18 +125,30 @@ PIPES_SM90 = {
     "lsu": (("mem",), 32 / 32),
 }
 
-# Streaming-read efficiency: the H200's measured read ceiling (benchmarks/results/decode_h200.json,
-# ceiling_gbps.read = 4648.5 GB/s, the run the H200 check's measured % are against) / its 4.8 TB/s
-# spec = 0.97, assumed for the Turing cards' GDDR6 (not measured).
+# Streaming-read efficiency. HBM (the H200 check): its measured read ceiling
+# (benchmarks/results/decode_h200.json, ceiling_gbps.read = 4648.5 GB/s, the run the H200 check's
+# measured % are against) / its 4.8 TB/s spec = 0.97. GDDR6 (the Turing cards): streaming reads reach
+# ~80-90 % of spec on T4-class cards (reported figures, not measured here; bandwidthTest's
+# device-to-device copy ~75 % counting read + write), so the bound takes 0.90 and the estimate the range.
 H200_READ_CEILING_GBPS = 4648.5
-STREAM_EFFICIENCY = H200_READ_CEILING_GBPS / 4800
+HBM_STREAM_EFFICIENCY = H200_READ_CEILING_GBPS / 4800
+GDDR6_STREAM_EFFICIENCY = (0.80, 0.90)
+STREAM_EFFICIENCY = GDDR6_STREAM_EFFICIENCY[1]  # the Turing cards' bound
+# A T4 under its 70 W cap holds ~1.25 GHz in sustained decode (dropping toward ~0.9 GHz in long runs),
+# not its 1.59 GHz boost (reported figures, not measured here); the 250-260 W Turing parts are taken at
+# their boost clocks.
+T4_SUSTAINED_GHZ = 1.25
+# fp16x2 (HFMA2 / HMUL2 / HADD2 ...) per clock per SM on sm_75: 128 fp16 results = 64 lanes = 2 warp-
+# instructions (the guide's table); with `fp16_on_tensor` they are counted on the tensor-core port.
+FP16X2_OPS = ("HFMA2", "HMUL2", "HADD2", "HSETP2", "HSET2", "HMNMX2")
+FP16X2_PER_CLK_SM75 = 64 / 32
 
 
 @dataclass(frozen=True)
 class Card:
-    """One GPU: SMs, boost clock (GHz), DRAM spec (GB/s), L2-to-SM bandwidth (GB/s, None: not
-    modelled), tensor-core fp16 FMA with fp32 accumulation per clock per SM, pipe limits, and the
-    DRAM streaming efficiency to apply to the spec."""
+    """One GPU: SMs, clock (GHz), DRAM spec (GB/s), L2-to-SM bandwidth (GB/s, None: not modelled),
+    tensor-core fp16 FMA with fp32 accumulation per clock per SM, pipe limits, the DRAM streaming
+    efficiency to apply to the spec, and whether fp16x2 shares the tensor cores' dispatch port."""
 
     name: str
     sms: int
@@ -132,6 +158,7 @@ class Card:
     hmma_fma_per_clk: float
     pipes: dict
     stream_efficiency: float = STREAM_EFFICIENCY
+    fp16_on_tensor: bool = False
 
     @property
     def read_ceiling_gbps(self) -> float:
@@ -145,12 +172,16 @@ class Card:
 # throughput, ~1270 GB/s as reported by Jia et al. 2019 (arXiv:1903.07486; recalled, not re-measured
 # here), scaled for TU102 by L2 slices (memory bus width: 352 / 384 vs 256 bits) and clock.
 T4_L2_GBPS = 1270.0
+T4 = Card("Tesla T4", 40, 1.59, 320.0, T4_L2_GBPS, 512.0, PIPES_SM75)
+T4_SUSTAINED = replace(T4, name=f"Tesla T4 @ {T4_SUSTAINED_GHZ} GHz", ghz=T4_SUSTAINED_GHZ,
+                       l2_gbps=T4_L2_GBPS * T4_SUSTAINED_GHZ / T4.ghz)
 CARDS = (
-    Card("Tesla T4", 40, 1.59, 320.0, T4_L2_GBPS, 512.0, PIPES_SM75),
+    T4,
+    T4_SUSTAINED,
     Card("RTX 2080 Ti", 68, 1.545, 616.0, T4_L2_GBPS * 352 / 256 * 1.545 / 1.59, 256.0, PIPES_SM75),
     Card("Quadro RTX 8000", 72, 1.77, 672.0, T4_L2_GBPS * 384 / 256 * 1.77 / 1.59, 512.0, PIPES_SM75),
 )
-# The check card: 132 SMs at the 1.98 GHz boost (the results do not record the clock), DRAM =
+# The check card: 132 SMs at the 1.98 GHz boost (bench_decode's l2rate section sampled 1980 MHz), DRAM =
 # the read ceiling measured in the same run (efficiency 1; the check replaces it with the ceiling
 # the results JSON records, _h200_measured), m16n8k8 at the measured 434 TFLOP/s
 # (docs/TURING.md) = 434e12 / 2 / (132 x 1.98e9) FMA per clock per SM, L2 not modelled (no figure).
@@ -174,9 +205,13 @@ class Instr:
     args: str
     target: int | None  # branch target address
 
-    @property
+    @functools.cached_property
     def base(self) -> str:
         return self.op.split(".")[0]
+
+    @functools.cached_property
+    def mods(self) -> tuple[str, ...]:
+        return tuple(self.op.split(".")[1:])
 
 
 _SECTION = re.compile(r"^\s*\.section\s+\.text\.([^,\s]+)")
@@ -227,11 +262,19 @@ def classify(op: str) -> str:
     return "other"
 
 
+_NEVER = ("@!PT", "@!UPT")  # a guard that is always false: the instruction never runs (`@!PT BRA`)
+_ALWAYS = ("", "@PT", "@UPT")
+_BRANCHES = ("BRA", "JMP", "BRX", "JMX")
+
+
 def _successors(ins: list[Instr], i: int, index: dict[int, int]) -> list[int]:
+    """Where control may go after instruction i, from the code alone (no values)."""
     x = ins[i]
     nxt = [i + 1] if i + 1 < len(ins) else []
-    conditional = x.pred not in ("", "@PT", "@UPT")
-    if x.target is not None and x.base in ("BRA", "JMP", "BRX", "JMX"):
+    if x.pred in _NEVER:
+        return nxt
+    conditional = x.pred not in _ALWAYS
+    if x.target is not None and x.base in _BRANCHES:
         if x.op.startswith("BRA.DIV"):  # divergent-warp fallback: never taken by converged warps
             return nxt
         return [index[x.target], *nxt] if conditional else [index[x.target]]
@@ -254,9 +297,407 @@ def _bfs(ins: list[Instr], start: int, index: dict[int, int], stop: int | None =
     return parent
 
 
-def steady_loop(ins: list[Instr]) -> list[Instr]:
-    """The K loop's steady-state iteration (module docstring, step 2), from its head to its
-    backward branch inclusive. ValueError when the function has no loop holding HMMA."""
+# ----------------------------------------------------------------------------- values known from the launch
+#
+# Guards that never run are found by evaluating, lane by lane, the integer instructions whose inputs
+# the launch fixes: SR_TID.X / SR_LANEID (warp w of a block of `warps` warps holds threads 32 w ..
+# 32 w + 31), blockDim (c[0x0][0x0] = 32 x warps, c[0x0][0x4] = c[0x0][0x8] = 1), immediates and RZ.
+# Everything else (kernel arguments, loaded data, uniform registers) is unknown, and so is every
+# result computed from an unknown. A branch whose predicate is known and the same in all 32 lanes
+# goes one way; any other may go either way. An instruction the evaluator does not model makes its
+# destinations unknown (registers written by wide operations: up to 4), so a value is only ever
+# known when it is right.
+
+MASK32 = 0xFFFFFFFF
+Lanes = tuple  # 32 unsigned 32-bit ints, one per lane
+Preds = tuple  # 32 bools
+
+
+@dataclass(frozen=True)
+class WarpLaunch:
+    """Warp `warp` of a block of `warps` warps (blockDim = 32 x warps, 1, 1)."""
+
+    warp: int
+    warps: int
+
+
+_REG_TOKEN = re.compile(r"^R(\d+)$")
+_PRED_TOKEN = re.compile(r"^!?U?P[T0-9R]+$")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _operands(args: str) -> list[str]:
+    """Comma-separated operands at the top level (brackets kept whole), `.reuse` dropped."""
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
+    for ch in args:
+        if ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return [t.replace(".reuse", "") for t in out]
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 32) if v & 0x80000000 else v
+
+
+class _Warp:
+    """Known register and predicate values of one warp along one path (absent: unknown)."""
+
+    def __init__(self, launch: WarpLaunch | None, regs: dict | None = None, preds: dict | None = None):
+        self.launch = launch
+        self.regs: dict[int, Lanes] = {} if regs is None else regs
+        self.preds: dict[str, Preds] = {} if preds is None else preds
+
+    def copy(self) -> _Warp:
+        return _Warp(self.launch, dict(self.regs), dict(self.preds))
+
+    # operands
+    def value(self, tok: str) -> Lanes | None:
+        neg = tok.startswith("-")
+        inv = tok.startswith("~")
+        core = tok.lstrip("-~")
+        v: Lanes | None
+        if core in ("RZ", "URZ"):
+            v = (0,) * 32
+        elif m := _REG_TOKEN.match(core):
+            v = self.regs.get(int(m.group(1)))
+        elif re.fullmatch(r"0x[0-9a-f]+|\d+", core):
+            v = (int(core, 0) & MASK32,) * 32
+        elif core == "c[0x0][0x0]" and self.launch is not None:
+            v = (32 * self.launch.warps,) * 32
+        elif core in ("c[0x0][0x4]", "c[0x0][0x8]") and self.launch is not None:
+            v = (1,) * 32
+        else:
+            return None
+        if v is None:
+            return None
+        if neg:
+            v = tuple(-a & MASK32 for a in v)
+        if inv:
+            v = tuple(~a & MASK32 for a in v)
+        return v
+
+    def pred(self, tok: str) -> Preds | None:
+        tok = tok.lstrip("@")
+        neg = tok.startswith("!")
+        core = tok.lstrip("!")
+        if core in ("PT", "UPT"):
+            v: Preds | None = (True,) * 32
+        else:
+            v = self.preds.get(core)
+        if v is None:
+            return None
+        return tuple(not a for a in v) if neg else v
+
+    # results
+    def set_reg(self, tok: str, v: Lanes | None, width: int = 1) -> None:
+        if m := _REG_TOKEN.match(tok):
+            r = int(m.group(1))
+            for k in range(width):
+                self.regs.pop(r + k, None)
+            if v is not None and width == 1:
+                self.regs[r] = v
+
+    def set_pred(self, tok: str, v: Preds | None) -> None:
+        if tok in ("PT", "UPT") or not _PRED_TOKEN.match(tok):
+            return
+        if tok == "PR":  # R2P / P2R forms: every predicate
+            self.preds.clear()
+        elif v is None:
+            self.preds.pop(tok, None)
+        else:
+            self.preds[tok] = v
+
+    def clobber(self, x: Instr, ops: list[str]) -> None:
+        """An instruction not modelled: its destinations become unknown -- the first operand, the
+        predicates right after it, and (after a leading predicate) the register that follows."""
+        if x.base in ("R2P", "P2R"):
+            self.preds.clear()
+        if not ops or ops[0].startswith(("[", "`", "B", "SB", "0x", "c[")):
+            return
+        mods = set(x.mods)
+        width = 4 if "128" in mods or x.base in ("HMMA", "LDSM", "IMMA") else 2 if mods & {"64", "WIDE"} or \
+            x.base == "CS2R" else 1
+        first = ops[0]
+        if _PRED_TOKEN.match(first):
+            self.set_pred(first, None)
+            if len(ops) > 1 and _REG_TOKEN.match(ops[1]):
+                self.set_reg(ops[1], None, width)
+        else:
+            self.set_reg(first, None, width)
+        for tok in ops[1:]:
+            if not _PRED_TOKEN.match(tok):
+                break
+            self.set_pred(tok, None)
+
+    def execute(self, x: Instr) -> None:
+        """Apply x's effect on the known values (x.pred decides whether it runs)."""
+        if x.pred in _NEVER:
+            return
+        ops = list(_operands(x.args))
+        guard = None if x.pred in _ALWAYS else self.pred(x.pred)
+        if x.pred not in _ALWAYS and guard is not None and not any(guard):
+            return  # known not to run in any lane
+        runs = x.pred in _ALWAYS or (guard is not None and all(guard))
+        if not runs:  # may or may not run: its destinations are unknown afterwards
+            self.clobber(x, ops)
+            return
+        if not self._evaluate(x, ops):
+            self.clobber(x, ops)
+
+    def _evaluate(self, x: Instr, ops: list[str]) -> bool:  # noqa: C901, PLR0911, PLR0912 (one case per opcode)
+        """Model x if its opcode is one of the integer instructions below; False: not modelled."""
+        mods = set(x.mods)
+        v = self.value
+        reg = _REG_TOKEN.match(ops[0]) if ops else None
+        if x.base == "S2R" and len(ops) == 2:
+            tid = None
+            if ops[1] == "SR_TID.X" and self.launch is not None:
+                tid = tuple(32 * self.launch.warp + lane for lane in range(32))
+            self.set_reg(ops[0], tuple(range(32)) if ops[1] == "SR_LANEID" else tid)
+            return True
+        if x.base == "MOV" and len(ops) == 2 and not mods:
+            self.set_reg(ops[0], v(ops[1]))
+            return True
+        if x.base == "CS2R" and len(ops) == 2 and ops[1] == "SRZ" and reg is not None:
+            self.regs[int(reg.group(1))] = self.regs[int(reg.group(1)) + 1] = (0,) * 32
+            return True
+        if x.base == "IMAD" and len(ops) == 4 and not {"WIDE", "HI", "X"} & mods:
+            self.set_reg(ops[0], _lanewise(lambda a, b, c: (a * b + c) & MASK32, v(ops[1]), v(ops[2]), v(ops[3])))
+            return True
+        if x.base == "IADD3" and "X" not in mods:
+            carries = [t for t in ops[1:] if _PRED_TOKEN.match(t)]
+            srcs = [t for t in ops[1:] if not _PRED_TOKEN.match(t)]
+            if len(srcs) != 3:
+                return False
+            self.set_reg(ops[0], _lanewise(lambda a, b, c: (a + b + c) & MASK32, *(v(t) for t in srcs)))
+            for t in carries:
+                self.set_pred(t, None)
+            return True
+        if x.base == "IMNMX" and len(ops) == 4 and ops[3] in ("PT", "!PT"):
+            key = (lambda q: q) if "U32" in mods else _signed
+            pick = max if ops[3] == "!PT" else min
+            self.set_reg(ops[0], _lanewise(lambda a, b: pick(a, b, key=key), v(ops[1]), v(ops[2])))
+            return True
+        if x.base == "SEL" and len(ops) == 4:
+            self.set_reg(ops[0], _lanewise(lambda a, b, c: a if c else b, v(ops[1]), v(ops[2]), self.pred(ops[3])))
+            return True
+        if x.base == "LEA" and "X" not in mods:
+            carries = [t for t in ops[1:] if _PRED_TOKEN.match(t)]
+            vals = [v(t) for t in ops[1:] if not _PRED_TOKEN.match(t)]
+            for t in carries:
+                self.set_pred(t, None)
+            if {"HI", "SX32"} <= mods and len(vals) == 3:  # b + (sext(a):a >> (32 - s))
+                r = _lanewise(lambda a, b, k: (b + (_signed(a) >> (32 - k))) & MASK32, *vals)
+            elif "HI" in mods and "SX32" not in mods and len(vals) == 4:  # b + (c:a >> (32 - s))
+                r = _lanewise(lambda a, b, c, k: (b + ((((c << 32) | a) >> (32 - k)) & MASK32)) & MASK32, *vals)
+            elif not {"HI", "SX32"} & mods and len(vals) == 3:  # (a << s) + b
+                r = _lanewise(lambda a, b, k: ((a << k) + b) & MASK32, *vals)
+            else:
+                return False
+            self.set_reg(ops[0], r)
+            return True
+        if x.base == "SHF" and len(ops) == 4 and {"L", "R"} & mods:  # funnel shift of hi:lo
+            arith, wide = bool({"S32", "S64"} & mods), not {"U32", "S32"} & mods
+
+            def shf(lo: int, k: int, hi: int) -> int:
+                whole = ((_signed(hi) if arith else hi) << 32) | lo
+                k = min(k, 64 if wide else 32)
+                whole = whole << k if "L" in mods else whole >> k
+                return (whole >> 32 if "HI" in mods else whole) & MASK32
+
+            self.set_reg(ops[0], _lanewise(shf, v(ops[1]), v(ops[2]), v(ops[3])))
+            return True
+        if x.base == "LOP3" and "LUT" in mods:
+            pdst = ops[0] if _PRED_TOKEN.match(ops[0]) else None
+            rest = ops[1:] if pdst else ops
+            if len(rest) != 6:
+                return False
+            r = _lanewise(_lop3, v(rest[1]), v(rest[2]), v(rest[3]), v(rest[4]))
+            self.set_reg(rest[0], r)
+            if pdst:
+                self.set_pred(pdst, None if r is None or rest[5] != "!PT" else tuple(w != 0 for w in r))
+            return True
+        if x.base == "ISETP" and len(ops) == 5 and "EX" not in mods:
+            cmp = next((_CMP[m] for m in x.mods if m in _CMP), None)
+            comb = next((_COMB[m] for m in x.mods if m in _COMB), None)
+            key = (lambda q: q) if "U32" in mods else _signed
+            self.set_pred(ops[1], None)
+            if cmp is None or comb is None:
+                self.set_pred(ops[0], None)
+                return True
+            self.set_pred(ops[0], _lanewise(lambda a, b, c: comb(cmp(key(a), key(b)), c),
+                                            v(ops[2]), v(ops[3]), self.pred(ops[4])))
+            return True
+        return False
+
+
+def _lanewise(fn: Callable[..., Any], *args: tuple | None) -> tuple | None:
+    """fn lane by lane over the operands' 32 lanes; None if any operand is unknown."""
+    if any(a is None for a in args):
+        return None
+    return tuple(fn(*lanes) for lanes in zip(*args, strict=True))
+
+
+_CMP = {"LT": lambda a, b: a < b, "LE": lambda a, b: a <= b, "GT": lambda a, b: a > b,
+        "GE": lambda a, b: a >= b, "EQ": lambda a, b: a == b, "NE": lambda a, b: a != b}
+_COMB = {"AND": lambda a, b: a and b, "OR": lambda a, b: a or b, "XOR": lambda a, b: a != b}
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """LOP3.LUT: bit k of the result = bit (a_k b_k c_k as a 3-bit index: a 4, b 2, c 1) of lut."""
+    r = 0
+    for idx in range(8):
+        if lut >> idx & 1:
+            r |= (a if idx & 4 else ~a) & (b if idx & 2 else ~b) & (c if idx & 1 else ~c)
+    return r & MASK32
+
+
+def _next(ins: list[Instr], i: int, index: dict[int, int], warp: _Warp) -> tuple[list[int], bool]:
+    """(successors of instruction i once `warp` has executed it, whether the branch's way is unknown):
+    a branch whose predicate is known and the same in all lanes goes one way, any other both
+    (`BRA.DIV` and `@!PT` never)."""
+    x = ins[i]
+    nxt = [i + 1] if i + 1 < len(ins) else []
+    if x.pred in _NEVER:
+        return nxt, False
+    p = None if x.pred in _ALWAYS else warp.pred(x.pred)
+    runs = x.pred in _ALWAYS or (p is not None and all(p))
+    never = p is not None and not any(p)
+    if x.target is not None and x.base in _BRANCHES and not x.op.startswith("BRA.DIV"):
+        if runs:
+            return [index[x.target]], False
+        return (nxt, False) if never else ([index[x.target], *nxt], True)
+    if x.base in ("EXIT", "RET", "BRX", "JMX") and runs:
+        return [], False
+    return nxt, False
+
+
+def _meet(a: _Warp, b: _Warp) -> _Warp:
+    """The values both know, and know the same."""
+    return _Warp(a.launch, {r: v for r, v in a.regs.items() if b.regs.get(r) == v},
+                 {p: v for p, v in a.preds.items() if b.preds.get(p) == v})
+
+
+def _flow(ins: list[Instr], index: dict[int, int], start: int, entry: _Warp, region: set[int],
+          stop: int | None = None) -> dict[int, _Warp]:
+    """Forward data flow over `region` from `start`: the values known on entry to each instruction on
+    every way there (met where ways join), edges followed as `_next` allows, to a fixed point; no
+    edge into `stop` is followed."""
+    states: dict[int, _Warp] = {start: entry}
+    work, queued = [start], {start}  # a heap: address order visits most code after all its predecessors
+    while work:
+        i = heapq.heappop(work)
+        queued.discard(i)
+        warp = states[i].copy()
+        warp.execute(ins[i])
+        for j in _next(ins, i, index, warp)[0]:
+            if j not in region or j == stop:
+                continue
+            old = states.get(j)
+            new = warp if old is None else _meet(old, warp)
+            if old is None or (new.regs, new.preds) != (old.regs, old.preds):
+                states[j] = new.copy()
+                if j not in queued:
+                    heapq.heappush(work, j)
+                    queued.add(j)
+    return states
+
+
+def _reaching(ins: list[Instr], index: dict[int, int], target: int) -> set[int]:
+    """The instructions from which `target` can be reached (control flow only)."""
+    preds: dict[int, list[int]] = {}
+    for i in range(len(ins)):
+        for j in _successors(ins, i, index):
+            preds.setdefault(j, []).append(i)
+    region, todo = {target}, [target]
+    while todo:
+        for i in preds.get(todo.pop(), ()):
+            if i not in region:
+                region.add(i)
+                todo.append(i)
+    return region
+
+
+def _cost(x: Instr) -> tuple[int, int, int]:
+    """A way's ranking, added up instruction by instruction (the smallest sum is the steady state):
+    weight bytes its unconditional evict-first loads stream (more is better), bytes all its loads
+    read (more is better), instructions (fewer is better). `steady_loop` says why."""
+    ef = -stream_bytes([x]) if x.pred in _ALWAYS else 0
+    return ef, -load_bytes([x]), 1
+
+
+def _best_round(ins: list[Instr], head: int, index: dict[int, int], launch: WarpLaunch | None) -> list[int] | None:
+    """The steady way round the loop at `head` for the launch, as instruction indices (head first, the
+    branch back into it last); None if no way gets back.
+
+    1. What the warp knows at the head on every entry: data flow (`_flow`) from the function's entry
+       over the code that can reach the head (the compiler hoists tid-derived guards, e.g. the x
+       staging's trip count, out of the loop).
+    2. Data flow once round the loop from there: the values known at each of its instructions, and
+       so the edges each branch can take.
+    3. The best way (least summed `_cost`) over those edges; an edge back to an instruction already
+       on the way (an inner loop of unknown trip count) is not taken: the shortest reading."""
+    region = _reaching(ins, index, head)
+    start = _Warp(launch)
+    at_head = _flow(ins, index, 0, start, region).get(head, start) if launch is not None else start
+    states = _flow(ins, index, head, at_head, region, stop=head)
+    edges: dict[int, list[int]] = {}
+    for i, warp in states.items():
+        after = warp.copy()
+        after.execute(ins[i])
+        edges[i] = [j for j in _next(ins, i, index, after)[0] if j in region]
+    # drop the edges that close cycles (depth-first from the head), leaving a DAG
+    order: list[int] = []
+    on_stack, done = {head}, set()
+    stack = [(head, iter(edges[head]))]
+    dag: dict[int, list[int]] = {i: [] for i in edges}
+    while stack:
+        i, it = stack[-1]
+        j = next(it, None)
+        if j is None:
+            stack.pop()
+            on_stack.discard(i)
+            done.add(i)
+            order.append(i)
+            continue
+        if j == head:
+            dag[i].append(j)
+        elif j not in on_stack:
+            dag[i].append(j)
+            if j not in done:
+                on_stack.add(j)
+                stack.append((j, iter(edges[j])))
+    best: dict[int, tuple[tuple[int, int, int], int | None]] = {}  # i -> (cost from i back into head, next)
+    for i in order:  # post-order: every successor first
+        options = [((0, 0, 0), None) if j == head else (best[j][0], j) for j in dag[i] if j == head or j in best]
+        if options:
+            tail, j = min(options, key=lambda o: o[0])
+            c = _cost(ins[i])
+            best[i] = ((c[0] + tail[0], c[1] + tail[1], c[2] + tail[2]), j)
+    if head not in best:
+        return None
+    path: list[int] = []
+    k: int | None = head
+    while k is not None:
+        path.append(k)
+        k = best[k][1]
+    return path
+
+
+def find_loop(ins: list[Instr]) -> tuple[int, int]:
+    """(head, backward branch) of the K loop: reachable from the entry, holding HMMA, spanning the
+    most instructions (module docstring, step 2). ValueError when the function has none."""
     index = {x.addr: i for i, x in enumerate(ins)}
     reach = _bfs(ins, 0, index)
     loops = [
@@ -268,13 +709,23 @@ def steady_loop(ins: list[Instr]) -> list[Instr]:
     if not loops:
         raise ValueError("no backward branch around HMMA instructions: not a decode kernel's K loop")
     _, head, back = max(loops)
-    parent = _bfs(ins, head, index, stop=back)
-    path: list[Instr] = []
-    i: int | None = back
-    while i is not None:
-        path.append(ins[i])
-        i = parent[i]
-    return path[::-1]
+    return head, back
+
+
+def steady_loop(ins: list[Instr], launch: WarpLaunch | None = None) -> list[Instr]:
+    """The K loop's steady-state iteration for one warp (module docstring, step 2): of the ways
+    round the loop the launch allows, the one whose unconditional loads stream the most weight bytes
+    (a full batch: a partial one predicates its loads or branches round them), then the one that
+    loads the most bytes in all (the GEMM's x staging of a full tile of tokens loads its x where a
+    guard of unknown value would skip it), and of those the shortest (QPN2's fast decode, not the
+    exact path). `launch` None: no value known (every guard may go either way). ValueError when the
+    function has no loop holding HMMA."""
+    head, _ = find_loop(ins)
+    index = {x.addr: i for i, x in enumerate(ins)}
+    best = _best_round(ins, head, index, launch)
+    if best is None:
+        raise ValueError(f"no way round the loop at {ins[head].addr:#x} under {launch}")
+    return [ins[i] for i in best]
 
 
 def class_counts(loop: list[Instr]) -> Counter:
@@ -287,6 +738,11 @@ def _lane_bytes(op: str) -> int:
         if width in mods:
             return nbytes
     return 4
+
+
+def load_bytes(loop: list[Instr]) -> int:
+    """Bytes a warp's global and shared loads on the path read (x, tables, weights)."""
+    return sum(32 * _lane_bytes(x.op) for x in loop if x.base in ("LDG", "LDS", "LD", "LDSM"))
 
 
 def stream_bytes(loop: list[Instr]) -> int:
@@ -317,19 +773,29 @@ def disassemble(cubin: bytes, nvdisasm: Path) -> str:
 
 @dataclass
 class LoopStats:
-    """One variant's steady-state loop on one arch."""
+    """One variant's steady-state loop on one arch, averaged over the warps of a block (warps whose
+    tid-dependent guards differ, e.g. the GEMM's x staging, take different ways round)."""
 
     label: str
     arch: str
     nb: int  # 8-token blocks (QPN_NB)
-    instructions: int  # per iteration
+    instructions: float  # per iteration, mean over the block's warps
     group_tiles: int  # per iteration
-    counts: Counter  # class -> per iteration
-    stream_bytes: int  # weight bytes per iteration
+    counts: Counter  # class -> per iteration (mean over the warps)
+    stream_bytes: float  # weight bytes per iteration
     unknown: tuple[str, ...]  # opcodes classified "other"
+    registers: int = 0  # ptxas, per thread
+    smem: int = 0  # static shared memory per block, bytes (ptxas)
+    warps: int = 1  # warps per block the loop was followed for (QPN_WARPS)
+    per_warp: tuple[int, ...] = ()  # instructions per iteration of each warp
+    fp16: float = 0.0  # fp16x2 instructions (FP16X2_OPS, part of "fp") per iteration
 
     def per_gt(self, cls: str | None = None) -> float:
         return (self.instructions if cls is None else self.counts.get(cls, 0)) / self.group_tiles
+
+    def occupancy(self, warps_per_block: int | None = None) -> compile_check.Occupancy:
+        """Turing occupancy of this build at `warps_per_block` (default: the build's QPN_WARPS)."""
+        return compile_check.occupancy_sm75(self.registers, self.smem, warps_per_block or self.warps)
 
 
 def _macro(variant: KernelVariant, name: str, default: int) -> int:
@@ -337,27 +803,37 @@ def _macro(variant: KernelVariant, name: str, default: int) -> int:
 
 
 def measure(variant: KernelVariant, arch: str, nvrtc: loader.NVRTC, nvdisasm: Path) -> LoopStats:
-    """Compile (as the compile check does), disassemble, find the loop, count it."""
+    """Compile (as the compile check does, with the ptxas report), disassemble, find the loop,
+    follow it for every warp of a QPN_WARPS block (`steady_loop`), count it."""
     name, text = loader.read_source(variant.source)
-    cubin = loader.compile_text(nvrtc, text, name, arch, variant.defines).cubin
-    if cubin is None:  # compute_XX targets give PTX only
+    result = loader.compile_text(nvrtc, text, name, arch, variant.defines, ("--ptxas-options=-v",))
+    if result.cubin is None:  # compute_XX targets give PTX only
         raise ValueError(f"arch must be a real sm_XX target to disassemble, got {arch!r}")
-    functions = parse_sass(disassemble(cubin, nvdisasm))
+    resources = compile_check.parse_ptxas_log(result.log).get(variant.kernel, compile_check.FunctionStats())
+    functions = parse_sass(disassemble(result.cubin, nvdisasm))
     if variant.kernel not in functions:
         raise ValueError(f"{variant.kernel} not in the {arch} SASS of {variant.source} (found {sorted(functions)})")
-    loop = steady_loop(functions[variant.kernel])
-    counts = class_counts(loop)
+    fn = functions[variant.kernel]
+    warps = _macro(variant, "QPN_WARPS", 16)
+    loops = [steady_loop(fn, WarpLaunch(w, warps)) for w in range(warps)]
     nb = _macro(variant, "QPN_NB", 1)
     tiles = 2 if _macro(variant, "QPN_GATED", 0) else 1  # per warp: gated, the gate and the up tile
     expected = _macro(variant, "QPN_UNROLL", 4) * tiles
-    hmma = counts.get("hmma", 0)
-    if hmma != HMMA_PER_GROUP_TILE_PER_NB * nb * expected:
-        raise ValueError(
-            f"{variant.label} {arch}: the loop holds {hmma} HMMA, not {HMMA_PER_GROUP_TILE_PER_NB} x QPN_NB {nb} x "
-            f"QPN_UNROLL x tiles {expected}: the loop's unit changed, update turing_model's group-tile rule"
-        )
-    unknown = tuple(sorted({x.op.split(".")[0] for x in loop if classify(x.op) == "other"}))
-    return LoopStats(variant.label, arch, nb, len(loop), expected, counts, stream_bytes(loop), unknown)
+    counts: Counter = Counter()
+    for loop in loops:
+        c = class_counts(loop)
+        hmma = c.get("hmma", 0)
+        if hmma != HMMA_PER_GROUP_TILE_PER_NB * nb * expected:
+            raise ValueError(
+                f"{variant.label} {arch}: the loop holds {hmma} HMMA, not {HMMA_PER_GROUP_TILE_PER_NB} x QPN_NB {nb} x "
+                f"QPN_UNROLL x tiles {expected}: the loop's unit changed, update turing_model's group-tile rule"
+            )
+        counts.update({k: v / warps for k, v in c.items()})
+    unknown = tuple(sorted({x.base for loop in loops for x in loop if classify(x.op) == "other"}))
+    return LoopStats(variant.label, arch, nb, sum(map(len, loops)) / warps, expected, counts,
+                     sum(stream_bytes(loop) for loop in loops) / warps, unknown, resources.registers or 0,
+                     resources.smem, warps, tuple(len(loop) for loop in loops),
+                     sum(x.base in FP16X2_OPS for loop in loops for x in loop) / warps)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -374,20 +850,34 @@ class Projection:
     def limit(self) -> str:
         return max(self.ns, key=lambda name: self.ns[name])
 
+    efficiency: float = 1.0  # the card's DRAM streaming efficiency (read ceiling / spec)
+
     @property
     def pct(self) -> float:
         """Share of the streaming-read ceiling: DRAM time / the slowest limit's time."""
         return 100.0 * self.ns["dram"] / max(self.ns.values())
 
+    @property
+    def spec_pct(self) -> float:
+        """Share of the DRAM spec: the read ceiling's share x the streaming efficiency."""
+        return self.pct * self.efficiency
+
 
 def pipe_cycles(stats: LoopStats, card: Card) -> dict:
-    """SM clock cycles per group-tile that issue and each pipe need (one warp's group-tile)."""
+    """SM clock cycles per group-tile that issue and each pipe need (one warp's group-tile); with
+    card.fp16_on_tensor the fp16x2 instructions leave the FMA pipe for the tensor cores' port."""
     cycles = {"issue": stats.per_gt() / ISSUE_PER_SM}
+    fp16 = stats.fp16 / stats.group_tiles if card.fp16_on_tensor else 0.0
     for pipe, (classes, rate) in card.pipes.items():
-        cycles[pipe] = sum(stats.per_gt(c) for c in classes) / rate
+        cycles[pipe] = (sum(stats.per_gt(c) for c in classes) - (fp16 if "fp" in classes else 0.0)) / rate
     fma_per_hmma = 16 * 8 * 8  # m16n8k8
-    cycles["hmma"] = stats.per_gt("hmma") * fma_per_hmma / card.hmma_fma_per_clk
+    cycles["hmma"] = stats.per_gt("hmma") * fma_per_hmma / card.hmma_fma_per_clk + fp16 / FP16X2_PER_CLK_SM75
     return cycles
+
+
+def compute_cycles(stats: LoopStats, card: Card) -> float:
+    """SM cycles per group-tile of the slowest compute limit (issue, pipes, tensor cores)."""
+    return max(pipe_cycles(stats, card).values())
 
 
 def project(stats: LoopStats, card: Card, m: int) -> Projection:
@@ -398,7 +888,7 @@ def project(stats: LoopStats, card: Card, m: int) -> Projection:
     ns["dram"] = weight / card.read_ceiling_gbps
     if card.l2_gbps:
         ns["l2"] = (weight + X_BYTES_PER_TOKEN * m) / card.l2_gbps
-    return Projection(card.name, m, cycles, ns)
+    return Projection(card.name, m, cycles, ns, card.stream_efficiency)
 
 
 GEMM_MS = (64, 128, 512)
@@ -430,6 +920,41 @@ def project_gemm(stats: LoopStats, card: Card, m: int, n: int, k: int) -> GemmPr
     tensor = 2.0 * m * n * k / (2.0 * card.hmma_fma_per_clk * card.sms * card.ghz * 1e9) * 1e6
     fp16_read = (2.0 * n * k + 2.0 * m * k + 2.0 * m * n) / (card.read_ceiling_gbps * 1e3)
     return GemmProjection(passes * group_tiles * ns[limit] / 1e3, limit, tensor, fp16_read)
+
+
+@dataclass
+class Estimate:
+    """A Turing card's decode rate from a measured H200 rate (`estimate_t4`), % of the DRAM spec."""
+
+    lo: float
+    hi: float
+    h200: tuple[float, float]  # the H200's L2-resident loop rate, B/clk/SM (lowest, highest measured)
+    card: tuple[float, float]  # moved to the card's pipes: (fp16x2 on the tensor port, on the FMA pipe)
+    limit: str  # what caps each end: "compute" or "dram", "lo / hi"
+
+
+def estimate_t4(s75: LoopStats, s90: LoopStats, h200_rates: tuple[float, float],
+                card: Card = T4_SUSTAINED) -> Estimate:
+    """`card`'s share of its DRAM spec for one decode build, estimated from the H200: the weight bytes
+    per SM-clock the build sustains there with its weight in L2 (lowest and highest measured), times
+    the ratio of the two SASS models' compute cycles per group-tile (H200 rates / `card`'s, the latter
+    with fp16x2 on the tensor port for the low end, on the FMA pipe for the high end), times the card's
+    SMs and clock; capped by GDDR6 at GDDR6_STREAM_EFFICIENCY of spec. Assumes a Turing SM hides
+    latency as well as an H200 SM at the same occupancy (the same 64 K registers per SM: the same
+    warps per SM for every decode build)."""
+    c90 = compute_cycles(s90, H200)
+    rates = (h200_rates[0] * c90 / compute_cycles(s75, replace(card, fp16_on_tensor=True)),
+             h200_rates[1] * c90 / compute_cycles(s75, replace(card, fp16_on_tensor=False)))
+    shares = [r * card.sms * card.ghz / card.dram_gbps for r in rates]
+    ends = [(100 * min(e, x), "dram" if e <= x else "compute") for e, x in zip(GDDR6_STREAM_EFFICIENCY, shares,
+                                                                              strict=True)]
+    limit = ends[0][1] if ends[0][1] == ends[1][1] else f"{ends[0][1]} / {ends[1][1]}"
+    return Estimate(ends[0][0], ends[1][0], h200_rates, (rates[0], rates[1]), limit)
+
+
+def needed_rate(card: Card, efficiency: float = 1.0) -> float:
+    """Weight bytes per SM-clock at which the card's SMs keep up with efficiency x its DRAM spec."""
+    return card.dram_gbps * efficiency / (card.sms * card.ghz)
 
 
 # ----------------------------------------------------------------------------- report
@@ -466,9 +991,10 @@ def _fmt(x: float) -> str:
 
 
 def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVRTC | None = None,
-              nvdisasm: Path | None = None, h200_results: Path | None = None) -> dict:
-    """Measure every variant on sm_75 (and sm_90 for the H200 check); returns everything the
-    report and the record need."""
+              nvdisasm: Path | None = None, h200_results: Path | None = None,
+              l2rate_results: Path | None = None) -> dict:
+    """Measure every decode variant and GEMM build on sm_75 (and the decode variants on sm_90 for the
+    H200 check and the estimates); returns everything the report and the record need."""
     from . import linear  # noqa: PLC0415 (the wrapper module registers the decode variants)
 
     variants = linear.DECODE_VARIANTS if variants is None else variants
@@ -478,15 +1004,27 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
         raise FileNotFoundError(
             "nvdisasm not found: pip install 'nvidia-cuda-nvdisasm>=13,<14' (in qpn's [test] extra)")
     fams = _families(variants)
-    gemm_builds = [v for v in gemm.KERNEL_VARIANTS if dict(v.defines).get("QPN_GATED") == "0"]
-    jobs = [(v, "sm_75") for v in (*variants, *gemm_builds)]
-    jobs += [(v, "sm_90") for fam in ("qpn2_linear", "qpn8_linear") for v in fams.get(fam, {}).values()]
+    gemm_builds = list(gemm.KERNEL_VARIANTS)
+    jobs = [(v, "sm_75") for v in (*variants, *gemm_builds)] + [(v, "sm_90") for v in variants]
     stats = measure_all(jobs, nvrtc, nvdisasm)
     h200_pct, h200_ceiling = _h200_measured(h200_results)
     gemm_stats = {v: stats["sm_75"].pop(v) for v in gemm_builds}
     return {"nvrtc": nvrtc.version, "nvdisasm": str(nvdisasm), "sm75": stats["sm_75"], "sm90": stats["sm_90"],
             "families": fams, "h200_measured": h200_pct, "gemm": gemm_stats,
-            "h200": replace(H200, dram_gbps=h200_ceiling)}
+            "h200": replace(H200, dram_gbps=h200_ceiling), "l2rate": _l2rates(l2rate_results)}
+
+
+def _l2rates(path: Path | None) -> dict[tuple[str, int], tuple[float, float]]:
+    """{(family, M): (lowest, highest) B/clk/SM} from bench_decode's "l2rate" section (absent: {})."""
+    if path is None or not path.is_file():
+        return {}
+    rows = json.loads(path.read_text())["sections"].get("l2rate", {}).get("rows", [])
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        fam = ("qpn2_linear" if r["fmt"] == "qpn2" else "qpn8_linear") + (" gated" if r["gated"] == "yes" else "") + (
+            " block-scales" if r["fmt"] == "qpn8_block" else "")
+        out.setdefault((fam, int(r["m"])), []).append(float(r["b_per_clk"]))
+    return {key: (min(v), max(v)) for key, v in out.items()}
 
 
 def measure_all(jobs: list[tuple[KernelVariant, str]], nvrtc: loader.NVRTC,
@@ -514,6 +1052,14 @@ def _h200_measured(path: Path | None) -> tuple[dict, float]:
 H200_SHAPES = ((28672, 8192), (34816, 5120))  # the shapes of >= 64 MB of QPN2 weight (tails negligible)
 
 
+def _pct(p: Projection) -> str:
+    return f"{p.spec_pct:.0f} % ({p.limit})"
+
+
+def _warps(s: LoopStats, *blocks: int) -> str:
+    return " / ".join(str(s.occupancy(w).warps) for w in blocks)
+
+
 def report(res: dict, command: str) -> str:
     sm75, fams = res["sm75"], res["families"]
     today = datetime.date.today().isoformat()
@@ -523,123 +1069,237 @@ def report(res: dict, command: str) -> str:
         f"{today}; `{command}`; NVRTC {'.'.join(map(str, res['nvrtc']))} (the compile check's build), "
         f"nvdisasm from `{Path(res['nvdisasm']).parent.parent.name}`. Method and assumptions: the docstring "
         "of `cupy_kernels/turing_model.py`. One group-tile = 16 k x 32 columns = 512 weights (one warp, "
-        "one group of one tile); counts are per group-tile of the steady-state K loop (shortest way round "
-        "the backward branch around the HMMA: full batch, QPN2 fast decode).",
+        "one group of one tile); counts are per group-tile of the steady-state K loop, as it runs.",
+        "",
+        "Nothing here is measured on a Turing card. The percentages are projections of two kinds: upper bounds "
+        "(what the SASS and the card's rates allow at best) and estimates (the H200's measured per-clock rate "
+        "moved to the card). A bound above a target does not mean the target is met.",
         "",
         "## Model",
         "",
-        "- Loop: the backward branch, reachable from the entry with `BRA.DIV` never taken, whose body holds "
-        "HMMA and spans the most instructions; counted along the shortest way from its head back to it.",
+        "- Loop: the backward branch around the HMMA that spans the most instructions (`BRA.DIV` and `@!PT` "
+        "never taken). What runs round it is followed per warp of a QPN_WARPS block: integer instructions whose "
+        "inputs the launch fixes (SR_TID.X, blockDim, immediates) are evaluated lane by lane from the entry, so "
+        "guards known from the launch go their one way (the GEMM's x staging); of the other ways, the full "
+        "batch (most unconditional weight bytes), then the most bytes loaded (x staged for a full tile of "
+        "tokens), then the fewest instructions (QPN2's fast decode). Counts are the mean over the warps.",
         "- Unit: group-tiles per iteration = HMMA / (4 x QPN_NB) (an m16n8k8 covers 16 columns x 8 k for one "
         "8-token block), checked equal to QPN_UNROLL x tiles per block from the macros.",
         "- Rates (CUDA C++ Programming Guide, Arithmetic Instructions, cc 7.5, per SM per clock): integer / logic "
         "64 (ALU pipe), fp32 and IMAD 64 (FMA pipe), fp16x2 64 instructions (128 results), conversions 16, "
         "shuffle 32; loads / stores 16 (assumed: 4 LD/ST units per sub-partition); issue 4 warp-instructions. "
         "HMMA m16n8k8 with fp32 accumulation: 512 FMA per clock per SM on T4 and Quadro RTX 8000 (full rate, "
-        "professional parts), 256 on the RTX 2080 Ti (GeForce half rate).",
+        "professional parts), 256 on the RTX 2080 Ti (GeForce half rate). Option 'fp16 on tensor': the fp16x2 "
+        "instructions share the tensor cores' dispatch port (Turing's fp16 datapath), adding to the HMMA limit.",
         "- Bytes: weights = the loop's evict-first loads; x = 32 x M bytes per group-tile from L2 (re-read per "
         "tile, L1 hits not counted); the x of one call (<= 32 x K x 2 bytes) stays in L2, so DRAM sees weights only.",
-        "- Upper bound: perfect latency hiding, boost clocks held, no prologue / split-K / epilogue cost; the "
-        "share of bandwidth is DRAM time / max(DRAM, issue, each pipe, L2) per group-tile.",
+        f"- DRAM: GDDR6 streams {GDDR6_STREAM_EFFICIENCY[0]:.2f}-{GDDR6_STREAM_EFFICIENCY[1]:.2f} of its spec "
+        f"(reported for T4-class cards, not measured here; HBM's {HBM_STREAM_EFFICIENCY:.2f} does not carry over): "
+        "bounds take the high end, estimates the range. Every percentage below is of the DRAM spec (T4: 320 GB/s).",
+        f"- Clocks: the T4 at its 1.59 GHz boost and at the ~{T4_SUSTAINED_GHZ} GHz it holds under its 70 W cap "
+        "(reported); the 2080 Ti and RTX 8000 at boost.",
+        "- Occupancy: warps per Turing SM from the ptxas registers and shared memory "
+        "(`compile_check.occupancy_sm75`, CUDA's rules for cc 7.5) at blocks of 8 and 16 warps (the decode "
+        "splits of large layers; GEMM: 8).",
         "",
-        "## sm_75 instructions per group-tile, by class, and SM cycles per group-tile by limit",
+        "## sm_75 instructions per group-tile by class, SM cycles per group-tile by limit, occupancy",
         "",
-        "Classes: int = ALU integer/logic, imad = IMAD (FMA pipe on Turing), fp = fp32 and fp16x2, conv = "
-        "conversions / MUFU (16/clk/SM), shfl, mem = loads / stores, uniform = U* datapath, control. "
-        "Cycles per SM (T4 rates; 2080 Ti: hmma x2): issue = all / 4; alu = int / 2; fma = (fp + imad) / 2; "
-        "conv / 0.5; shfl / 1; lsu = mem / 0.5; hmma = HMMA x 1024 FMA / 512.",
+        "Classes: int = ALU integer/logic, imad = IMAD (FMA pipe on Turing), fp = fp32 and fp16x2 (fp16x2 of "
+        "them: its own column), conv = conversions / MUFU (16/clk/SM), shfl, mem = loads / stores, uniform = U* "
+        "datapath, control. Cycles per SM (T4 rates; 2080 Ti: hmma x2): issue = all / 4; alu = int / 2; fma = "
+        "(fp + imad) / 2; conv / 0.5; shfl / 1; lsu = mem / 0.5; hmma = HMMA x 1024 FMA / 512; hmma+fp16 = the "
+        "same with fp16x2 / 2 added. Warps per SM at 8- / 16-warp blocks (registers, not shared memory, limit "
+        "every build).",
         "",
         "| kernel | M build | per iter | gt/iter | total | " + " | ".join(CLASS_ORDER)
-        + " | bytes | issue | alu | fma | conv | shfl | lsu | hmma |",
-        "|" + "---|" * (6 + len(CLASS_ORDER) + 7),
+        + " | fp16x2 | bytes | issue | alu | fma | conv | shfl | lsu | hmma | hmma+fp16 | regs | smem B | warps/SM |",
+        "|" + "---|" * (6 + len(CLASS_ORDER) + 12),
     ]
-    t4 = CARDS[0]
     for fam, by_nb in fams.items():
         for nb in sorted(by_nb):
             s = sm75[by_nb[nb]]
-            cyc = pipe_cycles(s, t4)
-            cells = [fam, f"M<={8 * nb}", str(s.instructions), str(s.group_tiles), _fmt(s.per_gt())]
-            cells += [_fmt(s.per_gt(c)) for c in CLASS_ORDER]
-            cells += [str(s.stream_bytes // s.group_tiles)]
+            cyc = pipe_cycles(s, T4)
+            cells = [fam, f"M<={8 * nb}", _fmt(s.instructions), str(s.group_tiles), _fmt(s.per_gt())]
+            cells += [_fmt(s.per_gt(c)) for c in CLASS_ORDER] + [_fmt(s.fp16 / s.group_tiles)]
+            cells += [_fmt(s.stream_bytes / s.group_tiles)]
             cells += [_fmt(cyc[k]) for k in ("issue", "alu", "fma", "conv", "shfl", "lsu", "hmma")]
+            cells += [_fmt(pipe_cycles(s, replace(T4, fp16_on_tensor=True))["hmma"]), str(s.registers), str(s.smem),
+                      _warps(s, 8, 16)]
             out.append("| " + " | ".join(cells) + " |")
     unknown = sorted({op for s in sm75.values() for op in s.unknown})
     if unknown:
         out += ["", f"- opcodes not classified (issue only): {', '.join(unknown)}"]
-    out += [
-        "",
-        "## Projected share of the streaming-read ceiling, per card (limit in brackets)",
-        "",
-        f"Ceiling = spec x {STREAM_EFFICIENCY:.2f} (the H200's measured read ceiling, "
-        f"{H200_READ_CEILING_GBPS:.0f} GB/s, / its 4800 GB/s spec). "
-        "L2 = weight + x bytes (32 x M per group-tile: x re-read per 32-column tile, L1 hits not counted) "
-        "at the assumed L2 bandwidth: " + ", ".join(f"{c.name} {c.l2_gbps:.0f} GB/s" for c in CARDS) + ".",
-        "",
-        "T4 headroom = DRAM time / the slowest compute limit's time: how far issue efficiency (or the clock) "
-        "may fall below the model's before compute, not DRAM, sets the pace.",
-        "",
-        "| kernel | M | " + " | ".join(c.name for c in CARDS)
-        + " | T4 ns/gt: dram / issue / alu / fma / hmma / l2 | T4 headroom |",
-        "|---|---|" + "---|" * (len(CARDS) + 2),
-    ]
-    verdicts = []
-    for fam, by_nb in fams.items():
-        for m in MS:
-            if _nb(m) not in by_nb:
-                continue
-            s = sm75[by_nb[_nb(m)]]
-            projs = [project(s, c, m) for c in CARDS]
-            cells = [f"{p.pct:.0f} % ({p.limit})" for p in projs]
-            ns = projs[0].ns
-            detail = " / ".join(f"{ns[k]:.3f}" for k in ("dram", "issue", "alu", "fma", "hmma", "l2"))
-            out.append(f"| {fam} | {m} | " + " | ".join(cells) + f" | {detail} | {_fmt(headroom(projs[0]))}x |")
-            want = target_for(m)
-            if fam in ("qpn2_linear", "qpn8_linear") and want is not None:
-                verdicts.append((fam, m, want, projs[0], s))
-    out += [
-        "", "## Issue 13 targets on the T4, by the model", "",
-        "L2 needed: the L2-to-SM bandwidth at which the x re-reads alone would pull the row down to the target.",
-        "", "| kernel | M | target | model | met | T4 headroom | L2 needed GB/s |", "|---|---|---|---|---|---|---|",
-    ]
-    for fam, m, want, p, s in verdicts:
-        l2_needed = (s.stream_bytes / s.group_tiles + X_BYTES_PER_TOKEN * m) / (p.ns["dram"] * 100 / want)
-        out.append(f"| {fam} | {m} | >= {want:.0f} % | {p.pct:.0f} % | {'yes' if p.pct >= want else 'no'} | "
-                   f"{_fmt(headroom(p))}x | {l2_needed:.0f} |")
+    out += _bounds_section(res) + _estimates_section(res) + _targets_section(res)
     out += _gemm_section(res)
     out += _h200_section(res)
     return "\n".join(out) + "\n"
 
 
-def _gemm_section(res: dict) -> list[str]:
-    """The GEMM builds (M > 32) projected on the T4 against its fp16 tensor-core and bandwidth floors."""
-    t4 = CARDS[0]
+BOUND_CARDS = (T4, T4_SUSTAINED, replace(T4_SUSTAINED, fp16_on_tensor=True), CARDS[2], CARDS[3])
+
+
+def _bounds_section(res: dict) -> list[str]:
+    sm75, fams = res["sm75"], res["families"]
     out = [
         "",
-        "## GEMM builds (M > 32), projected on the Tesla T4",
+        "## Upper bounds: share of the DRAM spec per card (limit in brackets)",
         "",
-        "The decode kernels built as a GEMM (cupy_kernels/gemm.py): 64 tokens per warp, x staged once per block "
-        "of 8 tiles. One call = ceil(M / 64) passes over the weight (each re-streams it from DRAM: no T4 L2 "
-        "holds a layer), each group-tile at its slowest limit. Floors of any fp16 GEMM on the card: tensor = "
-        f"2 M N K at {2 * t4.hmma_fma_per_clk * t4.sms * t4.ghz / 1e3:.1f} TFLOP/s (HMMA with fp32 accumulation, "
+        f"Perfect latency hiding, GDDR6 at {STREAM_EFFICIENCY:.2f} of spec (so {100 * STREAM_EFFICIENCY:.0f} % is "
+        "the DRAM-bound ceiling), no prologue / split-K / epilogue. L2 = weight + x bytes (x re-read per "
+        "32-column tile, L1 hits not counted) at the assumed L2 bandwidth: "
+        + ", ".join(f"{c.name} {c.l2_gbps:.0f} GB/s" for c in CARDS) + ". T4 headroom = DRAM time / the slowest "
+        "compute limit's time at 1.25 GHz with fp16 on the tensor port: how far issue efficiency may fall "
+        "below the model's before compute, not DRAM, sets the pace.",
+        "",
+        "| kernel | M | " + " | ".join(c.name + (" fp16 on tensor" if c.fp16_on_tensor else "") for c in BOUND_CARDS)
+        + " | T4 1.25 GHz fp16-on-tensor ns/gt: dram / issue / alu / fma / hmma / l2 | T4 headroom |",
+        "|---|---|" + "---|" * (len(BOUND_CARDS) + 2),
+    ]
+    for fam, by_nb in fams.items():
+        for m in MS:
+            if _nb(m) not in by_nb:
+                continue
+            s = sm75[by_nb[_nb(m)]]
+            projs = [project(s, c, m) for c in BOUND_CARDS]
+            ns = projs[2].ns
+            detail = " / ".join(f"{ns[k]:.3f}" for k in ("dram", "issue", "alu", "fma", "hmma", "l2"))
+            out.append(f"| {fam} | {m} | " + " | ".join(_pct(p) for p in projs)
+                       + f" | {detail} | {_fmt(headroom(projs[2]))}x |")
+    return out
+
+
+def _estimates(res: dict) -> dict[tuple[str, int], Estimate]:
+    """estimate_t4 for every (family, M) with an H200 l2rate measurement and an sm_90 count."""
+    sm75, sm90, fams, rates = res["sm75"], res["sm90"], res["families"], res.get("l2rate", {})
+    out = {}
+    for fam, by_nb in fams.items():
+        for m in MS:
+            v = by_nb.get(_nb(m))
+            if v is not None and v in sm90 and (fam, m) in rates:
+                out[fam, m] = estimate_t4(sm75[v], sm90[v], rates[fam, m])
+    return out
+
+
+def _estimates_section(res: dict) -> list[str]:
+    est = _estimates(res)
+    need = [needed_rate(T4_SUSTAINED, e) for e in GDDR6_STREAM_EFFICIENCY]
+    out = [
+        "",
+        f"## Estimates for the Tesla T4 at {T4_SUSTAINED_GHZ} GHz, from the H200's L2-resident rates",
+        "",
+    ]
+    if not est:
+        return out + ["No H200 l2rate results (benchmarks/results/l2rate_h200.json, bench_decode.py --sections "
+                      "ceiling,l2rate): no estimates."]
+    out += [
+        "H200 B/clk/SM: the K loop's weight bytes per SM per clock on the H200 with the weight in L2 "
+        "(benchmarks/results/l2rate_h200.md: lowest and highest of its two splits, 16- and 8-warp blocks). On "
+        "the T4's pipes: that x (sm_90 model compute cycles / sm_75 model compute cycles per group-tile), low "
+        "end with fp16x2 on the tensor port, high end on the FMA pipe. The T4 needs "
+        f"{need[0]:.2f}-{need[1]:.2f} B/clk/SM at {T4_SUSTAINED_GHZ} GHz to keep GDDR6 at "
+        f"{GDDR6_STREAM_EFFICIENCY[0]:.2f}-{GDDR6_STREAM_EFFICIENCY[1]:.2f} of 320 GB/s busy "
+        f"({needed_rate(T4):.2f} for the full spec at 1.59 GHz, {needed_rate(T4_SUSTAINED):.2f} at "
+        f"{T4_SUSTAINED_GHZ}). Estimate = min(GDDR6 share, rate x 40 SMs x {T4_SUSTAINED_GHZ} GHz / 320 GB/s), "
+        "% of 320 GB/s. Assumes a T4 SM hides latency as an H200 SM does at the same occupancy (both have 64 K "
+        "registers per SM, so every decode build holds the same warps per SM on both) and ignores the T4's "
+        "smaller L2 bandwidth (the bounds' l2 column).",
+        "",
+        "| kernel | M | H200 B/clk/SM | on T4 pipes B/clk/SM | estimate, % of 320 GB/s (limit) |",
+        "|---|---|---|---|---|",
+    ]
+    for (fam, m), e in est.items():
+        out.append(f"| {fam} | {m} | {e.h200[0]:.2f}-{e.h200[1]:.2f} | {e.card[0]:.2f}-{e.card[1]:.2f} | "
+                   f"{e.lo:.0f}-{e.hi:.0f} % ({e.limit}) |")
+    return out
+
+
+def _targets_section(res: dict) -> list[str]:
+    sm75, fams, est = res["sm75"], res["families"], _estimates(res)
+    out = [
+        "",
+        "## Issue 13's T4 targets against the bound and the estimate",
+        "",
+        "Targets (% of the T4's 320 GB/s): >= 85 at M <= 8, >= 75 at M = 32. Not measured on a T4: a bound at "
+        "or above the target means only that the SASS does not exclude it.",
+        "",
+        "| kernel | M | target | bound 1.59 / 1.25 GHz | estimate 1.25 GHz | reading |",
+        "|---|---|---|---|---|---|",
+    ]
+    for fam in ("qpn2_linear", "qpn8_linear"):
+        for m in MS:
+            want = target_for(m)
+            v = fams.get(fam, {}).get(_nb(m))
+            if want is None or v is None:
+                continue
+            b = [project(sm75[v], c, m).spec_pct for c in (T4, replace(T4_SUSTAINED, fp16_on_tensor=True))]
+            e = est.get((fam, m))
+            if b[1] < want:
+                reading = "excluded by the bound at 1.25 GHz"
+            elif e is None:
+                reading = "not excluded by the bound; no estimate"
+            elif e.hi < want:
+                reading = "not excluded by the bound; the estimate falls short"
+            elif e.lo >= want:
+                reading = "not excluded; the estimate reaches it (unmeasured)"
+            else:
+                reading = "not excluded; the target lies inside the estimate's range (unmeasured)"
+            est_cell = "-" if e is None else f"{e.lo:.0f}-{e.hi:.0f} %"
+            out.append(f"| {fam} | {m} | >= {want:.0f} % | {b[0]:.0f} / {b[1]:.0f} % | {est_cell} | {reading} |")
+    return out
+
+
+def _gemm_section(res: dict) -> list[str]:
+    """The GEMM builds (M > 32): counts and occupancy, and bounds per call on the T4 against its fp16
+    tensor-core and bandwidth floors."""
+    t4 = T4
+    out = [
+        "",
+        "## GEMM builds (M > 32) on the Tesla T4: bounds",
+        "",
+        "The decode kernels built as a GEMM (cupy_kernels/gemm.py): 64 tokens per warp (gated: 32), x staged "
+        "once per block of 8 tiles. Loops as they run (x staging included; warps whose tid leaves the staging "
+        "loop empty take the shorter way: 'per warp').",
+        "",
+        "| build | per iter (per warp) | gt/iter | instr/gt | hmma/gt | fp16x2/gt | weight B/gt | regs | smem B | "
+        "warps/SM |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v, s in res.get("gemm", {}).items():
+        per_warp = "/".join(str(n) for n in sorted(set(s.per_warp)))
+        out.append(f"| {_gemm_name(v)} | {_fmt(s.instructions)} ({per_warp}) | {s.group_tiles} | {_fmt(s.per_gt())} | "
+                   f"{_fmt(s.per_gt('hmma'))} | {_fmt(s.fp16 / s.group_tiles)} | "
+                   f"{_fmt(s.stream_bytes / s.group_tiles)} | {s.registers} | {s.smem} | {_warps(s, 8)} |")
+    out += [
+        "",
+        "One call = ceil(M / 64) passes over the weight (each re-streams it from DRAM: no T4 L2 holds a layer), "
+        "each group-tile at its slowest limit. Floors of any fp16 GEMM on the card: tensor = 2 M N K at "
+        f"{2 * t4.hmma_fma_per_clk * t4.sms * t4.ghz / 1e3:.1f} TFLOP/s at 1.59 GHz (HMMA with fp32 accumulation, "
         f"full rate on the T4); fp16 read = the fp16 weight + x + y once at {t4.read_ceiling_gbps:.0f} GB/s. "
         "cuBLAS fp16 cannot beat max(tensor, fp16 read); the dense path adds the dequantize pass "
-        "(write 2 N K, read 0.5625 N K bytes) to it.",
+        "(write 2 N K, read 0.5625 N K bytes) to it. The 1.25 GHz column: fp16 on the tensor port too.",
         "",
-        "| build | N x K | M | instr/gt | projected us (limit) | tensor floor us | fp16 read floor us "
-        "| x max(floors) | dense path floor us |",
+        "| build | N x K | M | bound us 1.59 GHz (limit) | bound us 1.25 GHz (limit) | tensor floor us | "
+        "fp16 read floor us | x max(floors) | dense path floor us |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for v, s in res.get("gemm", {}).items():
-        d = dict(v.defines)
-        name = v.kernel + (" block-scales" if d.get("QPN8_BLOCK_SCALES") == "1" else "")
+        if dict(v.defines).get("QPN_GATED") == "1":
+            continue
         for n, k in GEMM_SHAPES:
             for m in GEMM_MS:
                 p = project_gemm(s, t4, m, n, k)
+                q = project_gemm(s, replace(T4_SUSTAINED, fp16_on_tensor=True), m, n, k)
                 floor = max(p.tensor_us, p.fp16_read_us)
                 dense = (2.5625 * n * k) / (t4.read_ceiling_gbps * 1e3) + floor
-                out.append(f"| {name} | {n}x{k} | {m} | {_fmt(s.per_gt())} | {p.us:.0f} ({p.limit}) | "
+                out.append(f"| {_gemm_name(v)} | {n}x{k} | {m} | {p.us:.0f} ({p.limit}) | {q.us:.0f} ({q.limit}) | "
                            f"{p.tensor_us:.0f} | {p.fp16_read_us:.0f} | {floor / p.us:.2f} | {dense:.0f} |")
     return out
+
+
+def _gemm_name(v: KernelVariant) -> str:
+    d = dict(v.defines)
+    return v.kernel + (" gated" if d.get("QPN_GATED") == "1" else "") + (
+        " block-scales" if d.get("QPN8_BLOCK_SCALES") == "1" else "")
 
 
 def _h200_section(res: dict) -> list[str]:
@@ -648,18 +1308,18 @@ def _h200_section(res: dict) -> list[str]:
         "",
         "## Check against the H200 (same method on the sm_90 SASS)",
         "",
-        f"H200: {h200.sms} SMs at {h200.ghz} GHz (boost; the results do not record the clock), read ceiling "
+        f"H200: {h200.sms} SMs at {h200.ghz} GHz (boost; 1980 MHz sampled in the l2rate run), read ceiling "
         f"{h200.dram_gbps:.0f} GB/s measured, sm_90 rates (fp32 / fp16x2 128, IMAD 64, ALU 64 per clock per SM), "
         "m16n8k8 at the measured 434 TFLOP/s, L2 not modelled. The H200 runs the compute_75 PTX JIT-compiled "
         "by its driver; the model compiles the same source for sm_90 with NVRTC (close, not identical). "
         "Measured: benchmarks/results/decode_h200.json (% of the read ceiling, weight + x + y bytes).",
         "",
-        "Reading it: ncu saw 60-68 % of the H200's issue slots busy in QPN2 (issue 13), about its measured / "
-        "predicted ratio at M <= 8: the model's counts and rates hold, the missing factor is latency hiding. "
-        "At M >= 16 the ratio falls with occupancy, which the model leaves out: the M = 25-32 builds hold "
-        "108-116 registers (16 warps per SM; ncu at M = 32: 54 % of issue slots busy, L1 47 %, L2 44 %, "
-        "benchmarks/results/decode_m32_explore). On the T4 "
-        "the same ratios leave QPN2 and QPN8 DRAM-bound at M <= 16 wherever the T4 headroom above exceeds 1 / ratio.",
+        "Reading it: the H200 reaches well under the same method's prediction -- ncu saw 60-68 % of its issue "
+        "slots busy in QPN2 (issue 13), about the measured / predicted ratio at M <= 8: the counts and rates "
+        "hold, the missing factor is latency hiding. At M >= 16 the ratio falls with occupancy: the M = 25-32 "
+        "builds hold 103-120 registers (16 warps per SM on either GPU; ncu at M = 32: 54 % of issue slots busy, "
+        "L1 47 %, L2 44 %, benchmarks/results/decode_m32_explore). The same shortfall applies to the T4 bounds "
+        "above; the estimates carry the H200's measured per-clock rate over instead.",
         "",
         "| kernel | M | sm_90 instr/gt | predicted % (limit) | measured % "
         + " / ".join(f"{n}x{k}" for n, k in H200_SHAPES) + " | measured / predicted |",
@@ -681,16 +1341,22 @@ def _h200_section(res: dict) -> list[str]:
 
 
 def record(res: dict) -> dict:
-    """The counts the CI test pins: sm_75 loop instructions per iteration per variant label."""
+    """The counts the CI test pins: sm_75 loop instructions per iteration (mean over the block's warps)
+    per variant label, decode and GEMM builds."""
     return {
         "date": datetime.date.today().isoformat(),
         "nvrtc": ".".join(map(str, res["nvrtc"])),
-        "loops": {s.label: {"instructions": s.instructions, "group_tiles": s.group_tiles}
-                  for s in res["sm75"].values()},
+        "loops": {s.label: {"instructions": _number(s.instructions), "group_tiles": s.group_tiles}
+                  for s in (*res["sm75"].values(), *res.get("gemm", {}).values())},
     }
 
 
+def _number(x: float) -> int | float:
+    return int(x) if x == int(x) else x
+
+
 DEFAULT_H200_RESULTS = loader.KERNEL_DIR.parent / "benchmarks" / "results" / "decode_h200.json"
+DEFAULT_L2RATE_RESULTS = loader.KERNEL_DIR.parent / "benchmarks" / "results" / "l2rate_h200.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -698,11 +1364,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the markdown report here (default: stdout)")
     ap.add_argument("--record", type=Path, help="write the sm_75 loop counts (the CI test's JSON) here")
     ap.add_argument("--h200", type=Path, default=DEFAULT_H200_RESULTS, help="bench_decode JSON of the H200 run")
+    ap.add_argument("--l2rate", type=Path, default=DEFAULT_L2RATE_RESULTS,
+                    help="bench_decode JSON with the H200's l2rate section (the estimates)")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     command = " ".join(["python -m qpn.cupy_kernels.turing_model", *argv])
     try:
-        res = run_model(h200_results=args.h200)
+        res = run_model(h200_results=args.h200, l2rate_results=args.l2rate)
     except FileNotFoundError as exc:  # the disassembler wheel is missing: one line, no traceback
         print(f"turing_model: {exc}", file=sys.stderr)
         return 2
