@@ -89,7 +89,7 @@ SM75_SUBPARTITIONS = 4
 SM75_SMEM = 64 * 1024
 SM75_SMEM_UNIT = 256
 SM75_WARPS = 32
-SM75_BLOCKS = 16
+SM75_RESIDENT_CTAS = 16  # thread blocks resident per SM
 
 
 @dataclass(frozen=True)
@@ -118,12 +118,12 @@ def occupancy_sm75(registers: int, smem: int, warps_per_block: int) -> Occupancy
     if reg_warp * -(-warps_per_block // SM75_SUBPARTITIONS) * SM75_SUBPARTITIONS > SM75_REGISTERS:
         by_regs = 0
     elif reg_warp == 0:
-        by_regs = SM75_BLOCKS
+        by_regs = SM75_RESIDENT_CTAS
     else:
         by_regs = SM75_REGISTERS // SM75_SUBPARTITIONS // reg_warp * SM75_SUBPARTITIONS // warps_per_block
     smem_block = -(-smem // SM75_SMEM_UNIT) * SM75_SMEM_UNIT
-    by = (("registers", by_regs), ("shared", SM75_SMEM // smem_block if smem_block else SM75_BLOCKS),
-          ("warps", SM75_WARPS // warps_per_block), ("blocks", SM75_BLOCKS))
+    by = (("registers", by_regs), ("shared", SM75_SMEM // smem_block if smem_block else SM75_RESIDENT_CTAS),
+          ("warps", SM75_WARPS // warps_per_block), ("blocks", SM75_RESIDENT_CTAS))
     limit, blocks = min(by, key=lambda kv: kv[1])
     return Occupancy(warps_per_block, blocks, limit, by)
 
