@@ -228,8 +228,8 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         return _parse_header(path, f, file_size)
 
 
-def _parse_header(path: str, f: BinaryIO, file_size: int) -> SafetensorsHeader:
-    """The validated header of the open file `f` (read from its start) of `file_size` bytes."""
+def _read_header_json(path: str, f: BinaryIO, file_size: int) -> tuple[dict, int]:
+    """(the header JSON object, its length N) of the open file `f` of `file_size` bytes."""
     f.seek(0)
     prefix = f.read(8)
     if len(prefix) < 8:
@@ -260,53 +260,50 @@ def _parse_header(path: str, f: BinaryIO, file_size: int) -> SafetensorsHeader:
         raise SafetensorsError(path, None, f"header is not valid UTF-8 JSON ({exc}); the file is corrupt") from None
     if not isinstance(header, dict):
         raise SafetensorsError(path, None, f"header must be a JSON object, got {type(header).__name__}")
+    return header, n
 
-    metadata = header.pop(METADATA_KEY, None)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        raise SafetensorsError(path, METADATA_KEY, "__metadata__ must map strings to strings")
 
-    data_size = file_size - 8 - n
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-            raise SafetensorsError(
-                path, name, f"header entry must have exactly the keys dtype, shape, data_offsets; got {got}"
-            )
-        tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if tag not in DTYPE_OF_TAG:
-            raise SafetensorsError(
-                path, name, f"unknown dtype {tag!r}; this reader supports {sorted(DTYPE_OF_TAG)}"
-            )
-        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
-            raise SafetensorsError(path, name, f"shape must be a list of non-negative integers, got {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
-            raise SafetensorsError(
-                path, name, f"data_offsets must be [begin, end] with non-negative integers, got {offsets!r}"
-            )
-        begin, end = offsets
-        if begin > end:
-            raise SafetensorsError(path, name, f"data_offsets [{begin}, {end}] are out of order (begin > end)")
-        expected = _nbytes(tag, tuple(shape))
-        if end - begin != expected:
-            raise SafetensorsError(
-                path,
-                name,
-                f"data_offsets [{begin}, {end}] span {end - begin} bytes but dtype {tag} and shape {shape} "
-                f"need {expected}; the header is corrupt",
-            )
-        if end > data_size:
-            raise SafetensorsError(
-                path,
-                name,
-                f"data_offsets [{begin}, {end}] end beyond the {data_size}-byte buffer "
-                f"(file {file_size} bytes, header {n}); the file is truncated",
-            )
-        tensors[name] = TensorInfo(tag, tuple(shape), (begin, end))
+def _tensor_info(path: str, name: str, entry: object, data_size: int, file_size: int, n: int) -> TensorInfo:
+    """One header entry, checked on its own (its byte range against the buffer of `data_size` bytes)."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise SafetensorsError(
+            path, name, f"header entry must have exactly the keys dtype, shape, data_offsets; got {got}"
+        )
+    tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if tag not in DTYPE_OF_TAG:
+        raise SafetensorsError(
+            path, name, f"unknown dtype {tag!r}; this reader supports {sorted(DTYPE_OF_TAG)}"
+        )
+    if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+        raise SafetensorsError(path, name, f"shape must be a list of non-negative integers, got {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
+        raise SafetensorsError(
+            path, name, f"data_offsets must be [begin, end] with non-negative integers, got {offsets!r}"
+        )
+    begin, end = offsets
+    if begin > end:
+        raise SafetensorsError(path, name, f"data_offsets [{begin}, {end}] are out of order (begin > end)")
+    expected = _nbytes(tag, tuple(shape))
+    if end - begin != expected:
+        raise SafetensorsError(
+            path,
+            name,
+            f"data_offsets [{begin}, {end}] span {end - begin} bytes but dtype {tag} and shape {shape} "
+            f"need {expected}; the header is corrupt",
+        )
+    if end > data_size:
+        raise SafetensorsError(
+            path,
+            name,
+            f"data_offsets [{begin}, {end}] end beyond the {data_size}-byte buffer "
+            f"(file {file_size} bytes, header {n}); the file is truncated",
+        )
+    return TensorInfo(tag, tuple(shape), (begin, end))
 
-    # The byte ranges, sorted by begin, must tile [0, data_size) exactly: no overlap, no gap.
+
+def _require_tiling(path: str, tensors: Mapping[str, TensorInfo], data_size: int) -> None:
+    """The byte ranges, sorted by begin, must tile [0, data_size) exactly: no overlap, no gap."""
     position, previous = 0, None
     for name, info in sorted(tensors.items(), key=lambda item: item[1].data_offsets):
         begin, end = info.data_offsets
@@ -323,6 +320,19 @@ def _parse_header(path: str, f: BinaryIO, file_size: int) -> SafetensorsHeader:
         raise SafetensorsError(
             path, None, f"the buffer holds {data_size} bytes but the tensors cover {position}; trailing bytes"
         )
+
+
+def _parse_header(path: str, f: BinaryIO, file_size: int) -> SafetensorsHeader:
+    """The validated header of the open file `f` (read from its start) of `file_size` bytes."""
+    header, n = _read_header_json(path, f, file_size)
+    metadata = header.pop(METADATA_KEY, None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise SafetensorsError(path, METADATA_KEY, "__metadata__ must map strings to strings")
+    data_size = file_size - 8 - n
+    tensors = {name: _tensor_info(path, name, entry, data_size, file_size, n) for name, entry in header.items()}
+    _require_tiling(path, tensors, data_size)
     return SafetensorsHeader(tensors, metadata, 8 + n, file_size)
 
 

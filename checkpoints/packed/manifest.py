@@ -23,7 +23,7 @@ from ...ref.formats import (
     weight_format,
 )
 from ...ref.geometry import GROUP_K
-from ..checkpoint import FP8Linear, NVFP4Linear
+from ..checkpoint import CHECKPOINT_FORMATS, FP8Linear, NVFP4Linear
 from ..folder import CONFIG_FILE, HF_QUANT_CONFIG_FILE
 from .layers import WEIGHT_SCALE, source_tensors, tensor_suffix, weight_format_of
 
@@ -79,6 +79,30 @@ def read_json(path: str) -> Any:
             return json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PackError(path, None, f"is not valid UTF-8 JSON ({exc})") from None
+
+
+def check_manifest(manifest_path: str, manifest: object) -> None:
+    """The manifest's own rules: format, version, source, every layer entry, every tensor entry (PackError)."""
+    if not isinstance(manifest, dict) or manifest.get("format") != PACKED_FORMAT:
+        raise PackError(manifest_path, None, f"is not a qpn packed manifest (format must be {PACKED_FORMAT!r})")
+    if manifest.get("version") != PACKED_VERSION:
+        raise PackError(manifest_path, None, f"has version {manifest.get('version')!r}; this qpn reads version "
+                                             f"{PACKED_VERSION}: re-pack the source checkpoint")
+    for key in ("source", "layers", "tensors"):
+        if not isinstance(manifest.get(key), dict):
+            raise PackError(manifest_path, None, f"has no {key!r} object; the manifest is damaged")
+    source = manifest["source"]
+    if source.get("format") not in CHECKPOINT_FORMATS or not isinstance(source.get("quant_algo"), str):
+        raise PackError(manifest_path, None, f"source must name a format in {CHECKPOINT_FORMATS} and "
+                                             f"a quant_algo, got {source!r}; the manifest is damaged")
+    for name, entry in manifest["layers"].items():
+        try:
+            check_layer_entry(name, entry)
+        except ValueError as exc:
+            raise PackError(manifest_path, name, f"{exc}; the manifest is damaged: re-pack the source") from None
+    for name, entry in manifest["tensors"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+            raise PackError(manifest_path, None, f"tensor {name!r}: the entry must be an object with a file name")
 
 
 def is_weight_file(name: str) -> bool:

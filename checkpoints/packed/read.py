@@ -15,7 +15,7 @@ from ... import ref
 from ...ref.formats import QPN2, weight_format
 from ...ref.geometry import TILE_N
 from .. import safetensors_io
-from ..checkpoint import CHECKPOINT_FORMATS, Checkpoint
+from ..checkpoint import Checkpoint
 from ..folder import CONFIG_FILE, HF_QUANT_CONFIG_FILE
 from .layers import (
     CODES,
@@ -32,10 +32,8 @@ from .layers import (
 from .manifest import (
     COPIED_CONFIG_FILES,
     MANIFEST_FILE,
-    PACKED_FORMAT,
-    PACKED_VERSION,
     PackError,
-    check_layer_entry,
+    check_manifest,
     expected_tensors,
     is_weight_file,
     read_json,
@@ -166,6 +164,74 @@ def copied_file_problems(checkpoint: PackedCheckpoint) -> list[str]:
     return problems
 
 
+class _PackedTensors:
+    """Every tensor of a packed folder's files, each from the file the manifest names (PackError otherwise)."""
+
+    def __init__(self, folder: str, manifest_path: str, manifest: Mapping[str, Any], mmap: bool) -> None:
+        self.folder, self.manifest_path = folder, manifest_path
+        files = sorted({entry["file"] for key in ("layers", "tensors") for entry in manifest[key].values()})
+        self.stored: dict[str, safetensors_io.StoredTensor] = {}
+        self.file_of: dict[str, str] = {}
+        for file in files:
+            file_path = os.path.join(folder, file)
+            if os.path.basename(file) != file or not os.path.isfile(file_path):
+                raise PackError(manifest_path, None, f"names the file {file!r}, which is not in {folder}")
+            for tensor_name, tensor in safetensors_io.read_safetensors(file_path, mmap=mmap).tensors.items():
+                if tensor_name in self.stored:
+                    raise PackError(file_path, None, f"tensor {tensor_name!r} is also in {self.file_of[tensor_name]}; "
+                                                     "qpn pack writes each tensor once")
+                self.stored[tensor_name], self.file_of[tensor_name] = tensor, file
+
+    def in_file(self, tensor_name: str, file: str, layer: str | None) -> safetensors_io.StoredTensor:
+        if tensor_name not in self.stored:
+            raise PackError(os.path.join(self.folder, file), layer, f"tensor {tensor_name!r} is missing")
+        if self.file_of[tensor_name] != file:
+            raise PackError(self.manifest_path, layer, f"says tensor {tensor_name!r} is in {file!r}, but it is in "
+                                                       f"{self.file_of[tensor_name]!r}")
+        return self.stored[tensor_name]
+
+    def layer(self, name: str, entry: Mapping[str, Any], check_values: bool) -> PackedLayer:
+        """The layer of a checked manifest entry: its tensors' dtypes and shapes (and values, if asked)."""
+        fmt, n, k, n_pad, file = entry["format"], entry["n"], entry["k"], entry["n_padded"], entry["file"]
+        where = os.path.join(self.folder, file)
+        wf = weight_format(fmt, entry.get("granularity"))
+        arrays: dict[str, np.ndarray] = {}
+        for suffix, (tag, shape) in expected_tensors(wf, n_pad, k, entry).items():
+            tensor_name = f"{name}.{suffix}"
+            tensor = self.in_file(tensor_name, file, name)
+            if tensor.dtype != tag or tensor.shape != shape:
+                raise PackError(where, name, f"tensor {tensor_name!r} must be {tag} {list(shape)}, got {tensor.dtype} "
+                                             f"{list(tensor.shape)}")
+            arrays[suffix] = tensor.array
+        input_scale = None
+        if f"{name}.{INPUT_SCALE}" in self.stored or "input_scale" in entry:
+            tensor = self.in_file(f"{name}.{INPUT_SCALE}", file, name)
+            if tensor.dtype != "F32" or tensor.shape != () or "input_scale" not in entry:
+                raise PackError(where, name,
+                                f"tensor {name + '.' + INPUT_SCALE!r} must be F32 [] and recorded in the manifest, "
+                                f"got {tensor.dtype} {list(tensor.shape)}, manifest {entry.get('input_scale')!r}")
+            input_scale = tensor.array
+        if wf is QPN2:
+            scales, global_scale, weight_scale = arrays[SCALES], arrays[GLOBAL_SCALE], None
+        else:
+            scales, global_scale, weight_scale = arrays[GROUP_SCALES], None, arrays[WEIGHT_SCALE]
+        layer = PackedLayer(name, fmt, n, k, arrays[CODES], scales, global_scale, weight_scale, input_scale, entry)
+        if check_values:
+            try:
+                _check_layer_values(layer)
+            except ValueError as exc:
+                raise PackError(where, name, str(exc)) from None
+        return layer
+
+    def tensor(self, name: str, entry: Mapping[str, Any]) -> safetensors_io.StoredTensor:
+        """A copied tensor, with the dtype and shape the manifest records."""
+        tensor = self.in_file(name, entry["file"], None)
+        if tensor.dtype != entry.get("dtype") or list(tensor.shape) != entry.get("shape"):
+            raise PackError(os.path.join(self.folder, entry["file"]), None,
+                            f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)} but the manifest records "
+                            f"{entry.get('dtype')} {entry.get('shape')}; the folder was edited after packing")
+        return tensor
+
 
 def load_packed(path: str | os.PathLike[str], *, mmap: bool = True, check_values: bool = True) -> PackedCheckpoint:
     """Read and check a packed folder. Always: the manifest's own rules and its agreement with the
@@ -184,92 +250,14 @@ def load_packed(path: str | os.PathLike[str], *, mmap: bool = True, check_values
         raise PackError(folder, None, f"has no {MANIFEST_FILE}; it is not a qpn packed checkpoint "
                                       "(qpn pack writes one)")
     manifest = read_json(manifest_path)
-    if not isinstance(manifest, dict) or manifest.get("format") != PACKED_FORMAT:
-        raise PackError(manifest_path, None, f"is not a qpn packed manifest (format must be {PACKED_FORMAT!r})")
-    if manifest.get("version") != PACKED_VERSION:
-        raise PackError(manifest_path, None, f"has version {manifest.get('version')!r}; this qpn reads version "
-                                             f"{PACKED_VERSION}: re-pack the source checkpoint")
-    for key in ("source", "layers", "tensors"):
-        if not isinstance(manifest.get(key), dict):
-            raise PackError(manifest_path, None, f"has no {key!r} object; the manifest is damaged")
-    source = manifest["source"]
-    if source.get("format") not in CHECKPOINT_FORMATS or not isinstance(source.get("quant_algo"), str):
-        raise PackError(manifest_path, None, f"source must name a format in {CHECKPOINT_FORMATS} and "
-                                             f"a quant_algo, got {source!r}; the manifest is damaged")
-    for name, entry in manifest["layers"].items():
-        try:
-            check_layer_entry(name, entry)
-        except ValueError as exc:
-            raise PackError(manifest_path, name, f"{exc}; the manifest is damaged: re-pack the source") from None
-    for name, entry in manifest["tensors"].items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
-            raise PackError(manifest_path, None, f"tensor {name!r}: the entry must be an object with a file name")
+    check_manifest(manifest_path, manifest)
     _check_copied_files(folder, manifest_path, manifest)
 
-    files = sorted({e["file"] for e in manifest["layers"].values()} | {e["file"] for e in manifest["tensors"].values()})
-    stored: dict[str, safetensors_io.StoredTensor] = {}
-    file_of: dict[str, str] = {}
-    for file in files:
-        file_path = os.path.join(folder, file)
-        if os.path.basename(file) != file or not os.path.isfile(file_path):
-            raise PackError(manifest_path, None, f"names the file {file!r}, which is not in {folder}")
-        for tensor_name, tensor in safetensors_io.read_safetensors(file_path, mmap=mmap).tensors.items():
-            if tensor_name in stored:
-                raise PackError(file_path, None, f"tensor {tensor_name!r} is also in {file_of[tensor_name]}; "
-                                                 "qpn pack writes each tensor once")
-            stored[tensor_name], file_of[tensor_name] = tensor, file
-
-    def in_file(tensor_name: str, file: str, layer: str | None) -> safetensors_io.StoredTensor:
-        if tensor_name not in stored:
-            raise PackError(os.path.join(folder, file), layer, f"tensor {tensor_name!r} is missing")
-        if file_of[tensor_name] != file:
-            raise PackError(manifest_path, layer, f"says tensor {tensor_name!r} is in {file!r}, but it is in "
-                                                  f"{file_of[tensor_name]!r}")
-        return stored[tensor_name]
-
-    layers: dict[str, PackedLayer] = {}
-    for name, entry in manifest["layers"].items():
-        fmt, n, k, n_pad, file = entry["format"], entry["n"], entry["k"], entry["n_padded"], entry["file"]
-        wf = weight_format(fmt, entry.get("granularity"))
-        arrays: dict[str, np.ndarray] = {}
-        for suffix, (tag, shape) in expected_tensors(wf, n_pad, k, entry).items():
-            tensor_name = f"{name}.{suffix}"
-            tensor = in_file(tensor_name, file, name)
-            if tensor.dtype != tag or tensor.shape != shape:
-                raise PackError(os.path.join(folder, file), name,
-                                f"tensor {tensor_name!r} must be {tag} {list(shape)}, got {tensor.dtype} "
-                                f"{list(tensor.shape)}")
-            arrays[suffix] = tensor.array
-        input_scale = None
-        if f"{name}.{INPUT_SCALE}" in stored or "input_scale" in entry:
-            tensor = in_file(f"{name}.{INPUT_SCALE}", file, name)
-            if tensor.dtype != "F32" or tensor.shape != () or "input_scale" not in entry:
-                raise PackError(os.path.join(folder, file), name,
-                                f"tensor {name + '.' + INPUT_SCALE!r} must be F32 [] and recorded in the manifest, "
-                                f"got {tensor.dtype} {list(tensor.shape)}, manifest {entry.get('input_scale')!r}")
-            input_scale = tensor.array
-        if wf is QPN2:
-            scales, global_scale, weight_scale = arrays[SCALES], arrays[GLOBAL_SCALE], None
-        else:
-            scales, global_scale, weight_scale = arrays[GROUP_SCALES], None, arrays[WEIGHT_SCALE]
-        layer = PackedLayer(name, fmt, n, k, arrays[CODES], scales, global_scale, weight_scale, input_scale, entry)
-        if check_values:
-            try:
-                _check_layer_values(layer)
-            except ValueError as exc:
-                raise PackError(os.path.join(folder, file), name, str(exc)) from None
-        layers[name] = layer
-
-    tensors: dict[str, safetensors_io.StoredTensor] = {}
-    for name, entry in manifest["tensors"].items():
-        tensor = in_file(name, entry["file"], None)
-        if tensor.dtype != entry.get("dtype") or list(tensor.shape) != entry.get("shape"):
-            raise PackError(os.path.join(folder, entry["file"]), None,
-                            f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)} but the manifest records "
-                            f"{entry.get('dtype')} {entry.get('shape')}; the folder was edited after packing")
-        tensors[name] = tensor
+    files = _PackedTensors(folder, manifest_path, manifest, mmap)
+    layers = {name: files.layer(name, entry, check_values) for name, entry in manifest["layers"].items()}
+    tensors = {name: files.tensor(name, entry) for name, entry in manifest["tensors"].items()}
     known = set(tensors) | {f"{layer}.{suffix}" for layer in layers for suffix in PACKED_SUFFIXES}
-    stray = sorted(set(stored) - known)
+    stray = sorted(set(files.stored) - known)
     if stray:
         raise PackError(folder, None, f"holds tensors the manifest does not list: {stray[:5]}; the folder was edited "
                                       "after packing: re-pack it")

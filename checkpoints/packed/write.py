@@ -191,8 +191,8 @@ def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[st
         return _pack(checkpoint, source, target, overwrite, progress)
 
 
-def _pack(checkpoint: OpenCheckpoint, source: str, target: str, overwrite: bool,
-          progress: Progress) -> dict[str, Any]:
+def _require_packable(checkpoint: OpenCheckpoint, source: str, progress: Progress) -> None:
+    """Every quantized layer read once (its codes only if FP8) and checked: all reasons at once, as one PackError."""
     names = checkpoint.layer_names
     if not names:
         raise PackError(source, None, "holds no quantized linear layer; there is nothing to pack")
@@ -202,21 +202,86 @@ def _pack(checkpoint: OpenCheckpoint, source: str, target: str, overwrite: bool,
         lines = "\n".join(f"  {name}: {reason}" for name, reason in problems)
         raise PackError(source, None, f"{len(problems)} of {len(names)} quantized layers cannot be "
                                       f"packed (nothing was written):\n{lines}")
+
+
+def _copy_extras(source: str, tmp: str, extras: list[str], progress: Progress
+                 ) -> tuple[dict[str, dict[str, Any]], dict[str, safetensors_io.FileStamp]]:
+    """Copy the source's other files into `tmp`: ({file: {"sha256", "size"}}, {file: its stamp when copied})."""
+    copied: dict[str, dict[str, Any]] = {}
+    stamps: dict[str, safetensors_io.FileStamp] = {}
+    for name in progress(extras, desc="copy", total=len(extras), unit="file"):
+        sha, size, stamps[name] = _copy_chunks(os.path.join(source, name), os.path.join(tmp, name))
+        copied[name] = {"sha256": sha, "size": size}
+    return copied, stamps
+
+
+class _PackedFiles:
+    """The packed folder's safetensors files, one per source file, each written as soon as its layers are
+    prepacked (so memory holds one file's buffers), its copied tensors read just before it is written."""
+
+    def __init__(self, checkpoint: OpenCheckpoint, tmp: str, manifest: dict[str, Any]) -> None:
+        self.checkpoint, self.tmp, self.manifest = checkpoint, tmp, manifest
+        self.files = sorted(checkpoint.files)
+        self.layers_of: dict[str, list[str]] = {file: [] for file in self.files}
+        for name in checkpoint.layer_names:
+            self.layers_of[checkpoint.layer_file(name)].append(name)
+        self.tensors_of: dict[str, list[str]] = {file: [] for file in self.files}
+        for name in sorted(checkpoint.tensor_names):
+            self.tensors_of[checkpoint.file_of(name)].append(name)
+        self.stored: dict[str, dict[str, safetensors_io.StoredTensor]] = {file: {} for file in self.files}
+        self.out_map: dict[str, str] = {}  # tensor -> file, for the index
+        self.total_size = 0  # tensor bytes, as transformers' index files count them
+
+    def write_all(self, progress: Progress) -> None:
+        """Every layer prepacked and every file written, then the index if the source had one."""
+        steps = progress(((file, name) for file in self.files for name in self.layers_of[file]), desc="pack",
+                         total=len(self.checkpoint.layer_names), unit="layer")
+        pending = {file: len(self.layers_of[file]) for file in self.files}
+        written: set[str] = set()
+        for file, name in steps:
+            self._add_layer(file, name)
+            pending[file] -= 1
+            if pending[file] == 0:  # write each file as soon as its layers are done: one shard in memory
+                self._write(file)
+                written.add(file)
+        for file in self.files:
+            if file not in written:
+                self._write(file)
+        if self.checkpoint.weight_map is not None:
+            write_json(os.path.join(self.tmp, INDEX_FILE), {"metadata": {"total_size": self.total_size},
+                                                            "weight_map": dict(sorted(self.out_map.items()))})
+
+    def _add_layer(self, file: str, name: str) -> None:
+        linear = self.checkpoint.linear(name)
+        buffers = prepack_layer(linear)
+        for suffix, array in buffers.items():
+            tag = "F16" if array.dtype == np.float16 else ("F32" if array.dtype == np.float32 else "U8")
+            array = array if array.flags.c_contiguous else array.copy()  # (ascontiguousarray makes 0-d 1-d)
+            self.stored[file][f"{name}.{suffix}"] = safetensors_io.StoredTensor(array, tag)
+        self.manifest["layers"][name] = layer_entry(name, linear, file, buffers)
+
+    def _write(self, file: str) -> None:
+        stored = self.stored[file]
+        for name in self.tensors_of[file]:
+            tensor = self.checkpoint.tensor(name)
+            stored[name] = tensor
+            self.manifest["tensors"][name] = {"file": file, "dtype": tensor.dtype, "shape": list(tensor.shape),
+                                              "sha256": sha256_array(tensor.array)}
+        safetensors_io.write_safetensors(os.path.join(self.tmp, file), stored, SAFETENSORS_METADATA)
+        self.out_map.update(dict.fromkeys(stored, file))
+        self.total_size += sum(t.nbytes for t in stored.values())
+        self.stored[file] = {}
+
+
+def _pack(checkpoint: OpenCheckpoint, source: str, target: str, overwrite: bool,
+          progress: Progress) -> dict[str, Any]:
+    _require_packable(checkpoint, source, progress)
     _check_target(source, target, overwrite)
 
-    files = sorted(checkpoint.files)
     extras, _ = source_extras(source)
     # sha256 of the JSON bytes that were validated, and of each shard through the file it is read from
     file_hashes = {f: hashlib.sha256(data).hexdigest() for f, data in checkpoint.json_bytes.items()}
-    file_hashes.update({f: checkpoint.files[f].sha256(progress) for f in files})
-
-    layers_of: dict[str, list[str]] = {file: [] for file in files}
-    for name in names:
-        layers_of[checkpoint.layer_file(name)].append(name)
-    tensors_of: dict[str, list[str]] = {file: [] for file in files}
-    for name in sorted(checkpoint.tensor_names):
-        tensors_of[checkpoint.file_of(name)].append(name)
-
+    file_hashes.update({f: checkpoint.files[f].sha256(progress) for f in sorted(checkpoint.files)})
     manifest: dict[str, Any] = {
         "format": PACKED_FORMAT,
         "version": PACKED_VERSION,
@@ -225,62 +290,18 @@ def _pack(checkpoint: OpenCheckpoint, source: str, target: str, overwrite: bool,
         "layers": {},
         "tensors": {},
     }
-    out_map: dict[str, str] = {}
-    total_size = 0  # tensor bytes, as transformers' index files count them
     with atomic_folder(target, overwrite=overwrite, protected=(source,), **_TARGET_RULES) as tmp:
         for config_file in COPIED_CONFIG_FILES:
             if config_file in checkpoint.json_bytes:
                 _write_bytes(os.path.join(tmp, config_file), checkpoint.json_bytes[config_file])
-        stamps: dict[str, safetensors_io.FileStamp] = {}
-        copied: dict[str, dict[str, Any]] = {}
-        for name in progress(extras, desc="copy", total=len(extras), unit="file"):
-            sha, size, stamps[name] = _copy_chunks(os.path.join(source, name), os.path.join(tmp, name))
-            copied[name] = {"sha256": sha, "size": size}
-            file_hashes[name] = sha
+        copied, stamps = _copy_extras(source, tmp, extras, progress)
+        file_hashes.update({name: entry["sha256"] for name, entry in copied.items()})
         if copied:  # only then: a checkpoint without such files packs to the same bytes as before
             manifest["copied_files"] = copied
-
-        steps = progress(((file, name) for file in files for name in layers_of[file]), desc="pack",
-                         total=len(names), unit="layer")
-        stored: dict[str, dict[str, safetensors_io.StoredTensor]] = {file: {} for file in files}
-        pending = {file: len(layers_of[file]) for file in files}
-        written: set[str] = set()
-
-        def write(file: str) -> None:
-            for name in tensors_of[file]:
-                tensor = checkpoint.tensor(name)
-                stored[file][name] = tensor
-                manifest["tensors"][name] = {"file": file, "dtype": tensor.dtype, "shape": list(tensor.shape),
-                                             "sha256": sha256_array(tensor.array)}
-            nonlocal total_size
-            safetensors_io.write_safetensors(os.path.join(tmp, file), stored[file], SAFETENSORS_METADATA)
-            out_map.update(dict.fromkeys(stored[file], file))
-            total_size += sum(t.nbytes for t in stored[file].values())
-            stored[file] = {}
-            written.add(file)
-
-        for file, name in steps:
-            linear = checkpoint.linear(name)
-            buffers = prepack_layer(linear)
-            for suffix, array in buffers.items():
-                tag = "F16" if array.dtype == np.float16 else ("F32" if array.dtype == np.float32 else "U8")
-                array = array if array.flags.c_contiguous else array.copy()  # (ascontiguousarray makes 0-d 1-d)
-                stored[file][f"{name}.{suffix}"] = safetensors_io.StoredTensor(array, tag)
-            manifest["layers"][name] = layer_entry(name, linear, file, buffers)
-            del linear, buffers
-            pending[file] -= 1
-            if pending[file] == 0:  # write each file as soon as its layers are done: one shard in memory
-                write(file)
-        for file in files:
-            if file not in written:
-                write(file)
-        if checkpoint.weight_map is not None:
-            write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total_size},
-                                                       "weight_map": dict(sorted(out_map.items()))})
+        _PackedFiles(checkpoint, tmp, manifest).write_all(progress)
         # every source file is as it was when first read, or nothing appears at `target`
         checkpoint.require_unchanged()
         for name, stamp in stamps.items():
             _require_unchanged(os.path.join(source, name), stamp)
         write_json(os.path.join(tmp, MANIFEST_FILE), manifest)
     return manifest
-
