@@ -20,9 +20,11 @@ checks. They differ only in where the bytes come from:
   truncated or rewritten file is a SafetensorsError naming it, where a memory map dies of SIGBUS.
 
 Neither byte source can serve both: reading a whole checkpoint with file reads copies it into
-private memory (a 1.2 GB NVFP4 checkpoint, 64 layers of 4096 x 8192: load_checkpoint 0.4 s warm /
-0.9 s cold and 174 MB peak RSS; every layer through open_checkpoint, kept: 0.6 s warm / 3.5 s cold
-and 1.25 GB), and a memory map cannot survive a truncation.
+private memory, and a memory map cannot survive a truncation. Measured on a 1.2 GB NVFP4
+checkpoint (64 layers of 4096 x 8192, 4 shards): load_checkpoint 0.2 s warm / 0.8 s cold, 17 MB
+of private memory (what the checks read stays file cache: 150-270 MB, evictable); every layer
+through open_checkpoint, kept as load_checkpoint keeps them: 0.6-2.5 s warm / 2.4-3.5 s cold and
+1.23 GB of private memory. (qpn pack keeps one file's layers at a time.)
 
 Sharded: every file in the weight_map exists, holds exactly the tensors mapped to it, and no
 tensor appears in two files.
