@@ -5,7 +5,7 @@
                                       [--out benchmarks/results] [--name decode_h200]
 
 Uses bench_kernels.py's framework (the same ceiling kernel, CUDA-graph timing, L2-defeating
-weight rotation, writer): `section_decode` is meant to be one SECTIONS entry of bench_kernels.py.
+weight rotation, writer); bench_kernels.py does not import this file (one-way).
 
 Per (N, K) of the part-1 shapes and M in {1, 2, 4, 8, 16, 32}: microseconds of the decode
 kernels, effective GB/s on the bytes they must read (codes + scales + x, plus y written), % of

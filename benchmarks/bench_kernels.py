@@ -19,8 +19,9 @@ prints the tables. Method (docs/STYLE.md, item 14; docs/TURING.md, "The test GPU
   are a contiguous slice that qpn.ref can process alone).
 
 Sections are functions `section_<name>(ctx) -> Section` registered in SECTIONS; a new section
-(e.g. the decode kernels) adds one function and one SECTIONS entry and uses `ctx.time_calls`,
-`ctx.rotations`, `ctx.ceiling` and `ctx.check_equal`; the writer handles every section alike.
+adds one function and one SECTIONS entry and uses `ctx.time_calls`, `ctx.rotations`, `ctx.ceiling`
+and `ctx.check_equal`; the writer handles every section alike. bench_decode.py (`qpn bench decode`)
+builds its sections for the decode and GEMM builds on this framework; this file imports none of them.
 """
 
 from __future__ import annotations
@@ -551,18 +552,10 @@ def section_host(ctx: Context) -> Section:
     return sec
 
 
-def section_decode(ctx: Context) -> Section:
-    """The decode kernels qpn2_linear / qpn8_linear, M <= 32 (benchmarks/bench_decode.py)."""
-    from bench_decode import section_decode as decode  # noqa: PLC0415 (sibling script)
-
-    return decode(ctx)
-
-
 SECTIONS: dict[str, Callable[[Context], Section]] = {
     "ceiling": section_ceiling,  # always first: every other section divides by it
     "layouts": section_layouts,
-    "dense": section_dense,
-    "decode": section_decode,
+    "dense": section_dense,  # the decode kernels' sections: bench_decode.py, which builds on this framework
     "sweep": section_sweep,
     "host": section_host,
 }

@@ -136,6 +136,19 @@ def test_the_module_graph_has_no_cycle():
     assert not cycles, "import cycles (function-level imports included):\n" + "\n".join(map(" <-> ".join, cycles))
 
 
+def test_the_benchmark_scripts_import_one_way():
+    """benchmarks/ are scripts that import their siblings by name (`import bench_kernels as bk`)."""
+    folder = ROOT / "benchmarks"
+    scripts = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name in scripts:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        graph[name] = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+            {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module}
+        graph[name] &= scripts - {name}
+    assert import_cycles(graph) == []
+
+
 def test_the_cycle_check_sees_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
