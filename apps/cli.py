@@ -6,7 +6,7 @@
     qpn bench [kernels|decode|model] [ARGS...]      the kernel / model benchmarks (GPU only)
     qpn demo [--device auto|cpu|cuda] [--keep DIR]  all-MiniLM-L6-v2 end to end
 
-PATH is an original checkpoint folder or a packed one (`qpn pack` output, see checkpoints/packed.py).
+PATH is an original checkpoint folder or a packed one (`qpn pack` output, see checkpoints/packed/).
 Every command takes -q/--quiet (no progress bars; bars are also off when stderr is not a terminal).
 
 Exit codes: 0 success; 1 a check failed (verify found a mismatch, the demo's parity is off); 2 bad

@@ -1,4 +1,4 @@
-"""The `qpn` command line (qpn/cli.py) and the packed checkpoint format (qpn/packed.py).
+"""The `qpn` command line (apps/cli.py, apps/verify.py) and the packed checkpoint format (checkpoints/packed/).
 
 Small checkpoints of every kind are written with qpn.ref.save_checkpoint; the commands run
 in-process through `cli.main(argv)` (its return value is the exit code), except where the real

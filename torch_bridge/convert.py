@@ -10,7 +10,7 @@
   as QPNLinear layers - checkpoint layer names are module paths - and copies every other
   checkpoint tensor into the parameter or buffer of the same name. A load that quantizes nothing
   or leaves model tensors unfilled is an error unless `allow_partial=True`. A folder written by
-  `qpn pack` (checkpoints/packed.py) is read with qpn.checkpoints.packed.load_packed and its QPN2 / QPN8 buffers go
+  `qpn pack` (checkpoints/packed/) is read with qpn.checkpoints.packed.load_packed and its QPN2 / QPN8 buffers go
   into the QPNLinear layers as they are, without a second prepack.
 """
 

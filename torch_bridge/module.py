@@ -322,7 +322,7 @@ class QPNLinear(nn.Module):
     @classmethod
     def from_checkpoint(cls, linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear,
                         bias: ArrayIn | None = None) -> QPNLinear:
-        """From a qpn.checkpoints.quantized NVFP4Linear / FP8Linear (global scales already multipliers)."""
+        """From a qpn.checkpoints.checkpoint NVFP4Linear / FP8Linear (global scales already multipliers)."""
         if isinstance(linear, checkpoints.NVFP4Linear):
             return cls.from_modelopt_nvfp4(linear.weight_packed, linear.weight_scale, linear.global_scale, bias)
         if isinstance(linear, checkpoints.FP8Linear):

@@ -52,7 +52,7 @@ NOT_QUANTIZED = ("{path} is not a quantized checkpoint (no hf_quant_config.json 
                  "config.json); qpn serves ModelOpt NVFP4 / FP8 checkpoints in vLLM (compressed-tensors NVFP4 in "
                  "PyTorch, through qpn.torch_bridge.load_quantized): quantize first, or drop --quantization qpn")
 # ModelOpt per-layer algorithm -> qpn method kind ("nvfp4", "fp8_<granularity>"): the checkpoint
-# reader's own algorithm table (qpn.checkpoints.quantized), so both read the same algorithms the same way
+# reader's own algorithm table (qpn.checkpoints.checkpoint), so both read the same algorithms the same way
 LAYER_ALGOS = {**dict.fromkeys(NVFP4_ALGOS, QPN2.format),
                **{algo: f"{QPN8.format}_{g}" for algo, g in FP8_GRANULARITY_OF_ALGO.items()}}
 EMBEDDING_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}  # ParallelLMHead subclasses the former
