@@ -16,7 +16,7 @@ tiles' columns of every call shape).
 
 Section "l2rate" (issue 25): every decode build's K-loop rate with its weight resident in L2, in weight
 bytes per SM per clock, against the rate each Turing card needs (T4: 5.03 at 1.59 GHz, 6.40 at 1.25):
-the H200 cross-check of cupy_kernels/turing_model.py's estimates.
+the H200 cross-check of benchmarks/turing_model.py's estimates.
 
 Weights: random codes; e4m3 block scales 0x28..0x7D (2^-2..416) times g = 1e-3, i.e. every
 block on the fast decode path, as in real checkpoints (tests/test_decode_math.py: blocks whose
@@ -624,7 +624,7 @@ def section_l2rate(ctx: bk.Context) -> bk.Section:
         + ", ".join(f"{name} {v:.2f}" for name, v in needs.items())
         + " B/clk/SM (spec GB/s / (SMs x clock)); GDDR6 streams ~80-90 % of spec, which lowers the need in "
         "proportion. The H200 runs the compute_75 PTX JIT-compiled for sm_90, with twice sm_75's fp32 / fp16x2 "
-        "rate per SM: cupy_kernels/turing_model.py scales this rate to the T4's pipes for its estimate.",
+        "rate per SM: benchmarks/turing_model.py scales this rate to the T4's pipes for its estimate.",
         "x read ceiling: the loop rate over this run's DRAM read ceiling (> 1: faster than DRAM could feed it, "
         "the bytes came from L2). One weight copy, called back to back (no rotation); split = linear.split_k on "
         "this GPU's SM count.",

@@ -69,7 +69,7 @@
 //
 // Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200.md), 28672x8192:
 // M = 1 60.8 us = 47.6 % of the read ceiling (QPN8: 82.9 %); M = 32 1.16x cuBLAS fp16.
-// The kernel is issue-bound. sm_75 SASS of the fast path, M <= 8, 64 registers (turing_model.py):
+// The kernel is issue-bound. sm_75 SASS of the fast path, M <= 8, 64 registers (benchmarks/turing_model.py):
 // 80 instructions per group-tile (512 weights) -- 32 decode (4 fp16/logic ops per pair), 22
 // nibble fields, 8 exchange, 4 {X, Y} gather, 4 mma, 4 loads (code, scale, x, table), 6 loop and
 // slow-path control; ~63 per group-tile is where 132 SMs x 4 schedulers at ~1.9 GHz would issue

@@ -380,7 +380,7 @@ __device__ __forceinline__ void qpn_run_batches(int n_local, Load&& load, Comput
 // warp order: the same bits as one round over all warps. Why not one slot per warp: a 16-warp
 // buffer (17.4 KB, 34.8 KB gated) let a 64 KB Turing SM hold only 3 blocks of 8 warps (1 gated),
 // 24 (8) of its 32 warps; with <= 12.3 KB per block the registers, not shared memory, set the
-// occupancy of every decode build (tests/test_turing_compile.py, turing_model.occupancy_sm75).
+// occupancy of every decode build (tests/test_turing_compile.py, compile_check.occupancy_sm75).
 #ifndef QPN_RED_WARPS
 #define QPN_RED_WARPS (8 / QPN_HT)  // warps per reduction round: an 8 KiB partial buffer
 #endif

@@ -1,4 +1,4 @@
-"""The Turing performance model (cupy_kernels/turing_model.py), on the CPU.
+"""The Turing performance model (benchmarks/turing_model.py), on the CPU.
 
 - The SASS parser, the steady-state loop rule and the classifier on fixed nvdisasm snippets: the
   full batch and the fast path, `BRA.DIV` and `@!PT` never taken, guards known from the launch
@@ -8,7 +8,7 @@
   group-tile, the independent recount of issue 25.
 - CI guard: no registered decode kernel's or GEMM build's sm_75 K loop may grow past the counts recorded in
   tests/fixtures/turing_loop_counts.json, nor shrink below them or outlive its variant (a stale record;
-  `python -m qpn.cupy_kernels.turing_model --record tests/fixtures/turing_loop_counts.json` after a
+  `python benchmarks/turing_model.py --record tests/fixtures/turing_loop_counts.json` after a
   deliberate change). Skips, with the reason, only
   without NVRTC (cuda-bindings, nvidia-cuda-nvrtc) or nvdisasm (nvidia-cuda-nvdisasm): all three
   are in the [test] extra, so CI runs it.
@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +25,9 @@ from pathlib import Path
 import pytest
 
 from qpn.cupy_kernels import gemm, linear
-from qpn.cupy_kernels import turing_model as tm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # a tool, not the runtime package
+import turing_model as tm  # noqa: E402
 
 RECORD = Path(__file__).parent / "fixtures" / "turing_loop_counts.json"
 # One instruction of slack per loop iteration: ptxas of another NVRTC 13.x (the [test] pin allows

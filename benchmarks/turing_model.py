@@ -1,6 +1,6 @@
 """Turing performance model of the decode kernels, read from their SASS on the CPU (issues 13 and 25).
 
-Run: `python -m qpn.cupy_kernels.turing_model [--out FILE.md] [--record FILE.json]` (no GPU, no CuPy;
+Run: `python benchmarks/turing_model.py [--out FILE.md] [--record FILE.json]` (no GPU, no CuPy;
 NVRTC from the `nvidia-cuda-nvrtc` wheel as for the compile check, `nvdisasm` from the
 `nvidia-cuda-nvdisasm` wheel; `cuobjdump -sass` would only run that same nvdisasm).
 
@@ -71,8 +71,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import compile_check, gemm, loader
-from .variants import KernelVariant
+from qpn.cupy_kernels import compile_check, gemm, loader
+from qpn.cupy_kernels.variants import KernelVariant
 
 # ----------------------------------------------------------------------------- the machines
 
@@ -995,7 +995,7 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
               l2rate_results: Path | None = None) -> dict:
     """Measure every decode variant and GEMM build on sm_75 (and the decode variants on sm_90 for the
     H200 check and the estimates); returns everything the report and the record need."""
-    from . import linear  # noqa: PLC0415 (the wrapper module registers the decode variants)
+    from qpn.cupy_kernels import linear  # the wrapper module registers the decode variants
 
     variants = linear.DECODE_VARIANTS if variants is None else variants
     nvrtc = nvrtc or loader.CudaBindingsNVRTC()
@@ -1068,7 +1068,7 @@ def report(res: dict, command: str) -> str:
         "",
         f"{today}; `{command}`; NVRTC {'.'.join(map(str, res['nvrtc']))} (the compile check's build), "
         f"nvdisasm from `{Path(res['nvdisasm']).parent.parent.name}`. Method and assumptions: the docstring "
-        "of `cupy_kernels/turing_model.py`. One group-tile = 16 k x 32 columns = 512 weights (one warp, "
+        "of `benchmarks/turing_model.py`. One group-tile = 16 k x 32 columns = 512 weights (one warp, "
         "one group of one tile); counts are per group-tile of the steady-state K loop, as it runs.",
         "",
         "Nothing here is measured on a Turing card. The percentages are projections of two kinds: upper bounds "
@@ -1360,7 +1360,7 @@ DEFAULT_L2RATE_RESULTS = loader.KERNEL_DIR.parent / "benchmarks" / "results" / "
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qpn.cupy_kernels.turing_model", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/turing_model.py", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="write the markdown report here (default: stdout)")
     ap.add_argument("--record", type=Path, help="write the sm_75 loop counts (the CI test's JSON) here")
     ap.add_argument("--h200", type=Path, default=DEFAULT_H200_RESULTS, help="bench_decode JSON of the H200 run")
@@ -1368,7 +1368,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="bench_decode JSON with the H200's l2rate section (the estimates)")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    command = " ".join(["python -m qpn.cupy_kernels.turing_model", *argv])
+    command = " ".join(["python benchmarks/turing_model.py", *argv])
     try:
         res = run_model(h200_results=args.h200, l2rate_results=args.l2rate)
     except FileNotFoundError as exc:  # the disassembler wheel is missing: one line, no traceback
