@@ -30,8 +30,9 @@ in `.SHORT~HASH.qpn-PID-XXXXXXXX.name`, which recovery reads and removes.
 
 A mount point (an empty Docker volume, say) cannot be renamed (EBUSY): `atomic_folder` sees one
 up front and fills it in place instead - the temporary `.NAME.qpn-PID-XXXXXXXX.tmp` inside the
-mount point (the same disk), then its entries renamed into the mount point with the stop signals
-held, and the emptied temporary removed. The write is all or nothing against every catchable
+mount point (the same disk), then its entries moved into the mount point with the stop signals
+held (by link + unlink, which never replaces a name someone else made meanwhile), and the emptied
+temporary removed. The write is all or nothing against every catchable
 signal and error; a SIGKILL or a power cut during those renames leaves part of the entries, which
 `require_writable_target` then refuses to treat as qpn's (a non-empty mount point is never
 replaced: it cannot be swapped).
@@ -63,6 +64,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 # .NAME.qpn-PID-XXXXXXXX.STAGE; mkdtemp's random part is 8 of [a-z0-9_]
 _WORK_NAME = re.compile(r"^\.(?P<name>.+)\.qpn-(?P<pid>\d+)-(?P<token>[a-z0-9_]+)\.(?P<stage>tmp|new|old|name)$")
+# what link() says where a file system (or a folder) takes no hard link: fall back to rename()
+_NO_HARD_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
 _NAME_MAX = 255  # bytes in one file name: ext4, xfs, btrfs, tmpfs, APFS, NTFS (in UTF-16 units)
 _WORK_SUFFIX_MAX = len(".qpn-4194304-xxxxxxxx.name")  # a pid is at most 2^22 on Linux
 _SWAP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -389,17 +392,38 @@ def atomic_folder(path: str | os.PathLike[str], *, overwrite: bool = False, flag
             os.unlink(base + ".name")
 
 
+def _move_no_replace(src: str, dst: str) -> None:
+    """rename(src, dst) that never replaces a `dst` someone else made: link() refuses an existing name
+    (EEXIST) where rename() would replace it. Where hard links are not supported (or `src` is a
+    folder), the name is checked first and renamed (a window of one system call)."""
+    try:
+        os.link(src, dst)
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst) from None
+        os.rename(src, dst)
+        return
+    os.unlink(src)
+
+
 def _fill(tmp: str, target: str) -> None:
-    """The mount point `target` gets the entries of `tmp` (inside it) by rename, all or none."""
+    """The mount point `target` gets the entries of `tmp` (inside it), all or none, replacing nothing."""
     fsync_dir(tmp)
     moved: list[str] = []
     with _signals_held():
         try:
             for name in sorted(os.listdir(tmp)):
-                os.rename(os.path.join(tmp, name), os.path.join(target, name))
+                try:
+                    _move_no_replace(os.path.join(tmp, name), os.path.join(target, name))
+                except FileExistsError:
+                    raise TargetError(f"{target} gained {name} while qpn was writing into it; qpn replaces "
+                                      "nothing it did not write, so it wrote nothing there: write into an empty "
+                                      "folder nobody else writes to") from None
                 moved.append(name)
         except BaseException:
-            for name in moved:
+            for name in moved:  # ours: the same files, put back where the clean-up removes them
                 os.rename(os.path.join(target, name), os.path.join(tmp, name))
             raise
     os.rmdir(tmp)

@@ -425,19 +425,40 @@ def test_a_failed_fill_of_a_mount_point_leaves_it_empty(tmp_path, monkeypatch):
     os.makedirs(target)
     _mount("tmpfs", target)
     try:
-        real_rename = os.rename
-        renames = []
+        real_link = os.link
+        links = []
 
         def fail_on_the_second_entry(a, b):
-            renames.append(b)
-            if len(renames) == 2:
+            links.append(b)
+            if len(links) == 2:
                 raise OSError(errno.EIO, "Input/output error", b)
-            real_rename(a, b)
+            real_link(a, b)
 
-        monkeypatch.setattr(atomic.os, "rename", fail_on_the_second_entry)
+        monkeypatch.setattr(atomic.os, "link", fail_on_the_second_entry)
         with pytest.raises(OSError, match="cannot write"):
             packed.pack_checkpoint(write(tmp_path, "nvfp4", sharded=True), str(target))
-        assert os.listdir(target) == [] and len(renames) == 2
+        assert os.listdir(target) == [] and len(links) == 2
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@POSIX
+def test_a_file_that_appears_in_the_mount_point_during_the_fill_is_never_replaced(tmp_path, capsys, monkeypatch):
+    """Someone writes into the volume while qpn packs: qpn's entry of the same name is not moved over it."""
+    target = tmp_path / "volume"
+    os.makedirs(target)
+    _mount("bind", target)
+    try:
+        real_fill = atomic._fill
+
+        def a_user_writes_first(tmp, into):
+            (target / "config.json").write_text("the user's")
+            real_fill(tmp, into)
+
+        monkeypatch.setattr(atomic, "_fill", a_user_writes_first)
+        code, _, err = run(["pack", write(tmp_path, "nvfp4"), target, "-q"], capsys)
+        assert code == 2 and "gained config.json" in err and "Traceback" not in err
+        assert os.listdir(target) == ["config.json"] and (target / "config.json").read_text() == "the user's"
     finally:
         subprocess.run(["umount", str(target)], check=True)
 
