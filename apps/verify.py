@@ -276,58 +276,89 @@ def _new_result(source: Source, name: str) -> LayerResult:
 
 def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int], seed: int,
                  upstream: bool) -> LayerResult:
-    """Every check of one layer (module docstring of the `verify` command in README / --help)."""
+    """Every check of one layer (module docstring of the `verify` command in README / --help), in order:
+    unpack, the reference's dequantization, every backend's, the linear; a step that cannot give the
+    next its input ends the layer's checks."""
     c = source.checkpoint
     result = _new_result(source, name)
     if isinstance(c, packing.PackedCheckpoint):
         layer = c.layers[name]
     else:
-        linear = c.linears[name]
-        reason = packing.unpackable_reason(linear)
+        reason = packing.unpackable_reason(c.linears[name])
         if reason is not None:
             result.fail("unpack", f"cannot be packed: {reason}")
             return result
-        layer = _packed_layer_of(linear)
+        layer = _packed_layer_of(c.linears[name])
+    original = _check_unpack(result, c, name, layer)
+    if original is None:
+        return result
+    weights = _check_reference(result, layer, original)
+    if weights is None:
+        return result
+    w16, checkpoint_w16 = weights
+    _check_backend_dequantize(result, layer, w16, backends)
+    _check_linear(result, name, layer, w16, backends, ms, seed)
+    if upstream:
+        result.upstream = _upstream_shares(layer, w16, checkpoint_w16)
+    return result
 
-    # 1. unpack: the packed bytes give back the checkpoint's bytes, and prepacking those gives the packed bytes
+
+def _check_unpack(result: LayerResult, c: checkpoints.Checkpoint | packing.PackedCheckpoint, name: str,
+                  layer: packing.PackedLayer) -> checkpoints.NVFP4Linear | checkpoints.FP8Linear | None:
+    """Step 1: the packed bytes give back the checkpoint's bytes, and prepacking those gives the packed
+    bytes. Returns the unpacked layer (None: it could not be unpacked)."""
     try:
         original = layer.unpack()
     except ValueError as exc:
         result.fail("unpack", str(exc))
-        return result
+        return None
     back = {role: t.array for role, t in packing.source_tensors(original).items()}
     if isinstance(c, packing.PackedCheckpoint):
-        expected = layer.entry["source_tensors"]
-        bad = [role for role, a in back.items() if packing.sha256_array(a) != expected[role]["sha256"]]
-        if bad:
-            result.fail("unpack", f"unpacking gives {', '.join(bad)} bytes whose sha256 differs from the manifest's "
-                                  "(the packed file is corrupt)")
-        scalars = {"global_scale": getattr(original, "global_scale", None), "input_scale": original.input_scale}
-        if isinstance(original, checkpoints.FP8Linear) and layer.granularity == "tensor":
-            scalars["weight_scale"] = original.weight_scale
-        bad = [key for key, value in scalars.items()
-               if (value is None) != (key not in layer.entry) or
-               (value is not None and np.float32(layer.entry[key][0]) != value)]
-        if bad:
-            result.fail("unpack", f"{', '.join(bad)} differ from the manifest's (the packed file is corrupt)")
-        repacked = packing.prepack_layer(original)
-        bad = [s for s, a in layer.buffers().items() if not np.array_equal(_u8(a), _u8(repacked[s]))]
-        if bad:
-            result.fail("unpack", f"{', '.join(f'{name}.{s}' for s in bad)} differ from a fresh prepack of the "
-                                  "unpacked layer (the packed file is corrupt)")
+        _check_against_manifest(result, name, layer, original, back)
     else:
         wanted = {role: t.array for role, t in packing.source_tensors(c.linears[name]).items()}
         bad = [role for role in wanted if not np.array_equal(_u8(wanted[role]), _u8(back[role]))]
         if bad:
             result.fail("unpack", f"unpack(prepack(x)) != x for {', '.join(bad)}")
     result.cells.setdefault("unpack", OK)
+    return original
 
-    # 2. dequantize: every backend gives the reference's fp16 bytes
+
+def _check_against_manifest(result: LayerResult, name: str, layer: packing.PackedLayer,
+                            original: checkpoints.NVFP4Linear | checkpoints.FP8Linear,
+                            back: dict[str, np.ndarray]) -> None:
+    """Step 1 of a packed folder: the unpacked tensors' sha256 and scalars are the manifest's, and a fresh
+    prepack of them gives the stored buffers."""
+    expected = layer.entry["source_tensors"]
+    bad = [role for role, a in back.items() if packing.sha256_array(a) != expected[role]["sha256"]]
+    if bad:
+        result.fail("unpack", f"unpacking gives {', '.join(bad)} bytes whose sha256 differs from the manifest's "
+                              "(the packed file is corrupt)")
+    scalars = {"global_scale": getattr(original, "global_scale", None), "input_scale": original.input_scale}
+    if isinstance(original, checkpoints.FP8Linear) and layer.granularity == "tensor":
+        scalars["weight_scale"] = original.weight_scale
+    bad = [key for key, value in scalars.items()
+           if (value is None) != (key not in layer.entry) or
+           (value is not None and np.float32(layer.entry[key][0]) != value)]
+    if bad:
+        result.fail("unpack", f"{', '.join(bad)} differ from the manifest's (the packed file is corrupt)")
+    repacked = packing.prepack_layer(original)
+    bad = [s for s, a in layer.buffers().items() if not np.array_equal(_u8(a), _u8(repacked[s]))]
+    if bad:
+        result.fail("unpack", f"{', '.join(f'{name}.{s}' for s in bad)} differ from a fresh prepack of the "
+                              "unpacked layer (the packed file is corrupt)")
+
+
+def _check_reference(result: LayerResult, layer: packing.PackedLayer,
+                     original: checkpoints.NVFP4Linear | checkpoints.FP8Linear,
+                     ) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Step 2a: the reference's W16 and, for FP8, the checkpoint semantics' (None: the reference raised)."""
+    checkpoint_w16 = None
     try:
         if isinstance(original, checkpoints.NVFP4Linear):
             # Decoded once: the packed bytes are the checkpoint's (step 1), so qpn2_dequantize would
             # repeat this very call. What is left to check is the reference's arithmetic; how it
-            # looks the values up is checked by the backends below.
+            # looks the values up is checked by the backends.
             w16 = ref.nvfp4_dequantize(original.weight_packed, original.weight_scale, original.global_scale)
             wrong = _nvfp4_values_off_contract(original.weight_scale, original.global_scale)
             if wrong:
@@ -343,8 +374,14 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
                                    "allows 1)")
     except ValueError as exc:
         result.fail("ref", str(exc))
-        return result
+        return None
     result.cells.setdefault("ref", OK)
+    return w16, checkpoint_w16
+
+
+def _check_backend_dequantize(result: LayerResult, layer: packing.PackedLayer, w16: np.ndarray,
+                              backends: Backends) -> None:
+    """Step 2b: every backend present gives the reference's fp16 bytes."""
     for backend in ("cpu", "cuda"):
         if backend not in backends.devices:
             result.cells[backend] = ABSENT
@@ -360,7 +397,11 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
         else:
             result.cells[backend] = OK
 
-    # 3. linear on random activations: inside the derived fp32-accumulation bound around the exact reference
+
+def _check_linear(result: LayerResult, name: str, layer: packing.PackedLayer, w16: np.ndarray, backends: Backends,
+                  ms: Sequence[int], seed: int) -> None:
+    """Step 3: the linear on random activations, inside the derived fp32-accumulation bound around the exact
+    reference, on every backend present."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     xs = [rng.standard_normal((m, layer.k), dtype=np.float32).astype(np.float16) for m in ms]
     # one fp32 bound for all M at once (w16 is widened once, not per M in float64)
@@ -383,15 +424,18 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
                 linear_cell = OK
     result.cells.setdefault("linear", linear_cell)
 
-    if upstream:
-        if layer.weight_format is QPN2:
-            args = (layer.codes, layer.scales, layer.nvfp4_global_scale(), layer.n_padded, layer.k)
-            p = ref.qpn2_dequantize_variant_p(*args)[:layer.n]
-            e = ref.qpn2_dequantize_variant_e(*args)[:layer.n]
-            result.upstream = {"P": _share_differing(p, w16), "E": _share_differing(e, w16)}
-        else:
-            result.upstream = {"ckpt": _share_differing(w16, checkpoint_w16)}
-    return result
+
+def _upstream_shares(layer: packing.PackedLayer, w16: np.ndarray, checkpoint_w16: np.ndarray | None,
+                     ) -> dict[str, float]:
+    """The share of weights whose fp16 bytes upstream's decode roundings (NVFP4: P / E, ref.UPSTREAM_VARIANTS)
+    or the checkpoint semantics (FP8) would change."""
+    if layer.weight_format is QPN2:
+        args = (layer.codes, layer.scales, layer.nvfp4_global_scale(), layer.n_padded, layer.k)
+        p = ref.qpn2_dequantize_variant_p(*args)[:layer.n]
+        e = ref.qpn2_dequantize_variant_e(*args)[:layer.n]
+        return {"P": _share_differing(p, w16), "E": _share_differing(e, w16)}
+    assert checkpoint_w16 is not None  # every FP8 layer has the checkpoint semantics' W16 (step 2a)
+    return {"ckpt": _share_differing(w16, checkpoint_w16)}
 
 
 def _u8(a: np.ndarray) -> np.ndarray:

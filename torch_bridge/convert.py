@@ -280,24 +280,10 @@ def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool =
     if not new_linears and not allow_partial:
         raise ValueError(_nothing_quantized(checkpoint))
     slots = _slots(model, list(new_linears))
+    values, unexpected = _checkpoint_values(checkpoint, consumed, slots)
     aliases: dict[int, list[str]] = {}  # one tensor under several names (tied weights)
     for name, slot in slots.items():
         aliases.setdefault(id(_tensor(slot)), []).append(name)
-
-    values, unexpected = {}, []
-    for tensor_name, stored in checkpoint.tensors.items():
-        if tensor_name in consumed:
-            continue
-        if tensor_name not in slots:
-            unexpected.append(tensor_name)
-            continue
-        target = _tensor(slots[tensor_name])
-        value = _stored_to_torch(stored)
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {tuple(value.shape)} but the model's "
-                             f"has {tuple(target.shape)}")
-        values[tensor_name] = value.to(target.dtype)
-
     filled = {alias for name in values for alias in aliases[id(_tensor(slots[name]))]}
     state_names = set(model.state_dict(keep_vars=True))
     on_meta = sorted(name for name, slot in slots.items() if name not in filled and _tensor(slot).is_meta)
@@ -311,21 +297,55 @@ def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool =
 
     missing = sorted(name for name in state_names & set(slots) if name not in filled)
     report = LoadReport(sorted(new_linears), sorted(values), sorted(unexpected), missing)
+    _require_complete(report, strict, allow_partial)
+    # ---- every check passed: change the model
+    _change_model(model, new_linears, {**values, **computed}, slots, meta_device)
+    return report
+
+
+def _checkpoint_values(checkpoint: Loaded, consumed: set[str],
+                       slots: dict[str, _Slot]) -> tuple[dict[str, Tensor], list[str]]:
+    """({model name: the checkpoint's value, cast to the model tensor's dtype}, [checkpoint tensors with no
+    place in the model]) for every tensor the new QPNLinear layers did not consume; a shape mismatch is a
+    ValueError."""
+    values, unexpected = {}, []
+    for tensor_name, stored in checkpoint.tensors.items():
+        if tensor_name in consumed:
+            continue
+        if tensor_name not in slots:
+            unexpected.append(tensor_name)
+            continue
+        target = _tensor(slots[tensor_name])
+        value = _stored_to_torch(stored)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {tuple(value.shape)} but the model's "
+                             f"has {tuple(target.shape)}")
+        values[tensor_name] = value.to(target.dtype)
+    return values, unexpected
+
+
+def _require_complete(report: LoadReport, strict: bool, allow_partial: bool) -> None:
+    """strict: nothing unexpected or missing; otherwise nothing missing unless allow_partial."""
     if strict and (report.unexpected or report.missing):
         raise ValueError(f"load_quantized(strict=True): unexpected checkpoint tensors {report.unexpected}, "
                          f"model tensors not in the checkpoint {report.missing}")
-    if missing and not allow_partial:
-        raise ValueError(f"{len(missing)} model tensors are not in the checkpoint and would keep the model's own "
-                         f"(e.g. random) values: {_first_names(missing)}; load a checkpoint that holds them (or the "
-                         "model they were saved from), or pass allow_partial=True to keep the model's values there "
-                         "(the report lists them as missing)")
+    if report.missing and not allow_partial:
+        raise ValueError(f"{len(report.missing)} model tensors are not in the checkpoint and would keep the model's "
+                         f"own (e.g. random) values: {_first_names(report.missing)}; load a checkpoint that holds "
+                         "them (or the model they were saved from), or pass allow_partial=True to keep the model's "
+                         "values there (the report lists them as missing)")
 
-    # ---- every check passed: change the model
+
+def _change_model(model: nn.Module, new_linears: dict[str, QPNLinear], values: dict[str, Tensor],
+                  slots: dict[str, _Slot], meta_device: torch.device) -> None:
+    """The only step of load_quantized that changes the model (every check has passed): the new layers in
+    place, every value copied into its tensor, a meta tensor replaced by one new tensor (tied names stay
+    tied)."""
     for name, module in new_linears.items():
         parent, attr = _parent_and_attr(model, name)
         setattr(parent, attr, module)
-    materialized: dict[int, Tensor] = {}  # old meta tensor -> its one new tensor (tied names stay tied)
-    for name, value in list(values.items()) + list(computed.items()):
+    materialized: dict[int, Tensor] = {}  # old meta tensor -> its one new tensor
+    for name, value in values.items():
         target = _tensor(slots[name])
         if not target.is_meta:
             with torch.no_grad():
@@ -339,5 +359,3 @@ def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool =
         moved = materialized.get(id(_tensor(slot)))
         if moved is not None:
             getattr(slot.module, slot.kind)[slot.attr] = moved
-
-    return report
