@@ -149,6 +149,19 @@ def test_the_benchmark_scripts_import_one_way():
     assert import_cycles(graph) == []
 
 
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 70  # issue 21: rooms small enough to read whole
+
+
+def test_modules_and_functions_stay_small():
+    big_modules = [f"{p.relative_to(ROOT)}: {n}" for p in package_modules()
+                   if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    big_functions = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1}"
+                     for p in package_modules() for node in ast.walk(ast.parse(p.read_text()))
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not big_modules and not big_functions, f"modules {big_modules}, functions {big_functions}"
+
+
 def test_the_cycle_check_sees_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
