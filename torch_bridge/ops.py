@@ -24,8 +24,8 @@ Numerics (docs/DESIGN.md, "Numerics contract"): every path sees the same W16;
 y = RN16(fp32-accumulated sum of x * W16); gated: out = RN16(RN16(silu32(gate)) * up) on the fp16
 linear result.
 
-Dispatch. Each op has a CPU kernel (numba, `_cpu.py`) and a CUDA kernel (CuPy over DLPack,
-`_cuda.py`; CuPy is imported only when a CUDA tensor arrives, so the package imports on
+Dispatch. Each op has a CPU side (`_cpu_ops.py` over the numba kernels of `_cpu.py`) and a CUDA
+side (CuPy over DLPack, `_cuda.py`; CuPy is imported only when a CUDA tensor arrives, so the package imports on
 machines without it). The linear ops choose between the decode kernel and
 dequantize-then-matmul INSIDE the op, from M at run time: torch.compile sees one opaque op
 whose output shape does not depend on the branch, so a graph traced at one M is correct at
@@ -39,12 +39,9 @@ QPNLinear constructors, not on every call.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import NoReturn
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -52,13 +49,11 @@ from .. import ref
 from ..ref.checks import require_multiple
 from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ..ref.geometry import GROUP_K, TILE_N
-from . import _cpu
+from . import _cpu_ops
 from .epilogue import silu_and_mul
 
 _E4M3_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 
-# decode_rows(out, row0): W16 rows [row0, row0 + R) into out float32 [R, K] (the numba *_w16_rows kernels)
-DecodeRows = Callable[[np.ndarray, int], None]
 
 # ----------------------------------------------------------------------------- validation
 
@@ -183,80 +178,6 @@ def _linear_out_features(x: Tensor, n: int, k: int, gated: bool) -> int:
     return n
 
 
-# ----------------------------------------------------------------------------- CPU helpers
-
-
-def _cpu_kernels() -> SimpleNamespace:
-    """The numba kernels (built on first use: numba is not imported before), running on as many
-    threads as torch uses (torch.get_num_threads()).
-
-    numba's OpenMP threading layer shares torch's OpenMP runtime (one libgomp.so.1 per process)
-    and its first launch sets that runtime's thread count to NUMBA_NUM_THREADS: torch's count is
-    put back, or a user's (or vLLM's) torch.set_num_threads would be lost on the first CPU op.
-    """
-    threads = torch.get_num_threads()
-    kernels = _cpu.kernels(threads)
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    return kernels
-
-
-def _cpu_nvfp4_operands(codes: Tensor, scales: Tensor, global_scale: Tensor,
-                        n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """numpy views (codes, scales, g_tiles) for the QPN2 kernels; a scalar g is repeated per tile."""
-    g_tiles = global_scale.reshape(-1).expand(n // TILE_N).contiguous() if global_scale.numel() == 1 \
-        else global_scale.contiguous()
-    return codes.reshape(-1).numpy(), scales.reshape(-1).numpy(), g_tiles.numpy()
-
-
-def _cpu_fp8_operands(codes: Tensor, group_scales: Tensor, n: int) -> tuple[np.ndarray, np.ndarray, bool]:
-    """numpy (codes, S16 as float32, channel?) for the QPN8 kernels ([1, N] = channel, else block)."""
-    channel = tuple(group_scales.shape) == QPN8.buffer("group_scales").shape(n, codes.shape[1])
-    return codes.reshape(-1).numpy(), group_scales.float().numpy(), channel
-
-
-def _cpu_w16_f32(decode_rows: DecodeRows, n: int, k: int) -> Tensor:
-    """float32 [N, K] holding W16 (every value an fp16 value), decoded by `decode_rows(out, row0)`."""
-    out = torch.empty((n, k), dtype=torch.float32)
-    decode_rows(out.numpy(), 0)
-    return out
-
-
-def _cpu_linear_rn16(x: Tensor, n: int, fused: Callable[[np.ndarray, np.ndarray], None],
-                     decode_rows: DecodeRows) -> Tensor:
-    """RN16(x @ W16^T) with fp32 (or, under reduced matmul precision settings, fp64) accumulation.
-
-    M <= _cpu.FUSED_MAX_M: `fused(x_positions, y)`, the decode fused into the dot products.
-    Otherwise W16 is decoded by `decode_rows(out, row0)` in chunks of _cpu.CHUNK_ELEMENTS (sized for
-    the last-level cache), each multiplied by torch's fp32 matmul (y^T = W16 @ x^T, chunk by chunk).
-    Both operands hold fp16 values exactly, so every product is exact and only the sums round. torch's fp32 CPU matmul
-    accumulates in fp32 at the default "highest" matmul precision; at "high"/"medium" it may use
-    bf16 internally, so the product is then taken in float64.
-    """
-    m, k = x.shape
-    if m <= _cpu.FUSED_MAX_M:
-        y = torch.empty((m, n), dtype=torch.float32)
-        fused(x.float()[:, _cpu_x_position_index(k)].numpy(), y.numpy())
-        return y.to(torch.float16)
-    if torch.get_float32_matmul_precision() != "highest":
-        return torch.mm(x.double(), _cpu_w16_f32(decode_rows, n, k).double().t()).to(torch.float16)
-    chunk = min(n, max(TILE_N, _cpu.CHUNK_ELEMENTS // k // TILE_N * TILE_N))
-    w16 = torch.empty((chunk, k), dtype=torch.float32)
-    x_t = x.float().t()
-    y_t = torch.empty((n, m), dtype=torch.float32)
-    for row0 in range(0, n, chunk):
-        rows = min(chunk, n - row0)
-        decode_rows(w16[:rows].numpy(), row0)
-        torch.mm(w16[:rows], x_t, out=y_t[row0:row0 + rows])
-    # contiguous: vLLM slices q/k/v out of the rows and its CPU attention requires unit stride
-    return y_t.t().to(torch.float16, memory_format=torch.contiguous_format)
-
-
-@functools.lru_cache(maxsize=64)
-def _cpu_x_position_index(k: int) -> Tensor:
-    return torch.from_numpy(_cpu.x_position_index(k))
-
-
 def _cuda() -> ModuleType:
     from . import _cuda as cuda_backend  # imports no CuPy until a function there is called
 
@@ -327,9 +248,7 @@ def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Ten
     qpn.ref.qpn2_dequantize."""
     _require_same_device(codes=codes, scales=scales, global_scale=global_scale)
     n, k = _nvfp4_dims(codes, scales, global_scale)
-    operands = _cpu_nvfp4_operands(codes, scales, global_scale, n)
-    decode_rows = functools.partial(_cpu_kernels().qpn2_w16_rows, *operands)
-    return _cpu_w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
+    return _cpu_ops.nvfp4_dequantize(codes, scales, global_scale, n, k)
 
 
 @nvfp4_dequantize.register_kernel("cuda")
@@ -350,8 +269,7 @@ def fp8_dequantize(codes: Tensor, group_scales: Tensor) -> Tensor:
     """QPN8 buffers -> float16 [N, K] = RN16(e4m3 * 2^-8 * S16), byte-identical to qpn.ref.qpn8_dequantize."""
     _require_same_device(codes=codes, group_scales=group_scales)
     n, k = _fp8_dims(codes, group_scales)
-    decode_rows = functools.partial(_cpu_kernels().qpn8_w16_rows, *_cpu_fp8_operands(codes, group_scales, n))
-    return _cpu_w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
+    return _cpu_ops.fp8_dequantize(codes, group_scales, n, k)
 
 
 @fp8_dequantize.register_kernel("cuda")
@@ -374,16 +292,14 @@ def _fp8_dequantize_fake(codes: Tensor, group_scales: Tensor) -> Tensor:
 def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, gated: bool = False) -> Tensor:
     """x float16 [M, K] times the QPN2 weight -> float16 [M, N] (or [M, N/2] gated).
 
-    CPU: the numba kernels, fused for small M, decode-then-fp32-matmul above (_cpu_linear_rn16).
+    CPU: the numba kernels, fused for small M, decode-then-fp32-matmul above (_cpu_ops.linear_rn16).
     """
     _require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
     n, k = _nvfp4_dims(codes, scales, global_scale)
     n_out = _linear_out_features(x, n, k, gated)
     if x.shape[0] == 0:
         return x.new_empty((0, n_out))
-    kernels, operands = _cpu_kernels(), _cpu_nvfp4_operands(codes, scales, global_scale, n)
-    y = _cpu_linear_rn16(x, n, functools.partial(kernels.qpn2_linear_fused, *operands),
-                         functools.partial(kernels.qpn2_w16_rows, *operands))
+    y = _cpu_ops.nvfp4_linear(x, codes, scales, global_scale, n)
     return silu_and_mul(y) if gated else y
 
 
@@ -410,9 +326,7 @@ def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = Fal
     n_out = _linear_out_features(x, n, k, gated)
     if x.shape[0] == 0:
         return x.new_empty((0, n_out))
-    kernels, operands = _cpu_kernels(), _cpu_fp8_operands(codes, group_scales, n)
-    y = _cpu_linear_rn16(x, n, functools.partial(kernels.qpn8_linear_fused, *operands),
-                         functools.partial(kernels.qpn8_w16_rows, *operands))
+    y = _cpu_ops.fp8_linear(x, codes, group_scales, n)
     return silu_and_mul(y) if gated else y
 
 

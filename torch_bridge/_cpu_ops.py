@@ -1,0 +1,115 @@
+"""The CPU side of the torch ops (ops.py validates, then calls here; _cuda.py is the CUDA side): torch
+tensors in, the numba kernels of _cpu.py on numpy views, torch tensors out. Decode for the dequantize
+ops; for the linears, the decode fused into the dot products at M <= _cpu.FUSED_MAX_M, and decode then
+torch's fp32 matmul above (`linear_rn16`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..ref.formats import QPN8
+from ..ref.geometry import TILE_N
+from . import _cpu
+
+# decode_rows(out, row0): W16 rows [row0, row0 + R) into out float32 [R, K] (the numba *_w16_rows kernels)
+DecodeRows = Callable[[np.ndarray, int], None]
+
+
+def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, n: int, k: int) -> Tensor:
+    operands = _nvfp4_operands(codes, scales, global_scale, n)
+    decode_rows = functools.partial(_kernels().qpn2_w16_rows, *operands)
+    return _w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
+
+
+def fp8_dequantize(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tensor:
+    decode_rows = functools.partial(_kernels().qpn8_w16_rows, *_fp8_operands(codes, group_scales, n))
+    return _w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
+
+
+def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, n: int) -> Tensor:
+    kernels, operands = _kernels(), _nvfp4_operands(codes, scales, global_scale, n)
+    return linear_rn16(x, n, functools.partial(kernels.qpn2_linear_fused, *operands),
+                       functools.partial(kernels.qpn2_w16_rows, *operands))
+
+
+def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, n: int) -> Tensor:
+    kernels, operands = _kernels(), _fp8_operands(codes, group_scales, n)
+    return linear_rn16(x, n, functools.partial(kernels.qpn8_linear_fused, *operands),
+                       functools.partial(kernels.qpn8_w16_rows, *operands))
+
+
+def _kernels() -> SimpleNamespace:
+    """The numba kernels (built on first use: numba is not imported before), running on as many
+    threads as torch uses (torch.get_num_threads()).
+
+    numba's OpenMP threading layer shares torch's OpenMP runtime (one libgomp.so.1 per process)
+    and its first launch sets that runtime's thread count to NUMBA_NUM_THREADS: torch's count is
+    put back, or a user's (or vLLM's) torch.set_num_threads would be lost on the first CPU op.
+    """
+    threads = torch.get_num_threads()
+    kernels = _cpu.kernels(threads)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return kernels
+
+
+def _nvfp4_operands(codes: Tensor, scales: Tensor, global_scale: Tensor,
+                        n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """numpy views (codes, scales, g_tiles) for the QPN2 kernels; a scalar g is repeated per tile."""
+    g_tiles = global_scale.reshape(-1).expand(n // TILE_N).contiguous() if global_scale.numel() == 1 \
+        else global_scale.contiguous()
+    return codes.reshape(-1).numpy(), scales.reshape(-1).numpy(), g_tiles.numpy()
+
+
+def _fp8_operands(codes: Tensor, group_scales: Tensor, n: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """numpy (codes, S16 as float32, channel?) for the QPN8 kernels ([1, N] = channel, else block)."""
+    channel = tuple(group_scales.shape) == QPN8.buffer("group_scales").shape(n, codes.shape[1])
+    return codes.reshape(-1).numpy(), group_scales.float().numpy(), channel
+
+
+def _w16_f32(decode_rows: DecodeRows, n: int, k: int) -> Tensor:
+    """float32 [N, K] holding W16 (every value an fp16 value), decoded by `decode_rows(out, row0)`."""
+    out = torch.empty((n, k), dtype=torch.float32)
+    decode_rows(out.numpy(), 0)
+    return out
+
+
+def linear_rn16(x: Tensor, n: int, fused: Callable[[np.ndarray, np.ndarray], None],
+                     decode_rows: DecodeRows) -> Tensor:
+    """RN16(x @ W16^T) with fp32 (or, under reduced matmul precision settings, fp64) accumulation.
+
+    M <= _cpu.FUSED_MAX_M: `fused(x_positions, y)`, the decode fused into the dot products.
+    Otherwise W16 is decoded by `decode_rows(out, row0)` in chunks of _cpu.CHUNK_ELEMENTS (sized for
+    the last-level cache), each multiplied by torch's fp32 matmul (y^T = W16 @ x^T, chunk by chunk).
+    Both operands hold fp16 values exactly, so every product is exact and only the sums round. torch's fp32 CPU matmul
+    accumulates in fp32 at the default "highest" matmul precision; at "high"/"medium" it may use
+    bf16 internally, so the product is then taken in float64.
+    """
+    m, k = x.shape
+    if m <= _cpu.FUSED_MAX_M:
+        y = torch.empty((m, n), dtype=torch.float32)
+        fused(x.float()[:, _x_position_index(k)].numpy(), y.numpy())
+        return y.to(torch.float16)
+    if torch.get_float32_matmul_precision() != "highest":
+        return torch.mm(x.double(), _w16_f32(decode_rows, n, k).double().t()).to(torch.float16)
+    chunk = min(n, max(TILE_N, _cpu.CHUNK_ELEMENTS // k // TILE_N * TILE_N))
+    w16 = torch.empty((chunk, k), dtype=torch.float32)
+    x_t = x.float().t()
+    y_t = torch.empty((n, m), dtype=torch.float32)
+    for row0 in range(0, n, chunk):
+        rows = min(chunk, n - row0)
+        decode_rows(w16[:rows].numpy(), row0)
+        torch.mm(w16[:rows], x_t, out=y_t[row0:row0 + rows])
+    # contiguous: vLLM slices q/k/v out of the rows and its CPU attention requires unit stride
+    return y_t.t().to(torch.float16, memory_format=torch.contiguous_format)
+
+
+@functools.lru_cache(maxsize=64)
+def _x_position_index(k: int) -> Tensor:
+    return torch.from_numpy(_cpu.x_position_index(k))
