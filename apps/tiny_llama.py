@@ -46,17 +46,24 @@ LINEAR_SHAPES = {  # leaf -> (N, K)
 }
 
 
-def llama_config() -> dict[str, Any]:
-    """config.json: a complete Hugging Face LlamaConfig plus ModelOpt's quantization_config."""
+def hf_llama_config(vocab_size: int, max_position_embeddings: int) -> dict[str, Any]:
+    """A complete Hugging Face LlamaConfig of this shape (what transformers' save_pretrained writes);
+    tests/tiny_llama.py builds its checkpoints on it too."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
         "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": HEAD_DIM,
         "hidden_act": "silu", "hidden_size": HIDDEN, "initializer_range": INIT_STD,
-        "intermediate_size": INTERMEDIATE, "max_position_embeddings": 512, "mlp_bias": False,
+        "intermediate_size": INTERMEDIATE, "max_position_embeddings": max_position_embeddings, "mlp_bias": False,
         "num_attention_heads": HEADS, "num_hidden_layers": LAYERS, "num_key_value_heads": KV_HEADS,
         "pretraining_tp": 1, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "torch_dtype": "float16", "use_cache": True,
-        "vocab_size": len(VOCABULARY),
+        "tie_word_embeddings": False, "torch_dtype": "float16", "use_cache": True, "vocab_size": vocab_size,
+    }
+
+
+def llama_config() -> dict[str, Any]:
+    """config.json: the LlamaConfig plus ModelOpt's quantization_config."""
+    return {
+        **hf_llama_config(len(VOCABULARY), 512),
         "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": None,
                                 "group_size": GROUP_K, "exclude_modules": ["lm_head"],
                                 "producer": {"name": "qpn", "version": "0.1.0"}},

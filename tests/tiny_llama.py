@@ -32,17 +32,15 @@ import numpy as np
 import vllm_standin as st
 
 from qpn import ref
+from qpn.apps import tiny_llama as tiny_example
 from qpn.ref.fp8 import fp8_block_grid_4d
 from qpn.ref.geometry import GROUP_K
 
-HIDDEN = 256
-INTERMEDIATE = 512
-LAYERS = 2
-HEADS = 4
-KV_HEADS = 2
-HEAD_DIM = HIDDEN // HEADS
+# the shape of qpn.apps.tiny_llama (the README's served example): one model, two vocabularies
+HIDDEN, INTERMEDIATE, LAYERS = tiny_example.HIDDEN, tiny_example.INTERMEDIATE, tiny_example.LAYERS
+HEADS, KV_HEADS, HEAD_DIM = tiny_example.HEADS, tiny_example.KV_HEADS, tiny_example.HEAD_DIM
 VOCAB = 512
-INIT_STD = 0.08
+INIT_STD = tiny_example.INIT_STD
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -54,16 +52,7 @@ KV_SCALE = np.float32(0.0625)  # a recognisable value, not 1.0: the test checks 
 
 def hf_config() -> dict:
     """A complete Hugging Face LlamaConfig dict (what transformers' save_pretrained writes)."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-        "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": HEAD_DIM,
-        "hidden_act": "silu", "hidden_size": HIDDEN, "initializer_range": INIT_STD,
-        "intermediate_size": INTERMEDIATE, "max_position_embeddings": 256, "mlp_bias": False,
-        "num_attention_heads": HEADS, "num_hidden_layers": LAYERS, "num_key_value_heads": KV_HEADS,
-        "pretraining_tp": 1, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.56.0",
-        "use_cache": True, "vocab_size": VOCAB,
-    }
+    return {**tiny_example.hf_llama_config(VOCAB, 256), "transformers_version": "4.56.0"}
 
 
 def _shape(name: str) -> tuple[int, int]:
