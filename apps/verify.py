@@ -119,21 +119,9 @@ def open_source(path: str, *, check_values: bool = True) -> Source:
 def require_quantized_layers(source: Source) -> None:
     """UsageError (exit 2) for a folder with no quantized layer: `inspect` / `verify` would report
     "0 of 0 layers ok" for something that is not a usable quantized checkpoint."""
-    if source.layer_names:
-        return
-    c = source.checkpoint
-    if isinstance(c, packing.PackedCheckpoint):
-        raise UsageError(f"{source.path}: no quantized layer: looked for the layers its {packing.MANIFEST_FILE} "
-                         "lists, found none listed; pack the original checkpoint again")
-    quantization_config = "config.json quantization_config" if "quantization_config" in c.config else \
-        "hf_quant_config.json"
-    fix = "point qpn at the quantized export (ModelOpt / compressed-tensors weights next to their config)"
-    if any(name.endswith(f".{packing.CODES}") for name in c.tensors):
-        fix = (f"its *.{packing.CODES} tensors are qpn pack's: this is a packed folder whose "
-               f"{packing.MANIFEST_FILE} is missing - pack the original checkpoint again")
-    raise UsageError(f"{source.path}: no quantized layer: looked for quantized linears as {quantization_config} "
-                     f"({c.format} {c.quant_algo}) describes them, found {plural(len(c.tensors), 'tensor')}, none "
-                     f"quantized; {fix}")
+    why = packing.no_quantized_layer(source.checkpoint)
+    if why is not None:
+        raise UsageError(f"{source.path}: {why}")
 
 
 @dataclass

@@ -230,20 +230,6 @@ def _first_names(names: Sequence[str]) -> str:
     return f"{list(names[:8])}{f' and {len(names) - 8} more' if len(names) > 8 else ''}"
 
 
-def _nothing_quantized(checkpoint: Loaded) -> str:
-    """What load_quantized looked for and found when a checkpoint has no quantized layer, and the fix."""
-    if isinstance(checkpoint, packed.PackedCheckpoint):
-        looked, found = f"the layers {packed.MANIFEST_FILE} lists", "none listed"
-    else:
-        looked = f"quantized linears as its config describes them ({checkpoint.format} {checkpoint.quant_algo})"
-        found = f"{len(checkpoint.tensors)} tensors, none quantized"
-        if any(name.endswith(".qpn_codes") for name in checkpoint.tensors):
-            found += f" (its *.qpn_codes tensors are qpn pack's: a packed folder without its {packed.MANIFEST_FILE})"
-    return (f"the checkpoint holds no quantized layer: looked for {looked}, found {found}; every nn.Linear of the "
-            "model would keep its own weights - load the ModelOpt / compressed-tensors export or a complete "
-            "`qpn pack` folder, or pass allow_partial=True to copy the other tensors anyway")
-
-
 def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool = False,
                    allow_partial: bool = False, device: Device = None) -> LoadReport:
     """Fill `model` from a quantized checkpoint, in place; all or nothing.
@@ -277,8 +263,10 @@ def load_quantized(model: nn.Module, checkpoint: CheckpointIn, *, strict: bool =
     checkpoint = _read_checkpoint(checkpoint)
     device = torch.device(device) if device is not None else None
     new_linears, consumed = _new_linears(model, checkpoint, device)
-    if not new_linears and not allow_partial:
-        raise ValueError(_nothing_quantized(checkpoint))
+    why = packed.no_quantized_layer(checkpoint)
+    if why is not None and not allow_partial:
+        raise ValueError(f"the checkpoint holds {why}; every nn.Linear of the model would keep its own weights - "
+                         "or pass allow_partial=True to copy the other tensors anyway")
     slots = _slots(model, list(new_linears))
     values, unexpected = _checkpoint_values(checkpoint, consumed, slots)
     aliases: dict[int, list[str]] = {}  # one tensor under several names (tied weights)

@@ -149,6 +149,29 @@ def _check_copied_files(folder: str, manifest_path: str, manifest: Mapping[str, 
                                           f"{entry['size']}; the folder was edited after packing: re-pack it")
 
 
+def no_quantized_layer(checkpoint: Checkpoint | PackedCheckpoint) -> str | None:
+    """Why a folder read as `checkpoint` is no usable quantized checkpoint - "no quantized layer: looked for
+    ..., found ...; FIX" - or None when it has a quantized layer. One wording for qpn inspect / verify and
+    load_quantized, which refuse such a folder (nothing would be quantized)."""
+    if isinstance(checkpoint, PackedCheckpoint):
+        if checkpoint.layers:
+            return None
+        return (f"no quantized layer: looked for the layers its {MANIFEST_FILE} lists, found none listed; pack the "
+                "original checkpoint again")
+    if checkpoint.linears:
+        return None
+    config = "config.json quantization_config" if "quantization_config" in checkpoint.config else \
+        "hf_quant_config.json"
+    fix = "point qpn at the quantized export (ModelOpt / compressed-tensors weights next to their config)"
+    if any(name.endswith(f".{CODES}") for name in checkpoint.tensors):
+        fix = (f"its *.{CODES} tensors are qpn pack's: this is a packed folder whose {MANIFEST_FILE} is missing - "
+               "pack the original checkpoint again")
+    count = len(checkpoint.tensors)
+    return (f"no quantized layer: looked for quantized linears as {config} ({checkpoint.format} "
+            f"{checkpoint.quant_algo}) describes them, found {count} tensor{'' if count == 1 else 's'}, none "
+            f"quantized; {fix}")
+
+
 def copied_file_problems(checkpoint: PackedCheckpoint) -> list[str]:
     """What differs between a packed folder's copied files (configs and copied_files) and the manifest's sha256."""
     problems = []
