@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the `gpu` marker skips cleanly, with the reason, without CUDA."""
+"""Shared pytest set-up: the `gpu` marker skips cleanly, with the reason, without CUDA; `vllm` tests may not
+skip where QPN_REQUIRE_VLLM=1 (.ci/run's real-vLLM step)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Where a real vLLM must run (.ci/run's vLLM venv sets it), a `vllm` test that skips is a failure:
+# a broken vLLM import would otherwise turn the whole `-m vllm` run into green skips.
+REQUIRE_VLLM = os.environ.get("QPN_REQUIRE_VLLM") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRE_VLLM and report.skipped and "vllm" in item.keywords:
+        report.outcome = "failed"
+        report.longrepr = f"QPN_REQUIRE_VLLM=1 but this vllm test skipped: {report.longrepr}"
 
 
 def _compute_sanitizer_path() -> str | None:

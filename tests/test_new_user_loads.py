@@ -205,8 +205,14 @@ def test_load_quantized_gives_the_same_buffers_from_the_original_and_the_packed_
 
 
 def test_modelopt_writes_a_single_block_4d_or_0d_and_both_load_as_block():
-    """ModelOpt 0.47 writes a one-block grid as (1, 1, 1, 1) or as a 0-d scale: both read as block when stated."""
+    """ModelOpt 0.47 writes a one-block grid as (1, 1, 1, 1) or as a 0-d scale: an FP8_PB_WO layer (block stated)
+    holding either is read and packed in the block layout ([K/128, N_pad/32], N padded to 128)."""
+    from qpn.checkpoints import FP8Linear
+
     weight, scale = one_block_layer(64, 128, ())
     for shape in [(), fp8_block_grid_4d(64, 128)]:
-        assert ref.qpn8_scale_granularity(scale.reshape(shape), 128, 128, "block") == "block"
+        layer = FP8Linear("down", weight, scale.reshape(shape), "block")
+        buffers = packed.prepack_layer(layer)
+        assert layer.granularity == "block" and buffers[packed.GROUP_SCALES].shape == (1, 4)
+        assert buffers[packed.CODES].shape == (128, 128)
 

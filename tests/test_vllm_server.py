@@ -200,4 +200,5 @@ def test_readme_server_example(tmp_path, capsys):
         raise
     finally:
         _stop(proc)
-    assert proc.returncode is not None
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=10):
+        pass  # stopped: nothing listens on its port any more
