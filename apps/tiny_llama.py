@@ -23,7 +23,9 @@ Exit codes: 0 written; 2 the folder exists or cannot be written, or transformers
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -105,10 +107,17 @@ def tokenizer() -> Any:
 
 
 def write_tiny_llama(folder: str | os.PathLike[str], seed: int = 0) -> None:
-    """Write the checkpoint and its tokenizer into the new folder `folder` (which must not exist)."""
+    """Write the checkpoint and its tokenizer into the new folder `folder` (which must not exist): all or
+    nothing - if the tokenizer cannot be written, the folder this call wrote goes again."""
+    if os.path.lexists(folder):
+        raise FileExistsError(errno.EEXIST, f"{os.fspath(folder)} exists; pass a new folder")
     tok = tokenizer()  # first: without transformers nothing is written
     checkpoints.save_checkpoint(folder, tiny_llama_checkpoint(seed))
-    tok.save_pretrained(os.fspath(folder))
+    try:
+        tok.save_pretrained(os.fspath(folder))
+    except BaseException:
+        shutil.rmtree(folder)  # this call's own new folder, not yet complete
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
