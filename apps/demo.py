@@ -20,7 +20,6 @@ Exit 0 when every layer verifies and every sentence's cosine reaches MIN_COSINE;
 from __future__ import annotations
 
 import copy
-import errno
 import json
 import os
 import shutil
@@ -31,7 +30,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .. import checkpoints, ref
-from ..checkpoints.atomic import TargetError, require_writable_target
+from ..checkpoints.atomic import TargetError, TargetRules, require_writable_target, write_fix
+from ..checkpoints.folder import SAVE_TARGET_RULES
+from ..checkpoints.packed.write import PACK_TARGET_RULES
 from ..ref.formats import QPN2
 from .output import EXIT_FAILED, EXIT_OK, format_table
 from .verify import Backends, cuda_status, open_source, upstream_summary, verify_source
@@ -147,17 +148,12 @@ def _pick_device(device: str) -> tuple[str, str]:
     return device, (detail if device == "cuda" else f"CPU ({os.cpu_count()} cores); CUDA: {detail}")
 
 
-_WRITE_FIXES = {  # errno of a failed write -> the fix the message suggests
-    errno.EROFS: "choose a folder on a writable disk", errno.ENOSPC: "free space on that disk or keep elsewhere",
-    errno.EACCES: "choose a folder you can write to", errno.EPERM: "choose a folder you can write to"}
-
-
-def demo_folders(root: str) -> dict[str, str]:
-    """{path: what it is} of the four folders the demo writes into `root` (the --keep folder)."""
+def demo_folders(root: str) -> dict[str, TargetRules]:
+    """{path: the rules of its writer} of the four folders the demo writes into `root` (the --keep folder)."""
     folders = {}
     for fmt in FORMATS:
-        folders[os.path.join(root, f"minilm-{fmt}")] = "checkpoint"
-        folders[os.path.join(root, f"minilm-{fmt}-qpn")] = "packed checkpoint"
+        folders[os.path.join(root, f"minilm-{fmt}")] = SAVE_TARGET_RULES
+        folders[os.path.join(root, f"minilm-{fmt}-qpn")] = PACK_TARGET_RULES
     return folders
 
 
@@ -185,18 +181,14 @@ def check_keep(keep: str, flag: str = "keep") -> str:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".qpn-demo-probe-", dir=existing))
     except OSError as exc:
-        fix = _WRITE_FIXES.get(exc.errno or 0, "check the disk and the folder's permissions")
-        raise TargetError(f"{where}: cannot write in {existing}: {exc.strerror or exc}; {fix}") from None
-    from ..checkpoints.folder import _not_saved_by_qpn
-    from ..checkpoints.packed.write import _not_packed_output
-
-    for folder, what in (demo_folders(root) if existing == root else {}).items():  # a new root holds none
-        ours = _not_packed_output if what == "packed checkpoint" else _not_saved_by_qpn
+        raise TargetError(f"{where}: cannot write in {existing}: {exc.strerror or exc}; {write_fix(exc.errno)}") \
+            from None
+    for folder, rules in (demo_folders(root) if existing == root else {}).items():  # a new root holds none
         try:
-            require_writable_target(folder, True, flag, ours=ours, what=what)
+            require_writable_target(folder, True, ours=rules["ours"], what=rules["what"], flag=flag)
         except TargetError as exc:
-            raise TargetError(f"{where}: the demo writes its {what} {os.path.basename(folder)} there, but {exc}") \
-                from None
+            raise TargetError(f"{where}: the demo writes its {rules['what']} {os.path.basename(folder)} there, but "
+                              f"{exc}") from None
     return root
 
 

@@ -61,6 +61,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypedDict
 
 # .NAME.qpn-PID-XXXXXXXX.STAGE; mkdtemp's random part is 8 of [a-z0-9_]
 _WORK_NAME = re.compile(r"^\.(?P<name>.+)\.qpn-(?P<pid>\d+)-(?P<token>[a-z0-9_]+)\.(?P<stage>tmp|new|old|name)$")
@@ -71,6 +72,26 @@ _WORK_SUFFIX_MAX = len(".qpn-4194304-xxxxxxxx.name")  # a pid is at most 2^22 on
 _SWAP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 Ours = Callable[[str], "str | None"]  # folder -> None if the caller wrote it, else why it did not
+
+
+class TargetRules(TypedDict, total=False):
+    """A writer's keyword arguments of require_writable_target / atomic_folder: the flag that allows a
+    replacement, how it recognises its own output, what it calls that output."""
+
+    flag: str
+    ours: Ours
+    what: str
+
+
+# errno of a failed write -> the fix a message suggests
+_WRITE_FIXES = {errno.ENOSPC: "free space on that disk or write elsewhere", errno.EACCES: "choose a folder you can "
+                "write to", errno.EPERM: "choose a folder you can write to", errno.EROFS: "choose a folder on a "
+                "writable disk", getattr(errno, "EDQUOT", -1): "free space within your disk quota or write elsewhere"}
+
+
+def write_fix(error_number: int | None) -> str:
+    """The fix to suggest for a write that failed with `error_number`."""
+    return _WRITE_FIXES.get(error_number or 0, "check the disk and the folder's permissions")
 
 
 class TargetError(ValueError):
@@ -281,13 +302,7 @@ def recover_interrupted(parent: str, report: Callable[[str], None] = _say) -> li
 def _write_error(exc: OSError, target: str) -> OSError:
     """`exc` reworded to name `target` (never the hidden temporary path) and the fix."""
     reason = exc.strerror or str(exc)
-    fixes: dict[int | None, str] = {errno.ENOSPC: "free space on that disk or write elsewhere",
-             errno.EACCES: "choose a folder you can write to", errno.EPERM: "choose a folder you can write to",
-             errno.EROFS: "choose a folder on a writable disk"}
-    if hasattr(errno, "EDQUOT"):
-        fixes[errno.EDQUOT] = "free space within your disk quota or write elsewhere"
-    fix = fixes.get(exc.errno, "check the disk and the folder's permissions")
-    error = type(exc)(f"cannot write {target}: {reason} (nothing was written); {fix}")
+    error = type(exc)(f"cannot write {target}: {reason} (nothing was written); {write_fix(exc.errno)}")
     error.errno = exc.errno
     return error
 

@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .atomic import atomic_folder, require_writable_target, write_json
+from .atomic import TargetRules, atomic_folder, require_writable_target, write_json
 from .checkpoint import Checkpoint, CheckpointError, FP8Linear, NVFP4Linear
 from .compressed_tensors import CompressedTensors
 from .modelopt import ModelOpt
@@ -352,6 +352,9 @@ def _not_saved_by_qpn(folder: str) -> str | None:
     return None if weights else "it holds no safetensors file"
 
 
+SAVE_TARGET_RULES: TargetRules = {"ours": _not_saved_by_qpn, "what": "checkpoint"}
+
+
 def save_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint, *, overwrite: bool = False,
                     max_shard_bytes: int | None = None) -> None:
     """Write `checkpoint` as a folder at `path` in its own format (ModelOpt or compressed-tensors).
@@ -369,7 +372,7 @@ def save_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint, *, ove
     if not isinstance(checkpoint, Checkpoint):
         raise ValueError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
     target = os.path.abspath(os.fspath(path))
-    require_writable_target(target, overwrite, ours=_not_saved_by_qpn, what="checkpoint")
+    require_writable_target(target, overwrite, **SAVE_TARGET_RULES)
 
     config = copy.deepcopy(dict(checkpoint.config))
     hf_quant_config = None
@@ -389,7 +392,7 @@ def save_checkpoint(path: str | os.PathLike[str], checkpoint: Checkpoint, *, ove
     file_of = {name: os.path.join(target, file) for file, names in shards for name in names}
     _assemble(stored, file_of, producer, config, hf_quant_config)  # the whole load-side validation, in memory
 
-    with atomic_folder(target, overwrite=overwrite, ours=_not_saved_by_qpn, what="checkpoint") as tmp:
+    with atomic_folder(target, overwrite=overwrite, **SAVE_TARGET_RULES) as tmp:
         write_json(os.path.join(tmp, CONFIG_FILE), config)
         if hf_quant_config is not None:
             write_json(os.path.join(tmp, HF_QUANT_CONFIG_FILE), hf_quant_config)

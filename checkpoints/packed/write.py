@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any
 
 import numpy as np
 
 from ... import __version__
 from .. import safetensors_io
-from ..atomic import atomic_folder, recover_interrupted, require_writable_target, write_json
+from ..atomic import TargetRules, atomic_folder, recover_interrupted, require_writable_target, write_json
 from ..folder import INDEX_FILE, SAFETENSORS_METADATA, SINGLE_FILE, OpenCheckpoint, open_checkpoint
 from .layers import prepack_layer, unpackable_reason
 from .manifest import (
@@ -146,13 +145,7 @@ def _not_packed_output(folder: str) -> str | None:
     return None
 
 
-class _TargetRules(TypedDict):  # the keyword arguments of require_writable_target / atomic_folder
-    flag: str
-    ours: Callable[[str], str | None]
-    what: str
-
-
-_TARGET_RULES: _TargetRules = {"flag": "--overwrite", "ours": _not_packed_output, "what": "packed checkpoint"}
+PACK_TARGET_RULES: TargetRules = {"flag": "--overwrite", "ours": _not_packed_output, "what": "packed checkpoint"}
 
 
 def _check_target(source: str, target: str, overwrite: bool) -> None:
@@ -163,7 +156,7 @@ def _check_target(source: str, target: str, overwrite: bool) -> None:
     if os.path.isdir(parent):
         recover_interrupted(parent)
     try:
-        require_writable_target(target, overwrite, protected=(source,), **_TARGET_RULES)
+        require_writable_target(target, overwrite, protected=(source,), **PACK_TARGET_RULES)
     except ValueError as exc:
         raise PackError(target, None, str(exc).removeprefix(f"{target} ")) from None
 
@@ -290,7 +283,7 @@ def _pack(checkpoint: OpenCheckpoint, source: str, target: str, overwrite: bool,
         "layers": {},
         "tensors": {},
     }
-    with atomic_folder(target, overwrite=overwrite, protected=(source,), **_TARGET_RULES) as tmp:
+    with atomic_folder(target, overwrite=overwrite, protected=(source,), **PACK_TARGET_RULES) as tmp:
         for config_file in COPIED_CONFIG_FILES:
             if config_file in checkpoint.json_bytes:
                 _write_bytes(os.path.join(tmp, config_file), checkpoint.json_bytes[config_file])
