@@ -108,7 +108,7 @@ _TAG_OF_EXTENSION_DTYPE_NAME = {"bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", 
 HEADER_SIZE_LIMIT = 100_000_000  # bytes; the safetensors package refuses larger headers
 METADATA_KEY = "__metadata__"
 _HEADER_ALIGN = 8
-_HASH_CHUNK = 16 << 20  # bytes per read when hashing a file
+HASH_CHUNK = 16 << 20  # bytes per read when hashing or copying a file
 
 
 class SafetensorsError(FileError):
@@ -366,6 +366,21 @@ def read_safetensors(path: str | os.PathLike[str], *, mmap: bool = True) -> Safe
     return SafetensorsContents(tensors, header.metadata)
 
 
+def sha256_stream(f: BinaryIO, path: str, size: int, progress: Callable[..., Iterable] | None = None,
+                  ) -> tuple[str, int]:
+    """(sha256 hex, bytes read) of the open file `f` from where it stands, `size` bytes expected (the
+    progress bar's total); progress(iterable, desc=, total=, unit=) shows the chunks."""
+    digest, read = hashlib.sha256(), 0
+    chunks: Iterable[bytes] = iter(lambda: f.read(HASH_CHUNK), b"")
+    if progress is not None:
+        chunks = progress(chunks, desc=f"hash {os.path.basename(path)}", total=-(-size // HASH_CHUNK) or None,
+                          unit="chunk")
+    for chunk in chunks:
+        digest.update(chunk)
+        read += len(chunk)
+    return digest.hexdigest(), read
+
+
 class FileStamp(NamedTuple):
     """What a read compares to notice that a file changed under it: size and modification time."""
 
@@ -441,22 +456,14 @@ class SafetensorsFile:
 
     def sha256(self, progress: Callable[..., Iterable] | None = None) -> str:
         """sha256 of the whole file as it is open (progress(iterable, desc=, total=, unit=) shows the chunks)."""
-        digest = hashlib.sha256()
         self._file.seek(0)
-        chunks: Iterable[bytes] = iter(lambda: self._file.read(_HASH_CHUNK), b"")
-        if progress is not None:
-            chunks = progress(chunks, desc=f"hash {os.path.basename(self.path)}",
-                              total=-(-self.stamp.size // _HASH_CHUNK) or None, unit="chunk")
-        size = 0
-        for chunk in chunks:
-            digest.update(chunk)
-            size += len(chunk)
+        digest, size = sha256_stream(self._file, self.path, self.stamp.size, progress)
         if size != self.stamp.size:
             self.require_unchanged()
             raise SafetensorsError(self.path, None, f"read {size} of its {self.stamp.size} bytes; the file is "
                                                     "truncated")
         self.require_unchanged()
-        return digest.hexdigest()
+        return digest
 
     def close(self) -> None:
         self._file.close()

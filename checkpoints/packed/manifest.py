@@ -25,14 +25,13 @@ from ...ref.formats import (
 from ...ref.geometry import GROUP_K
 from ..checkpoint import CHECKPOINT_FORMATS, FP8Linear, NVFP4Linear
 from ..folder import CONFIG_FILE, HF_QUANT_CONFIG_FILE
+from ..safetensors_io import sha256_stream
 from .layers import WEIGHT_SCALE, source_tensors, tensor_suffix, weight_format_of
 
 PACKED_FORMAT = "qpn-packed"
 PACKED_VERSION = 1
 MANIFEST_FILE = "qpn_manifest.json"
 COPIED_CONFIG_FILES = (CONFIG_FILE, HF_QUANT_CONFIG_FILE)
-HASH_CHUNK = 16 << 20  # bytes per read when hashing files
-
 Progress = Callable[..., Iterable]  # progress(iterable, desc=..., total=..., unit=...) -> iterable
 
 
@@ -57,14 +56,8 @@ def sha256_array(a: np.ndarray) -> str:
 
 
 def sha256_file(path: str | os.PathLike[str], progress: Progress = no_progress) -> str:
-    digest = hashlib.sha256()
-    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        chunks = iter(lambda: f.read(HASH_CHUNK), b"")
-        for chunk in progress(chunks, desc=f"hash {os.path.basename(path)}", total=-(-size // HASH_CHUNK) or None,
-                              unit="chunk"):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return sha256_stream(f, os.fspath(path), os.path.getsize(path), progress)[0]
 
 
 

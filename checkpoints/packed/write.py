@@ -16,7 +16,6 @@ from ..folder import INDEX_FILE, SAFETENSORS_METADATA, SINGLE_FILE, OpenCheckpoi
 from .layers import prepack_layer, unpackable_reason
 from .manifest import (
     COPIED_CONFIG_FILES,
-    HASH_CHUNK,
     MANIFEST_FILE,
     PACKED_FORMAT,
     PACKED_VERSION,
@@ -90,7 +89,7 @@ def _copy_chunks(source: str, target: str) -> tuple[str, int, safetensors_io.Fil
         stamp = safetensors_io.file_stamp(st)
         digest, size = hashlib.sha256(), 0
         with open(target, "xb") as out:
-            for chunk in iter(lambda: f.read(HASH_CHUNK), b""):
+            for chunk in iter(lambda: f.read(safetensors_io.HASH_CHUNK), b""):
                 digest.update(chunk)
                 out.write(chunk)
                 size += len(chunk)
