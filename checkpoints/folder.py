@@ -138,7 +138,7 @@ def _read_json(path: str, raw: dict[str, bytes] | None = None) -> dict[str, Any]
     return value
 
 
-def _weight_files(folder: str, raw: dict[str, bytes] | None = None
+def weight_files(folder: str, raw: dict[str, bytes] | None = None
                   ) -> tuple[list[str], dict[str, str] | None, str | None]:
     """(files to read, weight_map or None, index path or None)."""
     index_path = os.path.join(folder, INDEX_FILE)
@@ -204,7 +204,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, mmap: bool = True) -> Check
     """
     folder = os.fspath(path)
     config, hf_quant_config, producer = _configs(folder)
-    files, weight_map, index_path = _weight_files(folder)
+    files, weight_map, index_path = weight_files(folder)
     stored, file_of = _gather(folder, files, weight_map, index_path,
                               lambda file_path: read_safetensors(file_path, mmap=mmap).tensors)
     return _assemble(stored, file_of, producer, config or {}, hf_quant_config)
@@ -295,7 +295,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> OpenCheckpoint:
     folder = os.fspath(path)
     json_bytes: dict[str, bytes] = {}
     config, hf_quant_config, producer = _configs(folder, json_bytes)
-    names, weight_map, index_path = _weight_files(folder, json_bytes)
+    names, weight_map, index_path = weight_files(folder, json_bytes)
     files: dict[str, SafetensorsFile] = {}
     try:
         for file in names:

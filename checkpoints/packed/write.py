@@ -12,7 +12,7 @@ import numpy as np
 from ... import __version__
 from .. import safetensors_io
 from ..atomic import TargetRules, atomic_folder, recover_interrupted, require_writable_target, write_json
-from ..folder import INDEX_FILE, SAFETENSORS_METADATA, SINGLE_FILE, OpenCheckpoint, open_checkpoint
+from ..folder import INDEX_FILE, SAFETENSORS_METADATA, OpenCheckpoint, open_checkpoint, weight_files
 from .layers import prepack_layer, unpackable_reason
 from .manifest import (
     COPIED_CONFIG_FILES,
@@ -30,16 +30,6 @@ from .manifest import (
 )
 
 
-def _source_files(folder: str) -> tuple[list[str], dict[str, str] | None]:
-    """(safetensors files, weight_map or None) of a checkpoint folder load_checkpoint accepted."""
-    index = os.path.join(folder, INDEX_FILE)
-    if os.path.exists(index):
-        weight_map = read_json(index)["weight_map"]
-        return sorted(set(weight_map.values())), weight_map
-    return [SINGLE_FILE], None
-
-
-
 def source_extras(folder: str | os.PathLike[str]) -> tuple[list[str], dict[str, str]]:
     """(files `qpn pack` copies as they are, {entry: why it is not copied}) of a checkpoint folder.
 
@@ -53,7 +43,7 @@ def source_extras(folder: str | os.PathLike[str]) -> tuple[list[str], dict[str, 
     folder = os.fspath(folder)
     copy, skipped = [], {}
     entries = sorted(os.listdir(folder))
-    weights = {INDEX_FILE, *_source_files(folder)[0]} if any(map(is_weight_file, entries)) else set()
+    weights = {INDEX_FILE, *weight_files(folder)[0]} if any(map(is_weight_file, entries)) else set()
     for entry in entries:
         if entry.startswith(".") or entry in COPIED_CONFIG_FILES or entry in weights:
             continue
