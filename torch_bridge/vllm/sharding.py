@@ -298,28 +298,25 @@ def _as_param_dtype(name: str, param: Tensor, loaded: Tensor) -> Tensor:
 def _set_param_attrs(param: Parameter, /, **attrs: object) -> None:
     """vLLM reads a parameter's loading metadata as plain attributes (weight_loader, output_dim,
     input_dim, and whatever the layer passes in extra_weight_attrs), and qpn adds its own (qpn_role,
-    qpn_loaded, qpn_sources, qpn_cast_ok); torch's Parameter type declares none of them, so they are set
+    qpn_sources, qpn_cast_ok); torch's Parameter type declares none of them, so they are set
     by name, here only."""
     for key, value in attrs.items():
         setattr(param, key, value)
 
 
-def _loaded_slots(param: Tensor) -> set[int]:
-    """The shard slots of `param` loaded so far: its qpn_loaded set (_register)."""
-    slots: set[int] = param.qpn_loaded  # type: ignore[attr-defined]  # set by name (_set_param_attrs)
-    return slots
+def _sources(param: Tensor) -> dict[int, LoadedSource]:
+    """{shard slot: the checkpoint tensor it was loaded from} of `param`, for the slots loaded so far (_register)."""
+    sources: dict[int, LoadedSource] = param.qpn_sources  # type: ignore[attr-defined]  # set by _set_param_attrs
+    return sources
 
 
 def loaded_source(param: Tensor, slot: int) -> LoadedSource:
     """The checkpoint tensor (and offsets into it) that slot `slot` of `param` was loaded from."""
-    sources: dict[int, LoadedSource] = param.qpn_sources  # type: ignore[attr-defined]  # _register
-    return sources[slot]
+    return _sources(param)[slot]
 
 
 def _mark_loaded(param: Tensor, slot: int, source: LoadedSource) -> None:
-    _loaded_slots(param).add(slot)
-    sources: dict[int, LoadedSource] = param.qpn_sources  # type: ignore[attr-defined]  # _register
-    sources[slot] = source
+    _sources(param)[slot] = source
 
 
 def _load_rows(geom: ShardGeometry, name: str, param: Tensor, loaded: Tensor, shard_id: object, tensor: str,
@@ -491,10 +488,9 @@ def _register(layer: QPNLayer, geom: ShardGeometry, name: str, data: Tensor, rol
     param = Parameter(data, requires_grad=False)
     # the layer's attributes first; its weight_loader is replaced by ours
     _set_param_attrs(param, **{key: value for key, value in extra_weight_attrs.items() if key != "weight_loader"})
-    loaded: set[int] = set()
-    sources: dict[int, LoadedSource] = {}
-    _set_param_attrs(param, weight_loader=_make_loader(geom, name, role, rule), qpn_role=role, qpn_loaded=loaded,
-                     qpn_sources=sources, qpn_cast_ok=cast_ok)
+    sources: dict[int, LoadedSource] = {}  # the slots loaded so far, and from what
+    _set_param_attrs(param, weight_loader=_make_loader(geom, name, role, rule), qpn_role=role, qpn_sources=sources,
+                     qpn_cast_ok=cast_ok)
     if role == _ROWS:
         _set_param_attrs(param, output_dim=0)
         if data.dim() == 2:
@@ -508,7 +504,7 @@ def _require_loaded(layer: QPNLayer, geom: ShardGeometry, names: tuple[str, ...]
     for name in names:
         param = getattr(layer, name)
         slots = set(range(len(geom.partitions)))
-        absent = sorted(slots - _loaded_slots(param))
+        absent = sorted(slots - set(_sources(param)))
         if absent:
             ids = [geom.shard_ids[i] for i in absent] if geom.shard_ids != (None,) else ["(whole layer)"]
             missing.append(f"{name} {ids}")
