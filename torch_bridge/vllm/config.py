@@ -43,7 +43,7 @@ from .methods import (
     QPNNVFP4LinearMethod,
     _unquantized_method,
 )
-from .sharding import DEFAULT_PACKED_MODULES
+from .sharding import shard_layer_names
 
 QUANT_NAME = "qpn"
 MIN_CAPABILITY = 75  # Turing (sm_75); newer cards run the compute_75 PTX
@@ -266,11 +266,7 @@ class QPNConfig(QuantizationConfig):
     # --- which layers are quantized, and how
 
     def _shard_names(self, prefix: str) -> list[str]:
-        parent, _, leaf = prefix.rpartition(".")
-        shards = self.packed_modules_mapping.get(leaf) or DEFAULT_PACKED_MODULES.get(leaf)
-        if not shards:
-            return []
-        return [f"{parent}.{s}" if parent else s for s in shards]
+        return shard_layer_names(prefix, self.packed_modules_mapping)
 
     def _excluded(self, name: str) -> bool:
         return any(name == e or fnmatch.fnmatchcase(name, e) for e in self.exclude_modules)

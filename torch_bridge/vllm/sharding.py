@@ -225,14 +225,19 @@ def _shard_sources(layer: object, kind: str, partitions: tuple[int, ...], tp_ran
     return disk_rows, source_ranks, shard_ids
 
 
+def shard_layer_names(prefix: str, packed_modules: Mapping[str, Sequence[str]] | None) -> list[str]:
+    """The checkpoint layers a fused vLLM layer `prefix` loads, in shard order (model.layers.0.self_attn.qkv_proj
+    -> its q_proj, k_proj, v_proj), from the model's packed_modules_mapping or the usual names; [] when unfused."""
+    parent, _, leaf = prefix.rpartition(".")
+    names = (packed_modules or {}).get(leaf) or DEFAULT_PACKED_MODULES.get(leaf) or []
+    return [f"{parent}.{name}" if parent else str(name) for name in names]
+
+
 def _checkpoint_layers(prefix: str, shards: int, packed_modules: Mapping[str, Sequence[str]] | None
                        ) -> tuple[str, ...]:
     """The checkpoint layer of each shard of the vLLM layer `prefix` (ShardGeometry.checkpoint_layers)."""
-    parent, _, leaf = prefix.rpartition(".")
-    names = (packed_modules or {}).get(leaf) or DEFAULT_PACKED_MODULES.get(leaf) or []
-    if shards > 1 and len(names) == shards:
-        return tuple(f"{parent}.{name}" if parent else str(name) for name in names)
-    return (prefix,) * shards
+    names = shard_layer_names(prefix, packed_modules)
+    return tuple(names) if shards > 1 and len(names) == shards else (prefix,) * shards
 
 
 def layer_geometry(layer: object, input_size_per_partition: int, output_partition_sizes: Sequence[int],
