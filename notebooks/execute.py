@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -165,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: FAILED, left unchanged\n{exc}", file=sys.stderr)
             failed = True
             continue
-        nbformat.write(nb, path)
+        tmp = path.with_name(f".{path.name}.tmp")  # a whole notebook or the old one, never half of one
+        nbformat.write(nb, tmp)
+        os.replace(tmp, path)
         found = problems(nb)
         print(f"{name}: written, {figures(nb)} figures, {path.stat().st_size / 1e3:.0f} kB"
               + ("" if not found else "; but the tests will reject it:\n  " + "\n  ".join(found)))
