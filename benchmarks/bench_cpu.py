@@ -2,7 +2,7 @@
 
     python benchmarks/bench_cpu.py [--shapes 256x256,1024x1024,4096x4096,14336x4096] [--ms 1,64]
                                    [--formats nvfp4,fp8_channel,fp8_block] [--threads T]
-                                   [--crossover 1,2,4,8,12,16,32] [--chunks 32,128,512,0]
+                                   [--chunks 32,128,512,0]
                                    [--crossover-shape 4096x4096]
                                    [--json benchmarks/results/cpu.json]
 
@@ -12,8 +12,8 @@ and, for information, in bf16. Each figure is the minimum over --repeats calls, 
 F.linear calls interleaved so both see the same machine load; the ratio is qpn / fp32.
 Correctness is checked before timing: every output inside qpn.ref.linear_bounds.
 
---crossover times both CPU paths (fused; decode-then-matmul) at each M on --crossover-shape, by
-overriding qpn.torch_bridge._cpu.FUSED_MAX_M: the measurement behind FUSED_MAX_M.
+The crossover of the two CPU paths (fused; decode-then-matmul) is benchmarks/bench_dispatch.py
+--device cpu's measurement: it writes the table the dispatch policy reads.
 --chunks times the decode-then-matmul path at M = 64 with chunks of that many W16 rows (0 = all N
 rows at once, a fresh N x K float32 buffer per call): the measurement behind CHUNK_ELEMENTS.
 
@@ -111,28 +111,6 @@ def section_targets(args, rng) -> list:
     return rows
 
 
-def section_crossover(args, rng) -> list:
-    n, k = args.crossover_shape
-    rows = []
-    saved = _cpu.FUSED_MAX_M
-    print(f"\ncrossover, {n}x{k}: us of the fused path and of decode-then-matmul")
-    try:
-        for fmt in args.formats:
-            op, w16 = make_layer(fmt, n, k, rng)
-            for m in args.crossover:
-                x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float16))
-                us = {}
-                for path, limit in (("fused", 1 << 30), ("blas", 0)):
-                    _cpu.FUSED_MAX_M = limit
-                    check(op, x, w16)
-                    us[path] = time_interleaved({path: lambda: op(x)}, args.repeats)[path]
-                rows.append(dict(format=fmt, n=n, k=k, m=m, fused_us=us["fused"], blas_us=us["blas"]))
-                print(f"{fmt:12} M={m:4d} fused {us['fused']:9.0f} blas {us['blas']:9.0f}", flush=True)
-    finally:
-        _cpu.FUSED_MAX_M = saved
-    return rows
-
-
 def section_chunks(args, rng) -> list:
     n, k = args.crossover_shape
     rows = []
@@ -161,10 +139,9 @@ def parse_args(argv):
     p.add_argument("--formats", default=",".join(FORMATS), type=lambda s: s.split(","))
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--crossover", default="", type=ints)
     p.add_argument("--chunks", default="", type=ints)
     p.add_argument("--crossover-shape", default=(4096, 4096), type=lambda v: tuple(int(d) for d in v.split("x")),
-                   help="N x K of --crossover and --chunks (default 4096x4096)")
+                   help="N x K of --chunks (default 4096x4096)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     bad = [f for f in args.formats if f not in FORMATS]
@@ -185,8 +162,6 @@ def main(argv=None) -> None:
     print(" | ".join(f"{key} {value}" for key, value in header.items()), flush=True)
     rng = np.random.default_rng(0)
     result = dict(header=header, targets=section_targets(args, rng))
-    if args.crossover:
-        result["crossover"] = section_crossover(args, rng)
     if args.chunks:
         result["chunks"] = section_chunks(args, rng)
     if args.json:

@@ -29,7 +29,6 @@ from ..ref.qpn8 import qpn8_group_scales_format
 from ._validate import (
     CupyArray,
     global_scale_on_device,
-    global_scale_stride,
     launch_blocks,
     output_array,
     raise_reference_error,
@@ -130,16 +129,6 @@ def qpn2_dequantize(codes: CupyArray, scales: CupyArray, global_scale: float | n
     return out
 
 
-def qpn2_dequantize_trusted(codes: CupyArray, scales: CupyArray, global_scale: CupyArray, n: int, k: int, out: CupyArray
-                            ) -> CupyArray:
-    """`qpn2_dequantize(..., out=out, check=False)` of arguments its caller validated (the torch op:
-    dtypes, shapes, QPN2 multiples, one device, C-contiguous; global_scale a device float32 of one
-    value or one per tile; out a fresh fp16 [n, k]); checks only the alignment (no sync)."""
-    require_qpn2_aligned(codes, scales)
-    launch_qpn2_dequantize(codes, scales, global_scale, global_scale_stride(global_scale), out, n, k)
-    return out
-
-
 def qpn8_strides(wf: WeightFormat, n: int) -> tuple[int, int, int]:
     """(kb stride, tile stride, column stride) the kernels read the group scales of layout `wf` with."""
     if wf is QPN8:
@@ -208,15 +197,5 @@ def qpn8_dequantize(codes: CupyArray, group_scales: CupyArray, n: int, k: int, o
     out = output_array(out, (n, k), np.float16)
     if check:
         check_qpn8(codes, group_scales, n, k)
-    launch_qpn8_dequantize(codes, group_scales, strides, out, n, k)
-    return out
-
-
-def qpn8_dequantize_trusted(codes: CupyArray, group_scales: CupyArray, n: int, k: int, out: CupyArray) -> CupyArray:
-    """`qpn8_dequantize(..., out=out, check=False)` of arguments its caller validated (the torch op:
-    dtypes, shapes, QPN8 multiples, one device, C-contiguous; out a fresh fp16 [n, k]); checks only
-    the alignment (no sync). The layout of the group scales is read from their shape (host arithmetic)."""
-    require_qpn8_aligned(codes)
-    strides = qpn8_strides(qpn8_group_scales_format(group_scales.shape, n, k), n)
     launch_qpn8_dequantize(codes, group_scales, strides, out, n, k)
     return out

@@ -27,14 +27,12 @@ import numpy as np
 
 from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
 from ..ref.geometry import GROUP_K, TILE_N
-from ._validate import CupyArray, global_scale_stride, output_array, require_cupy
+from ._validate import CupyArray, output_array, require_cupy
 from .dequantize import (
     prepare_qpn2,
     prepare_qpn8,
     qpn8_group_scales_format,
     qpn8_strides,
-    require_qpn2_aligned,
-    require_qpn8_aligned,
 )
 from .linear import (
     MAX_M,
@@ -43,14 +41,14 @@ from .linear import (
     _fragment_elements,
     _gated_rows,
     _partial_elements,
-    _require_group_scales_aligned,
-    _require_x_aligned,
     _rows_of,
     _x_fragments,
     _zeroed_tickets,
     call_workspace,
     decode_threshold,
     require_family,
+    require_group_scales_aligned,
+    require_x_aligned,
 )
 from .loader import kernel
 from .variants import KernelVariant
@@ -117,15 +115,14 @@ def _device() -> tuple[int, int]:
     return _DEVICE[device.id]
 
 
-def gemm_threshold(fmt: str, n: int, k: int) -> int:
-    """Largest M that should run the GEMM on the current device (GEMM_MAX_M); the decode kernels
-    take M <= decode_threshold, dequantize + cuBLAS everything above. Host arithmetic only."""
-    decode_threshold(fmt, n, k)  # the same argument rules
+def gemm_threshold(format: str, n: int, k: int) -> int:
+    """The largest M the GEMM serves on the current device when no measured dispatch table covers it
+    (GEMM_MAX_M; torch_bridge/dispatch.py reads the measured tables first). Host arithmetic only."""
+    decode_threshold(format, n, k)  # the same argument rules
     sms, major = _device()
-    if (major, fmt) in GEMM_MAX_M:
-        return max(MAX_M, GEMM_MAX_M[major, fmt])
-    family = QPN2 if fmt == QPN2.format else QPN8
-    parts, _ = gemm_split(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[family.key], sms)
+    if (major, format) in GEMM_MAX_M:
+        return max(MAX_M, GEMM_MAX_M[major, format])
+    parts, _ = gemm_split(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[require_family(format).key], sms)
     return GEMM_MAX_M_OTHER if parts <= GEMM_MAX_PARTS_OTHER else MAX_M
 
 
@@ -172,11 +169,10 @@ def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool) -> tu
     return parts, per_part, frag, partial, partial + bx * bz
 
 
-def gemm_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False) -> int:
+def gemm_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False) -> int:
     """fp32 elements of the workspace a GEMM call needs (x fragments, split-K partials, tickets):
     pass one of at least this size where allocations must come from the caller (graph capture)."""
-    require_family(fmt)
-    return _workspace_ends(QPN2 if fmt == QPN2.key else QPN8, m, n, k, gated)[-1]
+    return _workspace_ends(require_family(format), m, n, k, gated)[-1]
 
 
 def _launch(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int, gated: bool,
@@ -201,7 +197,7 @@ def _activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:
     if m < 1:
         raise ValueError(f"x must have M >= 1 rows, got shape {tuple(x.shape)}; an empty batch needs no call")
     wf.require_dims(TILE_N, k)  # K's rule (N is checked on the weights)
-    _require_x_aligned(x)
+    require_x_aligned(x)
     return m, k
 
 
@@ -214,18 +210,8 @@ def qpn2_gemm_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_s
     n = _rows_of(codes, k, QPN2.code_bits / 8)
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
     y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
-    _launch(QPN2, QPN2_GEMM[bool(gated)], (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace)
+    launch_qpn2_gemm(x, codes, scales, g, g_stride, n, y, gated, workspace)
     return y
-
-
-def qpn2_gemm_trusted(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: CupyArray, n: int,
-                      out: CupyArray, gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
-    """`qpn2_gemm_linear` of arguments the torch op validated (as linear.qpn2_linear_trusted, any M)."""
-    _require_x_aligned(x)
-    require_qpn2_aligned(codes, scales)
-    weights = (codes, scales, global_scale, np.int32(global_scale_stride(global_scale)))
-    _launch(QPN2, QPN2_GEMM[bool(gated)], weights, x, out, n, gated, workspace)
-    return out
 
 
 def qpn8_gemm_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None,
@@ -234,17 +220,21 @@ def qpn8_gemm_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, ou
     m, k = _activation(x, QPN8)
     n = _rows_of(codes, k, QPN8.code_bits / 8)
     n, k, _ = prepare_qpn8(codes, group_scales, n, k)
+    wf = qpn8_group_scales_format(group_scales.shape, n, k)
+    require_group_scales_aligned(group_scales, wf)
     y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
-    return qpn8_gemm_trusted(x, codes, group_scales, n, y, gated, workspace)
+    launch_qpn8_gemm(x, codes, group_scales, wf, n, y, gated, workspace)
+    return y
 
 
-def qpn8_gemm_trusted(x: CupyArray, codes: CupyArray, group_scales: CupyArray, n: int, out: CupyArray,
-                      gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
-    """`qpn8_gemm_linear` of arguments the torch op validated (as linear.qpn8_linear_trusted, any M)."""
-    wf = qpn8_group_scales_format(group_scales.shape, n, x.shape[1])
-    _require_x_aligned(x)
-    require_qpn8_aligned(codes)
-    _require_group_scales_aligned(group_scales, wf)
+def launch_qpn2_gemm(x: CupyArray, codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int,
+                     y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
+    _launch(QPN2, QPN2_GEMM[bool(gated)], (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace)
+
+
+def launch_qpn8_gemm(x: CupyArray, codes: CupyArray, group_scales: CupyArray, wf: WeightFormat, n: int,
+                     y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     weights = (codes, group_scales, np.int32(qpn8_strides(wf, n)[0]))
-    _launch(QPN8, QPN8_GEMM[bool(gated), wf is QPN8_BLOCK], weights, x, out, n, gated, workspace)
-    return out
+    _launch(QPN8, QPN8_GEMM[bool(gated), wf is QPN8_BLOCK], weights, x, y, n, gated, workspace)
+
+

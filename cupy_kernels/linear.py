@@ -30,14 +30,12 @@ import numpy as np
 from ..ref.checks import require_multiple
 from ..ref.formats import FORMAT_NAMES, QPN2, QPN8, QPN8_BLOCK, WeightFormat
 from ..ref.geometry import GROUP_K, TILE_N
-from ._validate import CupyArray, global_scale_stride, output_array, require_aligned, require_cupy
+from ._validate import CupyArray, output_array, require_aligned, require_cupy
 from .dequantize import (
     prepare_qpn2,
     prepare_qpn8,
     qpn8_group_scales_format,
     qpn8_strides,
-    require_qpn2_aligned,
-    require_qpn8_aligned,
 )
 from .loader import RawKernel, kernel
 from .variants import KernelVariant
@@ -91,17 +89,17 @@ X_BATCH = {QPN2.key: 1, QPN8.key: 0}  # when a batch's x is loaded: qpn_mma.cuh,
 X_FRAG = {(wf.key, nb): nb >= 2 for wf in (QPN2, QPN8) for nb in (1, 2, 3, 4)}
 
 
-def _macros(fmt: str, nb: int, gated: bool, block_scales: bool = False) -> tuple[tuple[str, str], ...]:
-    """The build of a decode kernel for `fmt` (QPN2.key | QPN8.key), 8 * nb tokens, gated or not."""
-    family = QPN8_BLOCK.key if block_scales else fmt
+def _macros(key: str, nb: int, gated: bool, block_scales: bool = False) -> tuple[tuple[str, str], ...]:
+    """The build of a decode kernel of family `key` (QPN2.key | QPN8.key), 8 * nb tokens, gated or not."""
+    family = QPN8_BLOCK.key if block_scales else key
     return tuple(sorted((
         *pipeline_macros(*PIPELINE[family, nb, gated]),
-        ("QPN_X_BATCH", str(X_BATCH[fmt])),
-        ("QPN_X_FRAG", str(int(X_FRAG[fmt, nb]))),
+        ("QPN_X_BATCH", str(X_BATCH[key])),
+        ("QPN_X_FRAG", str(int(X_FRAG[key, nb]))),
         ("QPN_GATED", str(int(gated))),
         ("QPN_NB", str(nb)),
         ("QPN_WARPS", str(MAX_WARPS)),
-        *((("QPN8_BLOCK_SCALES", str(int(block_scales))),) if fmt == QPN8.key else ()),
+        *((("QPN8_BLOCK_SCALES", str(int(block_scales))),) if key == QPN8.key else ()),
     )))
 
 
@@ -161,31 +159,26 @@ def split_k(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, in
 _SMS: dict = {}  # device id -> multiprocessor count
 
 
-def decode_split(fmt: str, n: int, k: int) -> tuple[int, int, int]:
-    """split_k for an [N, K] weight of format "qpn2" | "qpn8" on the current CuPy device."""
+def decode_split(format: str, n: int, k: int) -> tuple[int, int, int]:
+    """split_k for an [N, K] weight of format "nvfp4" | "fp8" on the current CuPy device."""
     import cupy  # noqa: PLC0415
 
+    family = require_family(format)
     device = cupy.cuda.Device()
     if device.id not in _SMS:
         _SMS[device.id] = device.attributes["MultiProcessorCount"]
-    return split_k(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[fmt], _SMS[device.id])
+    return split_k(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[family.key], _SMS[device.id])
 
 
+def decode_threshold(format: str, n: int, k: int) -> int:
+    """Largest M the decode kernels take for an [N, K] weight of format "nvfp4" | "fp8": MAX_M.
 
-
-def decode_threshold(fmt: str, n: int, k: int) -> int:
-    """Largest M that should run the decode kernel (above it: dequantize + cuBLAS) for [N, K].
-
-    Chosen by measurement (benchmarks/results/decode_h200.md, H200): at every M <= 32 and on every
-    benchmark shape the decode kernel beats dequantize-then-cuBLAS, by 1.6x to 11x, for both
-    formats; extrapolating its time linearly in M, the crossover would come at M ~ 55
-    (5120 x 17408) to M ~ 100 (28672 x 8192), past the kernels' range. So the threshold is the
-    kernels' limit for every shape; N and K stay in the signature because the crossover is
-    shape-dependent and a future kernel (or a Turing measurement) may move it below 32.
-    Pure host arithmetic: safe to call on every forward, also during CUDA-graph capture.
+    Which path serves an M is the dispatch policy's choice (torch_bridge/dispatch.py, from the
+    measured table of the device family); this is only the kernels' range. Measured on the H200
+    (benchmarks/results/decode_h200.md): at every M <= 32 and on every benchmark shape the decode
+    kernel beats dequantize-then-cuBLAS, by 1.6x to 11x. Pure host arithmetic.
     """
-    if fmt not in FORMAT_NAMES:
-        raise ValueError(f"fmt must be one of {FORMAT_NAMES}, got {fmt!r}")
+    require_family(format)
     if n <= 0 or k <= 0:
         raise ValueError(f"n and k must be positive, got n={n}, k={k}")
     return MAX_M
@@ -200,11 +193,11 @@ def _activation(x: CupyArray, wf: WeightFormat, dense: str) -> tuple[int, int]:
             f"use {dense} (the prefill path) for larger M"
         )
     require_multiple("K", k, wf.k_multiple, wf.label, wf.k_fix)
-    _require_x_aligned(x)
+    require_x_aligned(x)
     return m, k
 
 
-def _require_x_aligned(x: CupyArray) -> None:
+def require_x_aligned(x: CupyArray) -> None:
     require_aligned("x", x, 8)  # 8-byte loads of 4 consecutive k
 
 
@@ -264,7 +257,7 @@ def _split_k_elements(parts: int, m: int, n: int, gated: bool) -> tuple[int, int
     return (_partial_elements(parts, m, n, gated), n // TILE_N) if parts > 1 else (0, 0)
 
 
-def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False) -> int:
+def decode_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False) -> int:
     """fp32 elements of the workspace qpn2_linear / qpn8_linear need for this call (0: none).
 
     Pass a workspace of at least this size (`workspace=`) where allocations must come from the
@@ -273,9 +266,9 @@ def decode_workspace_size(fmt: str, m: int, n: int, k: int, gated: bool = False)
     reused by the next call on the same stream (or freed to the caching allocator) once this one
     is queued.
     """
-    require_family(fmt)
-    frag = _fragment_elements(m, k) if X_FRAG[fmt, -(-m // TOKENS_PER_BLOCK)] else 0
-    return frag + sum(_split_k_elements(decode_split(fmt, n, k)[0], m, n, gated))
+    family = require_family(format)
+    frag = _fragment_elements(m, k) if X_FRAG[family.key, -(-m // TOKENS_PER_BLOCK)] else 0
+    return frag + sum(_split_k_elements(decode_split(format, n, k)[0], m, n, gated))
 
 
 def _zeroed_tickets(tickets: CupyArray) -> CupyArray:
@@ -311,14 +304,16 @@ def call_workspace(workspace: CupyArray | None, size: int, sizer: str) -> CupyAr
     return workspace
 
 
-def require_family(fmt: str) -> None:
-    """`fmt` names a decode-kernel family: QPN2.key or QPN8.key (the workspace sizers take it)."""
-    if fmt not in (QPN2.key, QPN8.key):
-        raise ValueError(f"fmt must be {QPN2.key!r} or {QPN8.key!r}, got {fmt!r}")
+def require_family(format: str) -> WeightFormat:
+    """The kernel family (QPN2 or QPN8: its split and x source) of the public format name "nvfp4" | "fp8"."""
+    family = {QPN2.format: QPN2, QPN8.format: QPN8}.get(format)
+    if family is None:
+        raise ValueError(f"format must be one of {FORMAT_NAMES}, got {format!r}")
+    return family
 
 
-def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray, n: int, gated: bool,
-            workspace: CupyArray | None, x_frag: bool) -> None:
+def _launch(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray, n: int,
+            gated: bool, workspace: CupyArray | None, x_frag: bool) -> None:
     """Queue one decode call: the x fragments (x_frag: the build reads them), the split-K tickets'
     reset, and the kernel `fn` with the split (decode_split) and its grid; `weights` are the
     format's leading kernel arguments.
@@ -328,7 +323,7 @@ def _launch(fmt: str, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArra
     """
 
     m, k = x.shape
-    parts, split, groups_per_warp = decode_split(fmt, n, k)
+    parts, split, groups_per_warp = decode_split(family.format, n, k)
     partial_size, ticket_count = _split_k_elements(parts, m, n, gated)
     frag = _fragment_elements(m, k) if x_frag else 0
     size = frag + partial_size + ticket_count
@@ -359,27 +354,15 @@ def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale:
     n = _rows_of(codes, k, QPN2.code_bits / 8)
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)  # N's rule first
     y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
-    _qpn2_decode(x, codes, scales, g, g_stride, n, y, gated, workspace)
+    launch_qpn2_decode(x, codes, scales, g, g_stride, n, y, gated, workspace)
     return y
 
 
-def qpn2_linear_trusted(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: CupyArray, n: int,
-                        out: CupyArray, gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
-    """`qpn2_linear` of arguments its caller validated (the torch op: dtypes, shapes, QPN2 multiples,
-    M in [1, 32], gated halves in whole tiles, one device, C-contiguous; global_scale a device
-    float32 of one value or one per tile; out a fresh fp16 [M, N] or [M, N/2]); checks only the
-    alignment, which the op's metadata checks cannot see."""
-    _require_x_aligned(x)
-    require_qpn2_aligned(codes, scales)
-    _qpn2_decode(x, codes, scales, global_scale, global_scale_stride(global_scale), n, out, gated, workspace)
-    return out
-
-
-def _qpn2_decode(x: CupyArray, codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int, y: CupyArray,
-                 gated: bool, workspace: CupyArray | None) -> None:
+def launch_qpn2_decode(x: CupyArray, codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int,
+                       y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
     fn = kernel(QPN2_LINEAR[nb, bool(gated)])
-    _launch(QPN2.key, fn, (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace, X_FRAG[QPN2.key, nb])
+    _launch(QPN2, fn, (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace, X_FRAG[QPN2.key, nb])
 
 
 def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None,
@@ -394,34 +377,20 @@ def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: Cu
     n = _rows_of(codes, k, QPN8.code_bits / 8)
     n, k, _ = prepare_qpn8(codes, group_scales, n, k)  # N's rule first
     wf = qpn8_group_scales_format(group_scales.shape, n, k)
-    _require_group_scales_aligned(group_scales, wf)
+    require_group_scales_aligned(group_scales, wf)
     y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
-    _qpn8_decode(x, codes, group_scales, wf, n, y, gated, workspace)
+    launch_qpn8_decode(x, codes, group_scales, wf, n, y, gated, workspace)
     return y
 
 
-def qpn8_linear_trusted(x: CupyArray, codes: CupyArray, group_scales: CupyArray, n: int, out: CupyArray,
-                        gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
-    """`qpn8_linear` of arguments its caller validated (the torch op: dtypes, shapes, QPN8 multiples,
-    group scales [1, N] or [K/128, N/32], M in [1, 32], gated halves in whole tiles, one device,
-    C-contiguous; out a fresh fp16 [M, N] or [M, N/2]); checks only the alignment, which the op's
-    metadata checks cannot see. The layout of the group scales is read from their shape."""
-    wf = qpn8_group_scales_format(group_scales.shape, n, x.shape[1])
-    _require_x_aligned(x)
-    require_qpn8_aligned(codes)
-    _require_group_scales_aligned(group_scales, wf)
-    _qpn8_decode(x, codes, group_scales, wf, n, out, gated, workspace)
-    return out
-
-
-def _require_group_scales_aligned(group_scales: CupyArray, wf: WeightFormat) -> None:
+def require_group_scales_aligned(group_scales: CupyArray, wf: WeightFormat) -> None:
     if wf is QPN8:
         require_aligned("group_scales", group_scales, 8)  # 8-byte loads of a quad's 4 scales
 
 
-def _qpn8_decode(x: CupyArray, codes: CupyArray, group_scales: CupyArray, wf: WeightFormat, n: int, y: CupyArray,
-                 gated: bool, workspace: CupyArray | None) -> None:
+def launch_qpn8_decode(x: CupyArray, codes: CupyArray, group_scales: CupyArray, wf: WeightFormat, n: int,
+                       y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     kb_stride = qpn8_strides(wf, n)[0]
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
     fn = kernel(QPN8_LINEAR[nb, bool(gated), wf is QPN8_BLOCK])
-    _launch(QPN8.key, fn, (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace, X_FRAG[QPN8.key, nb])
+    _launch(QPN8, fn, (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace, X_FRAG[QPN8.key, nb])

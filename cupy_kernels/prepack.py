@@ -58,33 +58,35 @@ def qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray) -> tuple[Cup
     weight_packed: cupy uint8 [N, K/2] (element 2j in the low nibble); weight_scale: cupy uint8
     e4m3 bits [N, K/16]. Same rules and bytes as qpn.ref.qpn2_prepack.
     """
-    # validate (the alignment, which the torch op cannot see, in qpn2_prepack_trusted)
-    require_cupy("weight_packed", weight_packed, np.uint8, ndim=2)
-    require_cupy("weight_scale", weight_scale, np.uint8, ndim=2)
-    qpn2_prepack_dims(weight_packed, weight_scale)
-    return qpn2_prepack_trusted(weight_packed, weight_scale)
-
-
-def qpn2_prepack_trusted(weight_packed: CupyArray, weight_scale: CupyArray) -> tuple[CupyArray, CupyArray]:
-    """`qpn2_prepack` of tensors its caller validated (the torch op: dtypes, 2-D, QPN2 multiples,
-    scale shape, one device, C-contiguous); checks only the alignment, then the values on the GPU."""
     import cupy  # noqa: PLC0415
 
+    require_cupy("weight_packed", weight_packed, np.uint8, ndim=2)
+    require_cupy("weight_scale", weight_scale, np.uint8, ndim=2)
+    n, k = qpn2_prepack_dims(weight_packed, weight_scale)
+    require_qpn2_prepack_aligned(weight_packed, weight_scale)
+    codes = cupy.empty(QPN2.buffer("codes").shape(n, k), dtype=QPN2.buffer("codes").dtype)
+    scales = cupy.empty(QPN2.buffer("scales").shape(n, k), dtype=QPN2.buffer("scales").dtype)
+    run_qpn2_prepack(weight_packed, weight_scale, codes, scales)
+    return codes, scales
+
+
+def require_qpn2_prepack_aligned(weight_packed: CupyArray, weight_scale: CupyArray) -> None:
+    """The GPU's rule on the NVFP4 sources, which a torch op's metadata checks cannot see."""
     require_aligned("weight_packed", weight_packed)  # 16-byte loads
     require_aligned("weight_scale", weight_scale, 4)  # 4 scale bytes per load
 
-    # allocate
-    n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
-    codes = cupy.empty(QPN2.buffer("codes").shape(n, k), dtype=QPN2.buffer("codes").dtype)
-    scales = cupy.empty(QPN2.buffer("scales").shape(n, k), dtype=QPN2.buffer("scales").dtype)
-    flags = cupy.zeros(1, dtype=cupy.int32)
 
+def run_qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray, codes: CupyArray, scales: CupyArray) -> None:
+    """Launch into `codes` / `scales` (validated arguments), then read the value flag back (one sync
+    per prepack, at load time) and raise the reference's error if it is set."""
+    import cupy  # noqa: PLC0415
+
+    flags = cupy.zeros(1, dtype=cupy.int32)
     launch_qpn2_prepack(weight_packed, weight_scale, codes, scales, flags)
-    if int(flags.get()[0]):  # one sync per prepack (load time)
+    if int(flags.get()[0]):
         from ..ref.qpn2 import qpn2_prepack as reference  # noqa: PLC0415
 
         raise_reference_error(reference, weight_packed, weight_scale, flagged="a NaN scale byte")
-    return codes, scales
 
 
 def launch_qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray, codes: CupyArray, scales: CupyArray,
@@ -113,7 +115,6 @@ def qpn8_prepack(weight: CupyArray, weight_scale: CupyArray,
 
     from ..ref.qpn8 import qpn8_scale_granularity  # noqa: PLC0415  (the shape rule, metadata only)
 
-    # validate (the alignment, which the torch op cannot see, in qpn8_prepack_trusted)
     require_cupy("weight", weight, np.uint8, ndim=2)
     if isinstance(weight_scale, (np.ndarray, np.float32)):
         if np.asarray(weight_scale).dtype != np.float32:
@@ -123,33 +124,29 @@ def qpn8_prepack(weight: CupyArray, weight_scale: CupyArray,
     require_cupy("weight_scale", weight_scale, np.float32)
     n, k = weight.shape
     granularity = qpn8_scale_granularity(weight_scale, n, k, granularity)  # also N / K alignment
-    return qpn8_prepack_trusted(weight, weight_scale, granularity)
-
-
-def qpn8_prepack_trusted(weight: CupyArray, weight_scale: CupyArray, granularity: str) -> tuple[CupyArray, CupyArray]:
-    """`qpn8_prepack` of tensors its caller validated (the torch op: dtypes, weight 2-D, the scale's
-    shape rule and `granularity` from qpn.ref.qpn8_scale_granularity, one device, C-contiguous, the
-    scale on the device); checks only the alignment, then the values on the GPU."""
-    import cupy  # noqa: PLC0415
-
-    require_aligned("weight", weight)
-
-    # allocate
-    n, k = weight.shape
+    require_aligned("weight", weight)  # 16-byte loads
     group_scales_buffer = weight_format(QPN8.format, granularity).buffer("group_scales")
     codes = cupy.empty(QPN8.buffer("codes").shape(n, k), dtype=QPN8.buffer("codes").dtype)
     group_scales = cupy.empty(group_scales_buffer.shape(n, k), dtype=group_scales_buffer.dtype)
-    flags = cupy.zeros(1, dtype=cupy.int32)
+    run_qpn8_prepack(weight, weight_scale, granularity, codes, group_scales)
+    return codes, group_scales
 
+
+def run_qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str, codes: CupyArray,
+                     group_scales: CupyArray) -> None:
+    """Launch into `codes` / `group_scales` (validated arguments), then read the value flag back (one
+    sync per prepack, at load time) and raise the reference's error if it is set."""
+    import cupy  # noqa: PLC0415
+
+    flags = cupy.zeros(1, dtype=cupy.int32)
     launch_qpn8_prepack(weight, weight_scale, granularity, codes, group_scales, flags)
-    bad = int(flags.get()[0])  # one sync per prepack (load time)
+    bad = int(flags.get()[0])
     if bad:
         from ..ref.qpn8 import qpn8_prepack as reference  # noqa: PLC0415
 
         what = {FLAG_NAN: "a NaN weight byte",
                 FLAG_BAD_SCALE: "a non-finite or non-positive scale"}.get(bad, "an overflowing scale")
         raise_reference_error(reference, weight, weight_scale, granularity=granularity, flagged=what)
-    return codes, group_scales
 
 
 def launch_qpn8_prepack(weight: CupyArray, weight_scale: CupyArray, granularity: str, codes: CupyArray,

@@ -8,7 +8,7 @@
    The decode kernels (M <= 32) split K differently: their rows agree within the bound, not bitwise
    (gemm.py's docstring says why).
 3. Gated: silu_and_mul on the plain GEMM's gate / up outputs.
-4. The torch ops route M in (decode_threshold, gemm_threshold] to the GEMM: bit-equal to a direct call.
+4. The torch ops run the path dispatch.choose picks, bit-equal to that kernel's direct call.
 5. CPU: the split never depends on M and covers K in whole batches; every GEMM build is in the
    Turing compile check's registry.
 The sanitizer run: `--drive` at the bottom (tests/test_cupy_sanitizer.py style).
@@ -82,10 +82,9 @@ def test_threshold_by_card_and_format(monkeypatch):
     monkeypatch.setattr(gemm, "_device", lambda: (132, 9))  # the H200
     assert gemm.gemm_threshold("nvfp4", 4096, 14336) == 32  # 16 parts: the dense path wins from M = 33
     assert gemm.gemm_threshold("nvfp4", 5120, 17408) == 64  # 13 parts
-    with pytest.raises(ValueError, match="fmt must be one of"):
-        gemm.gemm_threshold("qpn2", 4096, 4096)
-    with pytest.raises(ValueError, match="fmt must be 'qpn2' or 'qpn8'"):  # the sizers take kernel-family keys
-        gemm.gemm_workspace_size("nvfp4", 64, 4096, 4096)
+    for call in (gemm.gemm_threshold, lambda f, n, k: gemm.gemm_workspace_size(f, 64, n, k)):
+        with pytest.raises(ValueError, match="format must be one of"):  # one vocabulary: "nvfp4" | "fp8"
+            call("qpn2", 4096, 4096)
 
 
 def test_gemm_builds_are_in_the_compile_registry():
@@ -190,7 +189,7 @@ def test_gemm_workspace_from_the_caller(cp):
     rng = np.random.default_rng(5)
     codes, scales = qpn2_buffers(rng, n, k)
     args = (cp.asarray(activations(rng, m, k)), cp.asarray(codes), cp.asarray(scales), G_SCALAR)
-    size = gemm_workspace_size("qpn2", m, n, k)
+    size = gemm_workspace_size("nvfp4", m, n, k)
     y = qpn2_gemm_linear(*args, workspace=cp.full(size, np.nan, dtype=np.float32)).get()
     assert np.array_equal(_bits(y), _bits(qpn2_gemm_linear(*args).get()))
     with pytest.raises(ValueError, match="gemm_workspace_size"):
@@ -199,28 +198,40 @@ def test_gemm_workspace_from_the_caller(cp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_ops_route_the_gemm_range_to_the_gemm(cp, fmt):
-    """torch.ops.qpn.*_linear at M in (32, gemm_threshold] equals the GEMM's own call, bit for bit."""
+def test_ops_run_the_path_dispatch_chooses(cp, fmt):
+    """torch.ops.qpn.*_linear equals, bit for bit, the CuPy kernel of the path dispatch.choose picks;
+    each forced path (torch_bridge/_cuda.linear_on) equals its CuPy API call: the layouts' launches and
+    the validating wrappers end in the same kernels."""
     torch = pytest.importorskip("torch")
     import qpn.torch_bridge  # noqa: F401  (registers the ops)
-    from qpn.cupy_kernels import gemm_threshold, qpn2_gemm_linear, qpn8_gemm_linear
+    from qpn.cupy_kernels import qpn2_gemm_linear, qpn2_linear, qpn8_gemm_linear, qpn8_linear
+    from qpn.ref.formats import QPN2, QPN8
+    from qpn.torch_bridge import _cuda, dispatch
 
     n, k = 256, 1024
-    m = min(48, gemm_threshold(fmt, n, k))
     rng = np.random.default_rng(9)
-    x = activations(rng, m, k)
-    xt = torch.from_numpy(x).cuda()
     if fmt == "nvfp4":
         codes, scales = qpn2_buffers(rng, n, k)
         g = np.full(n // 32, G_SCALAR, np.float32)
-        y = torch.ops.qpn.nvfp4_linear(xt, torch.from_numpy(codes).cuda(), torch.from_numpy(scales).cuda(),
-                                        torch.from_numpy(g).cuda()).cpu().numpy()
-        ref = qpn2_gemm_linear(cp.asarray(x), cp.asarray(codes), cp.asarray(scales), cp.asarray(g)).get()
+        host, wf = (codes, scales, g), QPN2
+        kernels = {"decode": qpn2_linear, "gemm": qpn2_gemm_linear}
+        op = torch.ops.qpn.nvfp4_linear
     else:
-        codes, gs = qpn8_buffers(rng, n, k)
-        y = torch.ops.qpn.fp8_linear(xt, torch.from_numpy(codes).cuda(), torch.from_numpy(gs).cuda()).cpu().numpy()
-        ref = qpn8_gemm_linear(cp.asarray(x), cp.asarray(codes), cp.asarray(gs)).get()
-    assert m > 32 and np.array_equal(_bits(y), _bits(ref))
+        host, wf = qpn8_buffers(rng, n, k), QPN8
+        kernels = {"decode": qpn8_linear, "gemm": qpn8_gemm_linear}
+        op = torch.ops.qpn.fp8_linear
+    buffers = tuple(torch.from_numpy(b).cuda() for b in host)
+    for m in (8, 48, 200):
+        x = activations(rng, m, k)
+        xt = torch.from_numpy(x).cuda()
+        direct = {path: _bits(f(cp.asarray(x), *(cp.asarray(b) for b in host)).get())
+                  for path, f in kernels.items() if path != "decode" or m <= 32}
+        for path, bits in direct.items():
+            forced = _cuda.linear_on(path, wf, xt, buffers, n, k, n, False).cpu().numpy()
+            assert np.array_equal(_bits(forced), bits), (path, m)
+        chosen = dispatch.choose(xt.device, wf, m, n, k, False)
+        forced = _bits(_cuda.linear_on(chosen, wf, xt, buffers, n, k, n, False).cpu().numpy())
+        assert np.array_equal(_bits(op(xt, *buffers).cpu().numpy()), forced), (chosen, m)
 
 
 @pytest.mark.gpu

@@ -297,7 +297,7 @@ def test_split_k_across_blocks(cp, n, k):
     from qpn.cupy_kernels import linear as L
     from qpn.cupy_kernels import qpn2_linear, qpn8_linear
 
-    parts2, parts8 = L.decode_split("qpn2", n, k)[0], L.decode_split("qpn8", n, k)[0]
+    parts2, parts8 = L.decode_split("nvfp4", n, k)[0], L.decode_split("fp8", n, k)[0]
     assert parts2 > 1 and parts8 > 1, (parts2, parts8)
     rng = np.random.default_rng(n + k)
     x = activations(rng, 32, k)
@@ -318,7 +318,8 @@ def test_split_k_across_blocks(cp, n, k):
             ym = f(xd[:m]).get()
             assert np.array_equal(ym.view(np.uint16), y32[:m].view(np.uint16)), \
                 f"{name} M={m} rows differ from the 32-row call"
-        ws = cp.full(L.decode_workspace_size(name, 32, n, k), np.nan, dtype=cp.float32)
+        ws = cp.full(L.decode_workspace_size({"qpn2": "nvfp4", "qpn8": "fp8"}[name], 32, n, k), np.nan,
+                     dtype=cp.float32)
         y_ws = f(xd, workspace=ws).get()
         assert np.array_equal(y_ws.view(np.uint16), y32.view(np.uint16)), f"{name}: workspace= differs"
         if n % 64 == 0:

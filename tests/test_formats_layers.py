@@ -1,6 +1,7 @@
 """ref/ and cupy_kernels/ ask ref/formats.py for the format rules (issue 14, item 1), and the
-torch ops' CUDA backend validates once: torch_bridge/_cuda.py calls the CuPy wrappers' *_trusted
-entries, which launch exactly what the public (validating) wrappers launch.
+torch ops' CUDA backend validates once (issue 21: no *_trusted twins): torch_bridge/_cuda.py calls
+the layouts' launches (cupy_kernels/layouts.py), which launch exactly what the public (validating)
+CuPy wrappers launch.
 
 No GPU here: the CuPy wrappers run against a stand-in `cupy` module (arrays with a shape, a dtype
 and a device pointer) and a recording `kernel`, so the launch arguments are compared on the host.
@@ -20,6 +21,7 @@ import torch
 
 from qpn.cupy_kernels import dequantize as D
 from qpn.cupy_kernels import linear as L
+from qpn.cupy_kernels.layouts import layout_kernels
 from qpn.ref import formats
 from qpn.ref.formats import QPN2, QPN8, QPN8_BLOCK
 
@@ -84,7 +86,7 @@ def test_qpn2_prepack_dims_reads_shapes_only():
         qpn2_prepack_dims(shaped(shape=(64, 48)), shaped(shape=(64, 6)))
 
 
-# ----------------------------------------------------------------------------- trusted entries
+# ----------------------------------------------------------------------------- the layouts' launches
 
 
 class FakeArray:
@@ -121,93 +123,83 @@ def _same_launches(calls: list, count: int) -> None:
 
 
 @pytest.mark.parametrize("g_shape", [(1,), (2,)])
-def test_qpn2_trusted_entries_launch_what_the_wrappers_launch(launches, g_shape):
+def test_qpn2_layout_launches_what_the_wrappers_launch(launches, g_shape):
     n, k = 64, 128
     codes, scales = FakeArray((n, k // 2), np.uint8), FakeArray((n, k // 16), np.uint8)
     g, w16, x, y = FakeArray(g_shape, np.float32), FakeArray((n, k), np.float16), \
         FakeArray((1, k), np.float16), FakeArray((1, n), np.float16)
     D.qpn2_dequantize(codes, scales, g, n, k, out=w16, check=False)
     L.qpn2_linear(x, codes, scales, g, out=y)
-    D.qpn2_dequantize_trusted(codes, scales, g, n, k, w16)
-    L.qpn2_linear_trusted(x, codes, scales, g, n, y)
+    layout_kernels(QPN2).dequantize((codes, scales, g), n, k, w16)
+    layout_kernels(QPN2).decode(x, (codes, scales, g), n, y, False, None)
     _same_launches(launches, 2)
     assert launches[0][1][3] == (0 if g_shape == (1,) else 1)  # the global scale's tile stride
 
 
 @pytest.mark.parametrize("block", [False, True])
-def test_qpn8_trusted_entries_launch_what_the_wrappers_launch(launches, block):
+def test_qpn8_layout_launches_what_the_wrappers_launch(launches, block):
     n, k = 128, 256
     wf = QPN8_BLOCK if block else QPN8
     codes, group_scales = FakeArray((n, k), np.uint8), FakeArray(wf.buffer("group_scales").shape(n, k), np.float16)
     w16, x, y = FakeArray((n, k), np.float16), FakeArray((2, k), np.float16), FakeArray((2, n // 2), np.float16)
     D.qpn8_dequantize(codes, group_scales, n, k, out=w16, check=False)
     L.qpn8_linear(x, codes, group_scales, out=y, gated=True)
-    D.qpn8_dequantize_trusted(codes, group_scales, n, k, w16)
-    L.qpn8_linear_trusted(x, codes, group_scales, n, y, gated=True)
+    layout_kernels(wf).dequantize((codes, group_scales), n, k, w16)
+    layout_kernels(wf).decode(x, (codes, group_scales), n, y, True, None)
     _same_launches(launches, 2)
     assert launches[1][0] is L.QPN8_LINEAR[1, True, block]
     assert launches[0][1][2] == (n // 32 if block else 0)  # the kb stride of the group scales
 
 
-def test_trusted_entries_still_check_the_alignment(launches):
-    """The torch ops check metadata only; a tensor's address is the GPU's rule, checked in the entry."""
+def test_the_layouts_still_check_the_alignment(launches):
+    """The torch ops check metadata only; a tensor's address is the GPU's rule, checked in the launch."""
     n, k = 64, 128
     scales, g = FakeArray((n, k // 16), np.uint8), FakeArray((1,), np.float32)
     with pytest.raises(ValueError, match="codes must start on a 8-byte boundary"):
-        D.qpn2_dequantize_trusted(FakeArray((n, k // 2), np.uint8, ptr=0x10004), scales, g, n, k,
-                                  FakeArray((n, k), np.float16))
+        layout_kernels(QPN2).dequantize((FakeArray((n, k // 2), np.uint8, ptr=0x10004), scales, g), n, k,
+                                        FakeArray((n, k), np.float16))
     with pytest.raises(ValueError, match="x must start on a 8-byte boundary"):
-        L.qpn8_linear_trusted(FakeArray((1, k), np.float16, ptr=0x10002), FakeArray((n, k), np.uint8),
-                              FakeArray((1, n), np.float16), n, FakeArray((1, n), np.float16))
+        layout_kernels(QPN8).decode(FakeArray((1, k), np.float16, ptr=0x10002),
+                                    (FakeArray((n, k), np.uint8), FakeArray((1, n), np.float16)), n,
+                                    FakeArray((1, n), np.float16), False, None)
     assert not launches
 
 
 # ----------------------------------------------------------------------------- torch_bridge/_cuda.py
 
 
-def test_the_cuda_backend_calls_the_trusted_entries(monkeypatch):
-    """ops.py validated the tensors: _cuda.py must not call the validating wrappers again."""
-    from qpn.torch_bridge import _cuda
+def test_the_cuda_backend_runs_the_layouts_launches_on_the_chosen_path(monkeypatch):
+    """ops.py validated the tensors: _cuda.py calls the layout's launches (no validating wrapper), on
+    the path dispatch.choose names, and asks no format anything."""
+    from qpn.torch_bridge import _cuda, dispatch
 
-    called: list[str] = []
+    called: list[tuple[str, str]] = []
 
-    def entry(name, result=None):
-        def record(*args, **kwargs):
-            called.append(name)
-            return result
-        return record
+    class Recorder:
+        def __init__(self, wf):
+            self.family = wf
 
-    n, k = 128, 256
-    kernels = SimpleNamespace(
-        prepack=SimpleNamespace(
-            qpn2_prepack_trusted=entry("qpn2_prepack_trusted", (torch.zeros(n, k // 2, dtype=torch.uint8),
-                                                                 torch.zeros(n, k // 16, dtype=torch.uint8))),
-            qpn8_prepack_trusted=entry("qpn8_prepack_trusted", (torch.zeros(n, k, dtype=torch.uint8),
-                                                                 torch.ones(1, n, dtype=torch.float16)))),
-        dequantize=SimpleNamespace(qpn2_dequantize_trusted=entry("qpn2_dequantize_trusted"),
-                                   qpn8_dequantize_trusted=entry("qpn8_dequantize_trusted")),
-        linear=SimpleNamespace(qpn2_linear_trusted=entry("qpn2_linear_trusted"),
-                               qpn8_linear_trusted=entry("qpn8_linear_trusted")),
-        gemm=SimpleNamespace(qpn2_gemm_trusted=entry("qpn2_gemm_trusted"), qpn8_gemm_trusted=entry("qpn8_gemm_trusted"),
-                             gemm_threshold=lambda fmt, n, k: 64, gemm_workspace_size=lambda fmt, m, n, k, gated: 0),
-        decode_threshold=lambda fmt, n, k: 32,
-        decode_workspace_size=lambda fmt, m, n, k, gated: 0,
-    )
-    monkeypatch.setattr(_cuda, "_kernels", lambda: kernels)
+        def __getattr__(self, name):
+            if name == "workspace_size":
+                return lambda *args: 0
+            return lambda *args: called.append((self.family.key, name))
+
+    monkeypatch.setattr(_cuda, "_layout_kernels", Recorder)
     monkeypatch.setattr(_cuda, "_on_torch_stream", lambda device: contextlib.nullcontext(lambda t: t))
     monkeypatch.setattr(_cuda, "_mm_rn16", lambda x, w16: torch.zeros(x.shape[0], w16.shape[0], dtype=torch.float16))
+    paths = {1: "decode", 48: "gemm"}
+    monkeypatch.setattr(dispatch, "choose", lambda device, wf, m, n, k, gated: paths.get(m, "dense"))
 
-    u8, f16 = torch.uint8, torch.float16
-    codes2, scales2 = _cuda.nvfp4_prepack(torch.zeros(n, k // 2, dtype=u8), torch.zeros(n, k // 16, dtype=u8), n, k)
-    assert (codes2.shape, scales2.shape) == ((n, k // 2), (n, k // 16))
-    _cuda.fp8_prepack(torch.zeros(n, k, dtype=u8), torch.ones(n, dtype=torch.float32), n, k, (1, n))
-    _cuda.nvfp4_dequantize(codes2, scales2, torch.ones(1), n, k)
-    _cuda.fp8_dequantize(torch.zeros(n, k, dtype=u8), torch.ones(1, n, dtype=f16), n, k)
-    for m in (1, 32, 33, 64, 65):  # the three tiers: decode (M <= 32), GEMM (M <= 64 here), dense
+    n, k, u8, f16 = 128, 256, torch.uint8, torch.float16
+    qpn2 = (torch.zeros(n, k // 2, dtype=u8), torch.zeros(n, k // 16, dtype=u8), torch.ones(1))
+    qpn8 = (torch.zeros(n, k, dtype=u8), torch.ones(1, n, dtype=f16))
+    codes, scales = _cuda.prepack(QPN2, qpn2[:2], None, n, k)
+    assert (codes.shape, scales.shape) == ((n, k // 2), (n, k // 16))
+    codes, group_scales = _cuda.prepack(QPN8_BLOCK, (qpn8[0], torch.ones(1, 2)), "block", n, k)
+    assert group_scales.shape == (k // 128, n // 32)
+    for m in (1, 48, 65):
         x = torch.zeros(m, k, dtype=f16)
-        _cuda.nvfp4_linear(x, codes2, scales2, torch.ones(1), n, k, n, False)
-        _cuda.fp8_linear(x, torch.zeros(n, k, dtype=u8), torch.ones(1, n, dtype=f16), n, k, n, False)
-    assert called == ["qpn2_prepack_trusted", "qpn8_prepack_trusted", "qpn2_dequantize_trusted",
-                      "qpn8_dequantize_trusted", *["qpn2_linear_trusted", "qpn8_linear_trusted"] * 2,
-                      *["qpn2_gemm_trusted", "qpn8_gemm_trusted"] * 2, "qpn2_dequantize_trusted",
-                      "qpn8_dequantize_trusted"]
+        assert _cuda.linear(QPN2, x, qpn2, n, k, n, False).shape == (m, n)
+        assert _cuda.linear(QPN8, x, qpn8, n, k, n // 2, True).shape == (m, n // 2)
+    assert called == [("qpn2", "prepack"), ("qpn8_block", "prepack"), ("qpn2", "decode"), ("qpn8", "decode"),
+                      ("qpn2", "gemm"), ("qpn8", "gemm"), ("qpn2", "dequantize"), ("qpn8", "dequantize")]

@@ -13,7 +13,7 @@ import torch
 
 import qpn.torch_bridge  # noqa: F401  (registers torch.ops.qpn.*)
 from qpn import ref
-from qpn.torch_bridge import _cuda
+from qpn.cupy_kernels import decode_threshold
 
 # (N, K): one tile; several tiles and groups; the 128-multiples that block scales need; a
 # MiniLM shape (K = 384 = 6 * 64 is not a multiple of 128: the split-K decode's "practical" rule).
@@ -372,7 +372,7 @@ def test_cuda_decode_path_equals_cupy_kernels_bit_for_bit(fmt, n, k, variant, ga
     """M <= decode_threshold: the op runs the CuPy decode kernel; same bytes as calling it directly."""
     cupy, kernels = cupy_and_kernels()
     buffers, w16 = buffers_for(fmt, n, k, variant, "cuda", seed=n * 11 + k)
-    threshold = _cuda.decode_threshold(fmt, n, k)
+    threshold = decode_threshold(fmt, n, k)
     if threshold < 1:
         pytest.skip(f"decode_threshold({fmt!r}, {n}, {k}) = {threshold}: the decode kernel is never used")
     x_scale = 1.0 / max(1.0, float(np.abs(w16.astype(np.float32)).max()) * np.sqrt(k))
@@ -398,7 +398,7 @@ def test_cuda_rows_agree_across_threshold(fmt, n, k, variant):
     allows (accumulation order differs, so bit equality is not promised; the fraction of
     identical outputs is printed for the record)."""
     buffers, w16 = buffers_for(fmt, n, k, variant, "cuda", seed=17)
-    threshold = _cuda.decode_threshold(fmt, n, k)
+    threshold = decode_threshold(fmt, n, k)
     if threshold < 1:
         pytest.skip("decode kernel unused for this shape")
     x_scale = 1.0 / max(1.0, float(np.abs(w16.astype(np.float32)).max()) * np.sqrt(k))
@@ -420,7 +420,7 @@ def test_cuda_rows_agree_across_threshold(fmt, n, k, variant):
 @pytest.mark.parametrize("n,k", [(256, 256), (64, 4096)])  # the second: split-K across blocks
 def test_cuda_graph_capture_and_replay_of_decode_path(fmt, n, k):
     buffers, w16 = buffers_for(fmt, n, k, "per_tile" if fmt == "nvfp4" else "channel", "cuda", seed=23)
-    threshold = _cuda.decode_threshold(fmt, n, k)
+    threshold = decode_threshold(fmt, n, k)
     if threshold < 1:
         pytest.skip("decode kernel unused for this shape")
     m = min(4, threshold)

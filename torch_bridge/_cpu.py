@@ -6,13 +6,14 @@ kernel-override scan walks every loaded module and crashes inside llvmlite (issu
 (`cache=True` keeps the machine code in __pycache__) and sets numba's thread count to the
 caller's (torch's) on every call.
 
-Two paths, chosen by the ops (ops.py) from M; every weight they use is the contract's W16:
-- fused, M <= FUSED_MAX_M: `qpn2_linear_fused` / `qpn8_linear_fused` decode each 16-weight group
+Two paths, chosen by the dispatch policy (dispatch.py: the measured table dispatch_tables/cpu.json,
+else M <= FUSED_MAX_M); every weight they use is the contract's W16:
+- fused: `qpn2_linear_fused` / `qpn8_linear_fused` decode each 16-weight group
   into one 16-float vector and multiply it into every row of x at once (the caller lays x out in
   the groups' position order, x_position_index, so a group's 16 x values are contiguous); prange
   over 32-row tiles; fp32 accumulation (16 partial sums per output, added at the end of the
   tile). Each x row runs the same instructions whatever M is: the path is batch invariant.
-- decode once, then BLAS, M > FUSED_MAX_M: `qpn2_w16_rows` / `qpn8_w16_rows` write W16 as float32
+- decode once, then BLAS: `qpn2_w16_rows` / `qpn8_w16_rows` write W16 as float32
   rows (k order; every fp16 value is exact in fp32) in chunks of CHUNK_ELEMENTS, each multiplied
   by torch's fp32 matmul; the dequantize ops cast the same rows to fp16.
 Before (one decode-then-matmul path, scalar decode) the linears ran 11-13x slower than fp32
@@ -64,9 +65,10 @@ Codegen: TypeAlias = Callable[[IRContext, IRBuilder, Any, list[IRValue]], IRValu
 # a group decoder: (w16(builder, raw bytes, scale) -> <16 x float> W16, bytes per group)
 Decoder: TypeAlias = tuple[Callable[[IRBuilder, IRValue, IRValue], IRValue], int]
 
-# Largest M served by the fused kernels; above it, decode once then torch's fp32 matmul.
-# Measured (benchmarks/bench_cpu.py --crossover, 4096 x 4096, 2 threads pinned to 2 cores of a
-# quiet Xeon; results/cpu.md), us fused / decode-then-matmul at M = 8 and 12: NVFP4 4690 / 7669,
+# Largest M the fused kernels serve where no measured table covers a call (dispatch.rule_path);
+# above it, decode once then torch's fp32 matmul. Measured (the crossover section of bench_cpu.py
+# then, now bench_dispatch.py --device cpu; 4096 x 4096, 2 threads pinned to 2 cores of a quiet
+# Xeon; results/cpu.md), us fused / decode-then-matmul at M = 8 and 12: NVFP4 4690 / 7669,
 # 10098 / 5229; FP8 channel 4810 / 4835, 10180 / 6319; FP8 block 5014 / 6110, 10642 / 6092.
 # Past M = 8 the M x 2 KiB of partial sums per tile and the x rows crowd L1 (M = 24: 60-74 ms).
 FUSED_MAX_M = 8

@@ -1,47 +1,80 @@
 """The CPU side of the torch ops (ops.py validates, then calls here; _cuda.py is the CUDA side): torch
 tensors in, the numba kernels of _cpu.py on numpy views, torch tensors out. Decode for the dequantize
-ops; for the linears, the decode fused into the dot products at M <= _cpu.FUSED_MAX_M, and decode then
-torch's fp32 matmul above (`linear_rn16`)."""
+ops; for the linears, the decode fused into the dot products or decode then torch's fp32 matmul
+(`decode_then_matmul`), as dispatch.choose picks. A layout's buffers arrive as a tuple in its
+description's order (ref/formats.py), its numba kernels and operands come from one table (_FAMILIES)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..ref.formats import QPN8
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
 from ..ref.geometry import TILE_N
-from . import _cpu
+from . import _cpu, dispatch
 
 # decode_rows(out, row0): W16 rows [row0, row0 + R) into out float32 [R, K] (the numba *_w16_rows kernels)
 DecodeRows = Callable[[np.ndarray, int], None]
 
 
-def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, n: int, k: int) -> Tensor:
-    operands = _nvfp4_operands(codes, scales, global_scale, n)
-    decode_rows = functools.partial(_kernels().qpn2_w16_rows, *operands)
+def dequantize(wf: WeightFormat, buffers: tuple[Tensor, ...], n: int, k: int) -> Tensor:
+    kernels, family = _kernels(), _family(wf)
+    decode_rows = functools.partial(getattr(kernels, family.w16_rows), *family.operands(buffers, n))
     return _w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
 
 
-def fp8_dequantize(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tensor:
-    decode_rows = functools.partial(_kernels().qpn8_w16_rows, *_fp8_operands(codes, group_scales, n))
-    return _w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
+def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int) -> Tensor:
+    """RN16(x @ W16^T) on the path dispatch.choose picks: the fused kernels or decode-then-matmul."""
+    return linear_on(dispatch.choose(x.device, wf, x.shape[0], n, x.shape[1], False), wf, x, buffers, n)
 
 
-def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, n: int) -> Tensor:
-    kernels, operands = _kernels(), _nvfp4_operands(codes, scales, global_scale, n)
-    return linear_rn16(x, n, functools.partial(kernels.qpn2_linear_fused, *operands),
-                       functools.partial(kernels.qpn2_w16_rows, *operands))
+def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int) -> Tensor:
+    """`linear` on a given path, "cpu_fused" or "cpu_blas" (benchmarks/bench_dispatch.py times each)."""
+    kernels, family = _kernels(), _family(wf)
+    operands = family.operands(buffers, n)
+    decode_rows = functools.partial(getattr(kernels, family.w16_rows), *operands)
+    if path == "cpu_fused":
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        getattr(kernels, family.fused)(*operands, x.float()[:, _x_position_index(x.shape[1])].numpy(), y.numpy())
+        return y.to(torch.float16)
+    return decode_then_matmul(x, n, decode_rows)
 
 
-def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, n: int) -> Tensor:
-    kernels, operands = _kernels(), _fp8_operands(codes, group_scales, n)
-    return linear_rn16(x, n, functools.partial(kernels.qpn8_linear_fused, *operands),
-                       functools.partial(kernels.qpn8_w16_rows, *operands))
+def _qpn2_operands(buffers: tuple[Tensor, ...], n: int) -> tuple[np.ndarray, ...]:
+    """numpy views (codes, scales, g_tiles) for the QPN2 kernels; a scalar g is repeated per tile."""
+    codes, scales, global_scale = buffers
+    g_tiles = global_scale.reshape(-1).expand(n // TILE_N).contiguous() if global_scale.numel() == 1 \
+        else global_scale.contiguous()
+    return codes.reshape(-1).numpy(), scales.reshape(-1).numpy(), g_tiles.numpy()
+
+
+def _qpn8_operands(buffers: tuple[Tensor, ...], n: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """numpy (codes, S16 as float32, channel?) for the QPN8 kernels ([1, N] = channel, else block)."""
+    codes, group_scales = buffers
+    channel = tuple(group_scales.shape) == QPN8.buffer("group_scales").shape(n, codes.shape[1])
+    return codes.reshape(-1).numpy(), group_scales.float().numpy(), channel
+
+
+class _Family(NamedTuple):
+    """A layout's numba kernels (their names in _cpu.kernels()) and its operands."""
+
+    fused: str
+    w16_rows: str
+    operands: Callable[[tuple[Tensor, ...], int], tuple]
+
+
+_FAMILIES = {QPN2.key: _Family("qpn2_linear_fused", "qpn2_w16_rows", _qpn2_operands),
+             QPN8.key: _Family("qpn8_linear_fused", "qpn8_w16_rows", _qpn8_operands)}
+
+
+def _family(wf: WeightFormat) -> _Family:
+    return _FAMILIES[QPN8.key if wf is QPN8_BLOCK else wf.key]
 
 
 def _kernels() -> SimpleNamespace:
@@ -59,20 +92,6 @@ def _kernels() -> SimpleNamespace:
     return kernels
 
 
-def _nvfp4_operands(codes: Tensor, scales: Tensor, global_scale: Tensor,
-                        n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """numpy views (codes, scales, g_tiles) for the QPN2 kernels; a scalar g is repeated per tile."""
-    g_tiles = global_scale.reshape(-1).expand(n // TILE_N).contiguous() if global_scale.numel() == 1 \
-        else global_scale.contiguous()
-    return codes.reshape(-1).numpy(), scales.reshape(-1).numpy(), g_tiles.numpy()
-
-
-def _fp8_operands(codes: Tensor, group_scales: Tensor, n: int) -> tuple[np.ndarray, np.ndarray, bool]:
-    """numpy (codes, S16 as float32, channel?) for the QPN8 kernels ([1, N] = channel, else block)."""
-    channel = tuple(group_scales.shape) == QPN8.buffer("group_scales").shape(n, codes.shape[1])
-    return codes.reshape(-1).numpy(), group_scales.float().numpy(), channel
-
-
 def _w16_f32(decode_rows: DecodeRows, n: int, k: int) -> Tensor:
     """float32 [N, K] holding W16 (every value an fp16 value), decoded by `decode_rows(out, row0)`."""
     out = torch.empty((n, k), dtype=torch.float32)
@@ -80,22 +99,16 @@ def _w16_f32(decode_rows: DecodeRows, n: int, k: int) -> Tensor:
     return out
 
 
-def linear_rn16(x: Tensor, n: int, fused: Callable[[np.ndarray, np.ndarray], None],
-                     decode_rows: DecodeRows) -> Tensor:
+def decode_then_matmul(x: Tensor, n: int, decode_rows: DecodeRows) -> Tensor:
     """RN16(x @ W16^T) with fp32 (or, under reduced matmul precision settings, fp64) accumulation.
 
-    M <= _cpu.FUSED_MAX_M: `fused(x_positions, y)`, the decode fused into the dot products.
-    Otherwise W16 is decoded by `decode_rows(out, row0)` in chunks of _cpu.CHUNK_ELEMENTS (sized for
-    the last-level cache), each multiplied by torch's fp32 matmul (y^T = W16 @ x^T, chunk by chunk).
+    W16 is decoded by `decode_rows(out, row0)` in chunks of _cpu.CHUNK_ELEMENTS (sized for the
+    last-level cache), each multiplied by torch's fp32 matmul (y^T = W16 @ x^T, chunk by chunk).
     Both operands hold fp16 values exactly, so every product is exact and only the sums round. torch's fp32 CPU matmul
     accumulates in fp32 at the default "highest" matmul precision; at "high"/"medium" it may use
     bf16 internally, so the product is then taken in float64.
     """
     m, k = x.shape
-    if m <= _cpu.FUSED_MAX_M:
-        y = torch.empty((m, n), dtype=torch.float32)
-        fused(x.float()[:, _x_position_index(k)].numpy(), y.numpy())
-        return y.to(torch.float16)
     if torch.get_float32_matmul_precision() != "highest":
         return torch.mm(x.double(), _w16_f32(decode_rows, n, k).double().t()).to(torch.float16)
     chunk = min(n, max(TILE_N, _cpu.CHUNK_ELEMENTS // k // TILE_N * TILE_N))

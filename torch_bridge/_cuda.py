@@ -20,11 +20,11 @@ Discipline (docs/STYLE.md, item 9), in this order for every call:
    a captured graph. `_SameStream` therefore exports with `stream=-1` (DLPack's "consumer
    uses the producer's stream, no synchronization"), which is the truth here by construction.
 
-Linear, three tiers by M (thresholds measured, host arithmetic: safe under graph capture):
-M <= `qpn.cupy_kernels.decode_threshold(fmt, N, K)` (32, the decode kernels' range) runs the
-decode kernel; M <= `gemm_threshold(fmt, N, K)` the fused-dequantize GEMM (cupy_kernels/gemm.py);
-larger M dequantizes the whole weight into a per-call fp16 [N, K] torch tensor and multiplies
-with torch:
+Every function takes the layout's description and its buffers as a tuple in the description's
+order; the launches are the layout's (qpn.cupy_kernels.layouts), so nothing here asks which format
+it runs. Linear: the path (decode kernel, fused-dequantize GEMM, or dense) is dispatch.choose's,
+from the measured table of the device family (host arithmetic: safe under graph capture). Dense
+dequantizes the whole weight into a per-call fp16 [N, K] torch tensor and multiplies with torch:
 
     y = RN16(torch.mm(x, W16^T, out_dtype=float32))
 
@@ -43,20 +43,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from ..ref.formats import QPN2, QPN8, WeightFormat
-from ..ref.qpn8 import qpn8_scale_granularity
+from ..ref.formats import WeightFormat
+from . import dispatch
 from .epilogue import silu_and_mul
 
 if TYPE_CHECKING:  # annotations only: importing qpn.cupy_kernels at run time waits for the first CUDA call
     from typing import TypeAlias
 
     from ..cupy_kernels._validate import CupyArray
+    from ..cupy_kernels.layouts import LayoutKernels
 
     # as_cupy: a torch tensor -> its zero-copy CuPy view on torch's current stream (_on_torch_stream)
     AsCupy: TypeAlias = Callable[[Tensor], CupyArray]
@@ -64,22 +64,10 @@ if TYPE_CHECKING:  # annotations only: importing qpn.cupy_kernels at run time wa
 _HAS_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # aten::mm.dtype (torch >= 2.8)
 
 
-def _kernels() -> ModuleType:
-    from .. import cupy_kernels as kernels  # imports CuPy
+def _layout_kernels(wf: WeightFormat) -> LayoutKernels:
+    from ..cupy_kernels.layouts import layout_kernels  # imports CuPy on the first launch
 
-    return kernels
-
-
-def decode_threshold(fmt: str, n: int, k: int) -> int:
-    """Largest M that runs the decode kernel for an [N, K] weight of format "nvfp4" | "fp8"
-    (qpn.cupy_kernels.decode_threshold, chosen by measurement; host arithmetic only)."""
-    return _kernels().decode_threshold(fmt, n, k)
-
-
-def gemm_threshold(fmt: str, n: int, k: int) -> int:
-    """Largest M that runs the fused-dequantize GEMM on the current device (above: dequantize +
-    cuBLAS; qpn.cupy_kernels.gemm.gemm_threshold, from the measured crossover)."""
-    return _kernels().gemm.gemm_threshold(fmt, n, k)
+    return layout_kernels(wf)
 
 
 @contextlib.contextmanager
@@ -129,105 +117,54 @@ def _mm_rn16(x: Tensor, w16: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- prepack
 
 
-def nvfp4_prepack(weight_packed: Tensor, weight_scale_u8: Tensor, n: int, k: int) -> tuple[Tensor, Tensor]:
-    """QPN2 prepack on the device. The CuPy wrapper allocates its results; they are copied into
-    torch-owned tensors on the same stream (prepack runs once per layer, the copy is cheap).
-    ops.py validated the tensors: the CuPy wrappers' *_trusted entries do not validate them again."""
-    kernels = _kernels()
-    codes = _empty(QPN2, "codes", n, k, weight_packed.device)
-    scales = _empty(QPN2, "scales", n, k, weight_packed.device)
-    with _on_torch_stream(weight_packed.device) as as_cupy:
-        codes_cp, scales_cp = kernels.prepack.qpn2_prepack_trusted(as_cupy(weight_packed), as_cupy(weight_scale_u8))
-        as_cupy(codes).reshape(-1)[...] = codes_cp.reshape(-1)
-        as_cupy(scales).reshape(-1)[...] = scales_cp.reshape(-1)
-        del codes_cp, scales_cp
-    return codes, scales
-
-
-def fp8_prepack(weight_u8: Tensor, weight_scale: Tensor, n: int, k: int,
-                group_scales_shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
-    kernels = _kernels()
-    codes = _empty(QPN8, "codes", n, k, weight_u8.device)
-    group_scales = torch.empty(group_scales_shape, dtype=torch.float16, device=weight_u8.device)
-    granularity = qpn8_scale_granularity(weight_scale, n, k)  # the shape rule ops.py applied (metadata only)
-    with _on_torch_stream(weight_u8.device) as as_cupy:
-        codes_cp, group_scales_cp = kernels.prepack.qpn8_prepack_trusted(as_cupy(weight_u8), as_cupy(weight_scale),
-                                                                         granularity)
-        as_cupy(codes).reshape(-1)[...] = codes_cp.reshape(-1)
-        as_cupy(group_scales)[...] = group_scales_cp.reshape(group_scales_shape)
-        del codes_cp, group_scales_cp
-    return codes, group_scales
+def prepack(wf: WeightFormat, sources: tuple[Tensor, ...], granularity: str | None, n: int, k: int
+            ) -> tuple[Tensor, ...]:
+    """Checkpoint tensors (validated by ops.py; e4m3 as uint8) -> the packed buffers, torch-owned, written
+    in place by the layout's kernels on torch's stream (a bad value: the reference's ValueError)."""
+    out = tuple(_empty(wf, b.name, n, k, sources[0].device) for b in wf.buffers if b.name != "global_scale")
+    with _on_torch_stream(sources[0].device) as as_cupy:
+        _layout_kernels(wf).prepack(tuple(as_cupy(t) for t in sources), granularity,
+                                    tuple(as_cupy(t) for t in out))
+    return out
 
 
 # ----------------------------------------------------------------------------- dequantize
-# check=False: no validation kernel, no host sync (values were validated once at pack time,
-# see module.py); a checked call would read a flag back and could not run under graph capture.
+# No value check and no host sync (values were validated once at pack time, see module.py); a
+# checked call would read a flag back and could not run under graph capture.
 
 
-def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor, n: int, k: int) -> Tensor:
-    kernels = _kernels()
-    w16 = torch.empty((n, k), dtype=torch.float16, device=codes.device)
-    with _on_torch_stream(codes.device) as as_cupy:
-        kernels.dequantize.qpn2_dequantize_trusted(as_cupy(codes), as_cupy(scales),
-                                                   as_cupy(global_scale.reshape(-1)), n, k, as_cupy(w16))
-    return w16
-
-
-def fp8_dequantize(codes: Tensor, group_scales: Tensor, n: int, k: int) -> Tensor:
-    kernels = _kernels()
-    w16 = torch.empty((n, k), dtype=torch.float16, device=codes.device)
-    with _on_torch_stream(codes.device) as as_cupy:
-        kernels.dequantize.qpn8_dequantize_trusted(as_cupy(codes), as_cupy(group_scales), n, k, as_cupy(w16))
+def dequantize(wf: WeightFormat, buffers: tuple[Tensor, ...], n: int, k: int) -> Tensor:
+    w16 = torch.empty((n, k), dtype=torch.float16, device=buffers[0].device)
+    with _on_torch_stream(buffers[0].device) as as_cupy:
+        _layout_kernels(wf).dequantize(tuple(as_cupy(t) for t in buffers), n, k, as_cupy(w16))
     return w16
 
 
 # ----------------------------------------------------------------------------- linear
 
 
-def _fused(wf: WeightFormat, x: Tensor, n: int, k: int, n_out: int, gated: bool, gemm: bool,
-           launch: Callable[..., None]) -> Tensor:
-    """A decode kernel's or the GEMM's call: output and workspace (x fragments, split-K state) from
-    torch's allocator (graph-safe). `launch` calls the CuPy wrapper's *_trusted entry: ops.py
-    validated the arguments."""
-    kernels = _kernels()
+def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, k: int, n_out: int,
+           gated: bool) -> Tensor:
+    """x fp16 [M, K] times the weight -> fp16 [M, n_out], on the path dispatch.choose picks."""
     m = x.shape[0]
-    out = torch.empty((m, n_out), dtype=torch.float16, device=x.device)
-    workspace_size = kernels.gemm.gemm_workspace_size if gemm else kernels.decode_workspace_size
+    if m == 0:
+        return x.new_empty((0, n_out))
+    return linear_on(dispatch.choose(x.device, wf, m, n, k, gated), wf, x, buffers, n, k, n_out, gated)
+
+
+def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, k: int, n_out: int,
+              gated: bool) -> Tensor:
+    """`linear` on a given path ("decode", "gemm" or "dense"; benchmarks/bench_dispatch.py times each)."""
+    if path == "dense":
+        y = _mm_rn16(x, dequantize(wf, buffers, n, k))
+        return silu_and_mul(y) if gated else y
+    kernels = _layout_kernels(wf)
+    launch = kernels.decode if path == "decode" else kernels.gemm
+    out = torch.empty((x.shape[0], n_out), dtype=torch.float16, device=x.device)
     with _on_torch_stream(x.device) as as_cupy:
-        size = workspace_size(wf.key, m, n, k, gated)  # the split depends on x's device
+        # the workspace (x fragments, split-K state) from torch's allocator: graph-safe; the split
+        # depends on x's device, current here
+        size = kernels.workspace_size(path, x.shape[0], n, k, gated)
         workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
-        launch(kernels, as_cupy, out=as_cupy(out), gated=gated, workspace=workspace)
+        launch(as_cupy(x), tuple(as_cupy(t) for t in buffers), n, as_cupy(out), gated, workspace)
     return out
-
-
-def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
-                 n: int, k: int, n_out: int, gated: bool) -> Tensor:
-    m = x.shape[0]
-    if m == 0:
-        return x.new_empty((0, n_out))
-    if m <= gemm_threshold(QPN2.format, n, k):
-        gemm = m > decode_threshold(QPN2.format, n, k)
-
-        def launch(kernels: ModuleType, as_cupy: AsCupy, **kw: Any) -> None:
-            entry = kernels.gemm.qpn2_gemm_trusted if gemm else kernels.linear.qpn2_linear_trusted
-            entry(as_cupy(x), as_cupy(codes), as_cupy(scales), as_cupy(global_scale.reshape(-1)), n, **kw)
-
-        return _fused(QPN2, x, n, k, n_out, gated, gemm, launch)
-    y = _mm_rn16(x, nvfp4_dequantize(codes, scales, global_scale, n, k))
-    return silu_and_mul(y) if gated else y
-
-
-def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, n: int, k: int, n_out: int, gated: bool) -> Tensor:
-    m = x.shape[0]
-    if m == 0:
-        return x.new_empty((0, n_out))
-    if m <= gemm_threshold(QPN8.format, n, k):
-        gemm = m > decode_threshold(QPN8.format, n, k)
-
-        def launch(kernels: ModuleType, as_cupy: AsCupy, **kw: Any) -> None:
-            entry = kernels.gemm.qpn8_gemm_trusted if gemm else kernels.linear.qpn8_linear_trusted
-            entry(as_cupy(x), as_cupy(codes), as_cupy(group_scales), n, **kw)
-
-        return _fused(QPN8, x, n, k, n_out, gated, gemm, launch)
-    y = _mm_rn16(x, fp8_dequantize(codes, group_scales, n, k))
-    return silu_and_mul(y) if gated else y

@@ -150,7 +150,7 @@ def _fp8_group_scales_shape(n: int, k: int, granularity: str) -> tuple[int, ...]
 
 
 def _fp8_dims(codes: Tensor, group_scales: Tensor) -> tuple[int, int]:
-    """Validate QPN8 buffers; returns (N, K)."""
+    """Validate QPN8 buffers; returns (N, K). Their layout (QPN8 or QPN8_BLOCK) is `_fp8_layout`'s."""
     _require_tensor("codes", codes, (torch.uint8,), ndim=2)
     _require_tensor("group_scales", group_scales, (torch.float16,), ndim=2)
     n, k = codes.shape[0], QPN8.k_of_codes(codes.shape[1])
@@ -164,6 +164,11 @@ def _fp8_dims(codes: Tensor, group_scales: Tensor) -> tuple[int, int]:
               f"{list(block)} (128x128 block scales, K % 128 == 0) for codes of shape "
               f"{tuple(codes.shape)}, got {list(shape)}; pass what fp8_prepack returned")
     return n, k
+
+
+def _fp8_layout(group_scales: Tensor, n: int, k: int) -> WeightFormat:
+    """QPN8 (channel / tensor scales [1, N]) or QPN8_BLOCK ([K/128, N/32]), from the validated shape."""
+    return QPN8 if tuple(group_scales.shape) == QPN8.buffer("group_scales").shape(n, k) else QPN8_BLOCK
 
 
 def _linear_out_features(x: Tensor, n: int, k: int, gated: bool) -> int:
@@ -201,7 +206,8 @@ def nvfp4_prepack(weight_packed: Tensor, weight_scale: Tensor) -> tuple[Tensor, 
 @nvfp4_prepack.register_kernel("cuda")
 def _nvfp4_prepack_cuda(weight_packed: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
     n, k = _nvfp4_dims_of_checkpoint(weight_packed, weight_scale)
-    return _cuda().nvfp4_prepack(weight_packed, weight_scale.view(torch.uint8), n, k)
+    codes, scales = _cuda().prepack(QPN2, (weight_packed, weight_scale.view(torch.uint8)), None, n, k)
+    return codes, scales
 
 
 @nvfp4_prepack.register_fake
@@ -228,8 +234,9 @@ def fp8_prepack(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
 @fp8_prepack.register_kernel("cuda")
 def _fp8_prepack_cuda(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, Tensor]:
     n, k, granularity = _fp8_dims_of_checkpoint(weight, weight_scale)
-    return _cuda().fp8_prepack(weight.view(torch.uint8), weight_scale, n, k,
-                               _fp8_group_scales_shape(n, k, granularity))
+    codes, group_scales = _cuda().prepack(weight_format(QPN8.format, granularity),
+                                          (weight.view(torch.uint8), weight_scale), granularity, n, k)
+    return codes, group_scales
 
 
 @fp8_prepack.register_fake
@@ -248,14 +255,14 @@ def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Ten
     qpn.ref.qpn2_dequantize."""
     _require_same_device(codes=codes, scales=scales, global_scale=global_scale)
     n, k = _nvfp4_dims(codes, scales, global_scale)
-    return _cpu_ops.nvfp4_dequantize(codes, scales, global_scale, n, k)
+    return _cpu_ops.dequantize(QPN2, (codes, scales, global_scale), n, k)
 
 
 @nvfp4_dequantize.register_kernel("cuda")
 def _nvfp4_dequantize_cuda(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Tensor:
     _require_same_device(codes=codes, scales=scales, global_scale=global_scale)
     n, k = _nvfp4_dims(codes, scales, global_scale)
-    return _cuda().nvfp4_dequantize(codes, scales, global_scale, n, k)
+    return _cuda().dequantize(QPN2, (codes, scales, global_scale.reshape(-1)), n, k)
 
 
 @nvfp4_dequantize.register_fake
@@ -269,14 +276,14 @@ def fp8_dequantize(codes: Tensor, group_scales: Tensor) -> Tensor:
     """QPN8 buffers -> float16 [N, K] = RN16(e4m3 * 2^-8 * S16), byte-identical to qpn.ref.qpn8_dequantize."""
     _require_same_device(codes=codes, group_scales=group_scales)
     n, k = _fp8_dims(codes, group_scales)
-    return _cpu_ops.fp8_dequantize(codes, group_scales, n, k)
+    return _cpu_ops.dequantize(_fp8_layout(group_scales, n, k), (codes, group_scales), n, k)
 
 
 @fp8_dequantize.register_kernel("cuda")
 def _fp8_dequantize_cuda(codes: Tensor, group_scales: Tensor) -> Tensor:
     _require_same_device(codes=codes, group_scales=group_scales)
     n, k = _fp8_dims(codes, group_scales)
-    return _cuda().fp8_dequantize(codes, group_scales, n, k)
+    return _cuda().dequantize(_fp8_layout(group_scales, n, k), (codes, group_scales), n, k)
 
 
 @fp8_dequantize.register_fake
@@ -292,14 +299,14 @@ def _fp8_dequantize_fake(codes: Tensor, group_scales: Tensor) -> Tensor:
 def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, gated: bool = False) -> Tensor:
     """x float16 [M, K] times the QPN2 weight -> float16 [M, N] (or [M, N/2] gated).
 
-    CPU: the numba kernels, fused for small M, decode-then-fp32-matmul above (_cpu_ops.linear_rn16).
+    CPU: the numba kernels, fused or decode-then-fp32-matmul (_cpu_ops.linear, as dispatch.choose picks).
     """
     _require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
     n, k = _nvfp4_dims(codes, scales, global_scale)
     n_out = _linear_out_features(x, n, k, gated)
     if x.shape[0] == 0:
         return x.new_empty((0, n_out))
-    y = _cpu_ops.nvfp4_linear(x, codes, scales, global_scale, n)
+    y = _cpu_ops.linear(QPN2, x, (codes, scales, global_scale), n)
     return silu_and_mul(y) if gated else y
 
 
@@ -308,7 +315,7 @@ def _nvfp4_linear_cuda(x: Tensor, codes: Tensor, scales: Tensor, global_scale: T
     _require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
     n, k = _nvfp4_dims(codes, scales, global_scale)
     n_out = _linear_out_features(x, n, k, gated)
-    return _cuda().nvfp4_linear(x, codes, scales, global_scale, n, k, n_out, gated)
+    return _cuda().linear(QPN2, x, (codes, scales, global_scale.reshape(-1)), n, k, n_out, gated)
 
 
 @nvfp4_linear.register_fake
@@ -326,7 +333,7 @@ def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = Fal
     n_out = _linear_out_features(x, n, k, gated)
     if x.shape[0] == 0:
         return x.new_empty((0, n_out))
-    y = _cpu_ops.fp8_linear(x, codes, group_scales, n)
+    y = _cpu_ops.linear(_fp8_layout(group_scales, n, k), x, (codes, group_scales), n)
     return silu_and_mul(y) if gated else y
 
 
@@ -335,7 +342,7 @@ def _fp8_linear_cuda(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool
     _require_same_device(x=x, codes=codes, group_scales=group_scales)
     n, k = _fp8_dims(codes, group_scales)
     n_out = _linear_out_features(x, n, k, gated)
-    return _cuda().fp8_linear(x, codes, group_scales, n, k, n_out, gated)
+    return _cuda().linear(_fp8_layout(group_scales, n, k), x, (codes, group_scales), n, k, n_out, gated)
 
 
 @fp8_linear.register_fake

@@ -1,0 +1,184 @@
+"""The one dispatch policy of the linear ops: which kernel path runs a call (device, M, N, K, gated).
+
+Candidates, each with the range it can implement:
+
+    path       device  M          what runs
+    decode     cuda    1-32       the decode kernels (cupy_kernels/linear.py)
+    gemm       cuda    >= 1       the fused-dequantize GEMM (cupy_kernels/gemm.py; built for 33-512)
+    dense      cuda    >= 1       dequantize to fp16, then cuBLAS with fp32 accumulation (_cuda.py)
+    cpu_fused  cpu     1-32       numba: the decode fused into the dot products (_cpu.py)
+    cpu_blas   cpu     >= 1       numba decode in chunks, then torch's fp32 matmul (_cpu_ops.py)
+
+The choice is the candidate of least cost, cost read from the MEASURED table of the device family
+(`dispatch_tables/<family>.json`: "sm_90" for an H200, "cpu" for the CPU backend), written by
+`benchmarks/bench_dispatch.py` on that family (times of every path at a grid of M on a set of
+layer shapes). A call's cost: the row of the same layout (QPN8 block scales fall back to QPN8's rows,
+gated to plain) at the measured shape nearest in log N + log K, linear in M between the measured M
+(beyond the last, proportional to M), scaled by N*K over the row's. A family without a table, or a
+call no measured path covers, takes the rule the kernels were tuned for (`rule_path`): decode up to 32,
+the GEMM up to cupy_kernels.gemm_threshold, dense above; on the CPU the fused kernels up to
+_cpu.FUSED_MAX_M (the measured 4096 x 4096 crossover), decode-then-BLAS above.
+
+Every path computes the contract's W16 with fp32 accumulation: the choice moves time, never a
+weight (an output can move by the fp32 summation order only, inside ref.linear_bounds). Host
+arithmetic only, cached per call shape: safe on every forward and under CUDA-graph capture.
+`describe()` prints the table and the choices (`qpn inspect --dispatch`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..ref.formats import BY_KEY, QPN8, QPN8_BLOCK, WeightFormat
+
+TABLES = Path(__file__).resolve().parent / "dispatch_tables"
+DECODE_MAX_M = 32  # the decode kernels' range (cupy_kernels.linear.MAX_M: 4 tensor-core n8 blocks)
+CPU_FUSED_MAX_M = 32  # the fused numba kernels run any M; the table (or the rule) says where they win
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    device: str  # "cuda" | "cpu"
+    max_m: int | None  # None: any M
+
+    def can_implement(self, device: str, m: int) -> bool:
+        return device == self.device and m >= 1 and (self.max_m is None or m <= self.max_m)
+
+
+CANDIDATES = (
+    Candidate("decode", "cuda", DECODE_MAX_M),
+    Candidate("gemm", "cuda", None),
+    Candidate("dense", "cuda", None),
+    Candidate("cpu_fused", "cpu", CPU_FUSED_MAX_M),
+    Candidate("cpu_blas", "cpu", None),
+)
+PATHS = tuple(c.name for c in CANDIDATES)
+
+
+def device_family(device: torch.device) -> str:
+    """"cpu", or "sm_<major><minor>" of a CUDA device (the tables' key)."""
+    if device.type != "cuda":
+        return "cpu"
+    return _cuda_family(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_family(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}"
+
+
+@dataclass(frozen=True)
+class Row:
+    layout: str  # a WeightFormat key
+    n: int
+    k: int
+    gated: bool
+    m: int
+    us: dict[str, float]  # path -> measured microseconds
+
+
+@functools.cache
+def table(family: str) -> tuple[Row, ...]:
+    """The measured rows of `family` (empty without a table file)."""
+    path = TABLES / f"{family}.json"
+    if not path.is_file():
+        return ()
+    data = json.loads(path.read_text())
+    return tuple(Row(r["layout"], r["n"], r["k"], r["gated"], r["m"], dict(r["us"])) for r in data["rows"])
+
+
+def _rows_for(rows: tuple[Row, ...], wf: WeightFormat, gated: bool) -> list[Row]:
+    for layout in dict.fromkeys((wf.key, QPN8.key if wf is QPN8_BLOCK else wf.key)):
+        for g in dict.fromkeys((gated, False)):
+            found = [r for r in rows if r.layout == layout and r.gated == g]
+            if found:
+                return found
+    return []
+
+
+def _interpolate(points: list[tuple[int, float]], m: int) -> float:
+    points.sort()
+    if m <= points[0][0]:
+        return points[0][1]
+    if m >= points[-1][0]:
+        return points[-1][1] * m / points[-1][0]
+    for (m0, t0), (m1, t1) in zip(points, points[1:], strict=False):
+        if m0 <= m <= m1:
+            return t0 + (t1 - t0) * (m - m0) / (m1 - m0)
+    raise AssertionError("unreachable: m lies between the first and the last point")
+
+
+def costs(family: str, wf: WeightFormat, m: int, n: int, k: int, gated: bool) -> dict[str, float]:
+    """Estimated microseconds of every path the table measured for this call (module docstring)."""
+    rows = _rows_for(table(family), wf, gated)
+    if not rows:
+        return {}
+    shapes = {(r.n, r.k) for r in rows}
+    nr, kr = min(shapes, key=lambda s: (abs(math.log(n / s[0])) + abs(math.log(k / s[1])), s))
+    scale = n * k / (nr * kr)
+    points: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if (r.n, r.k) == (nr, kr):
+            for path, us in r.us.items():
+                points.setdefault(path, []).append((r.m, us))
+    return {path: _interpolate(p, m) * scale for path, p in points.items()}
+
+
+def rule_path(device: str, wf: WeightFormat, m: int, n: int, k: int) -> str:
+    """The path without a measured table (module docstring)."""
+    if device == "cpu":
+        from ._cpu import FUSED_MAX_M  # noqa: PLC0415  (a constant; numba itself is imported on first use)
+
+        return "cpu_fused" if m <= FUSED_MAX_M else "cpu_blas"
+    from ..cupy_kernels.gemm import gemm_threshold  # noqa: PLC0415  (reads the device: CUDA only)
+
+    if m <= DECODE_MAX_M:
+        return "decode"
+    return "gemm" if m <= gemm_threshold(wf.format, n, k) else "dense"
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(family: str, device: str, key: str, m: int, n: int, k: int, gated: bool) -> str:
+    wf = BY_KEY[key]
+    able = [c.name for c in CANDIDATES if c.can_implement(device, m)]
+    measured = {path: t for path, t in costs(family, wf, m, n, k, gated).items() if path in able}
+    if measured:
+        return min(measured, key=lambda path: (measured[path], PATHS.index(path)))
+    return rule_path(device, wf, m, n, k)
+
+
+def choose(device: torch.device, wf: WeightFormat, m: int, n: int, k: int, gated: bool) -> str:
+    """The path that runs an [M, K] x [N, K] call of layout `wf` on `device` (the one place it is chosen)."""
+    return _choose(device_family(device), "cpu" if device.type != "cuda" else "cuda", wf.key, m, n, k, gated)
+
+
+DESCRIBE_MS = (1, 8, 16, 32, 33, 48, 64, 96, 128, 256, 512, 1024)
+DESCRIBE_SHAPES = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096), (5120, 17408))
+
+
+def describe(family: str, wf: WeightFormat, gated: bool = False) -> str:
+    """A text table: the path chosen (and the estimated us of each measured path) per shape and M."""
+    device = "cpu" if family == "cpu" else "cuda"
+    rows = _rows_for(table(family), wf, gated)
+    if rows:
+        source = f"measured table dispatch_tables/{family}.json ({len(rows)} rows of {rows[0].layout}" \
+                 f"{', gated' if rows[0].gated else ''})"
+    else:
+        source = f"no measured table for {family}: the rule (rule_path)"
+    lines = [f"dispatch for {wf.label} on {family}: {source}"]
+    for n, k in DESCRIBE_SHAPES:
+        cells = []
+        for m in DESCRIBE_MS:
+            est = costs(family, wf, m, n, k, gated)
+            pick = _choose(family, device, wf.key, m, n, k, gated) if device == "cpu" or est else "?"
+            cells.append(f"M={m}: {pick}" + (f" {est[pick]:.0f}us" if pick in est else ""))
+        lines.append(f"  {n}x{k}: " + ", ".join(cells))
+    return "\n".join(lines)
