@@ -293,7 +293,7 @@ def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=
     x_frag = dict(macros).get("QPN_X_FRAG") == "1"
     saved, L.TARGET_WARPS = L.TARGET_WARPS, target or L.TARGET_WARPS
     try:
-        parts, split, gpw = L.decode_split(fmt, n, k)
+        parts, split, gpw = L.decode_split({"qpn2": "nvfp4", "qpn8": "fp8"}[fmt], n, k)
         split_k = sum(L._split_k_elements(parts, m, n, False))
         workspace = ctx.cp.empty((L._fragment_elements(m, k) if x_frag else 0) + split_k, ctx.cp.float32)
 
@@ -436,14 +436,17 @@ GEMM_SHAPES = ((28672, 8192), (34816, 5120), (5120, 17408), (14336, 4096), (4096
 
 def section_gemm(ctx: bk.Context) -> bk.Section:
     """The fused-dequantize GEMM vs the dense path (dequantize + cuBLAS) and cuBLAS fp16, M in GEMM_MS,
-    with the tier the dispatch picks (decode_threshold / gemm_threshold) and the faster one measured."""
+    with the path the dispatch policy picks (torch_bridge/dispatch.py) and the faster one measured."""
+    import torch
+
     from qpn.cupy_kernels import (
-        gemm_threshold,
         qpn2_dense_linear,
         qpn2_gemm_linear,
         qpn8_dense_linear,
         qpn8_gemm_linear,
     )
+    from qpn.ref.formats import QPN2
+    from qpn.torch_bridge import dispatch
 
     cp = ctx.cp
     g_dev = cp.full(1, G, dtype=cp.float32)
@@ -474,7 +477,7 @@ def section_gemm(ctx: bk.Context) -> bk.Section:
             us = {name: v["us"] for name, v in t.items()}
             us["cublas"] = _torch_linear_us(ctx, x, w16)
             faster = "/".join("gemm" if us[f"gemm{f}"] < us[f"dense{f}"] else "dense" for f in "28")
-            picked = "gemm" if m <= gemm_threshold("nvfp4", n, k) else "dense"
+            picked = dispatch.choose(torch.device("cuda"), QPN2, m, n, k, False)
             sec.rows.append({"n": n, "k": k, "m": m, **{f"{name}_us": v for name, v in us.items()},
                              "gemm2_x": us["cublas"] / us["gemm2"], "gemm8_x": us["cublas"] / us["gemm8"],
                              "faster": faster, "picked": picked,
@@ -484,7 +487,7 @@ def section_gemm(ctx: bk.Context) -> bk.Section:
     sec.notes.append(
         "cuBLAS fp16 = torch.nn.functional.linear on the same W16 (rotated copies), a replayed torch CUDA graph; "
         "GEMM and dense = the CuPy wrappers in a CUDA graph (dense: cupy.matmul in a launch loop where capture "
-        "fails); 'dispatch picks' = the tier qpn's ops choose at that M (gemm_threshold on this GPU)."
+        "fails); 'dispatch picks' = the path qpn's ops choose at that M (dispatch.choose on this GPU)."
     )
     return sec
 
@@ -568,7 +571,7 @@ def section_l2rate(ctx: bk.Context) -> bk.Section:
     with ClockSampler() as clock:
         for n, k1, k2 in L2_PAIRS:
             for fmt in ("qpn2", "qpn8", "qpn8_block"):
-                family = "qpn2" if fmt == "qpn2" else "qpn8"
+                family = "nvfp4" if fmt == "qpn2" else "fp8"  # the public format name the sizers take
                 if weight_bytes(fmt, n, k2) > 0.8 * ctx.l2_bytes:
                     sec.notes.append(f"{fmt} {n}x{k2}: {weight_bytes(fmt, n, k2) / 1e6:.1f} MB > 0.8 x L2: skipped")
                     continue

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One GPU session: install, every gpu-marked test, compute-sanitizer, the benchmarks.
 #   bash benchmarks/run_on_device.sh OUT_DIR [stages]
-#   stages: any of tests,sanitizer,bench,decode,model (default: all); budgets: TESTS_S, SAN_S, BENCH_S, MODEL_S
+#   stages: any of tests,sanitizer,bench,decode,dispatch,model (default: all); budgets: TESTS_S, SAN_S, BENCH_S, MODEL_S
+#   (dispatch: benchmarks/bench_dispatch.py, every linear path timed; its table lands in OUT_DIR)
 #   (model: benchmarks/bench_model.py, Llama-3.1-8B-shaped decode tokens/s vs fp16; MODEL_ARGS passes arguments)
 # Every stage logs to OUT_DIR and runs even if an earlier one failed; the last lines summarise.
 # On a machine without the MiniLM wheel, set QPN_MINILM_DIR to a copy of its model folder; the
 # notebooks need the [test] extra (nbclient), which the device image lacks, so they are left out.
 set -u
 out=${1:?usage: run_on_device.sh OUT_DIR [stages]}
-stages=${2:-tests,sanitizer,bench,decode,model}
+stages=${2:-tests,sanitizer,bench,decode,dispatch,model}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -46,6 +47,10 @@ fi
 if [[ $stages == *decode* ]]; then
   timeout "${BENCH_S:-240}" python3 benchmarks/bench_decode.py --out "$out" --name decode_h200 ${BENCH_ARGS:-} >"$out/bench_decode.log" 2>&1
   summary+=("bench_decode: rc=$?")
+fi
+if [[ $stages == *dispatch* ]]; then
+  timeout "${BENCH_S:-240}" python3 benchmarks/bench_dispatch.py --device cuda --out "$out" >"$out/bench_dispatch.log" 2>&1
+  summary+=("bench_dispatch: rc=$? $(grep -c ' -> ' "$out/bench_dispatch.log") rows")
 fi
 if [[ $stages == *model* ]]; then  # ~5 min: build 8B fp16 on the GPU, quantize one layer, 3 formats x 3 batches
   timeout "${MODEL_S:-540}" python3 benchmarks/bench_model.py --out "$out" --name model_h200 ${MODEL_ARGS:-} \
