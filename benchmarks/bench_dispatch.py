@@ -7,10 +7,12 @@ that torch_bridge/dispatch.py reads.
 
 Per layout (QPN2, QPN8 channel scales), shape (N x K), M and path: microseconds of the path forced
 (torch_bridge/_cuda.linear_on: decode, gemm, dense; _cpu_ops.linear_on: cpu_fused, cpu_blas), the
-median of REPEATS timings of CALLS back-to-back calls (CUDA events on the GPU, perf_counter on the
-CPU). Printed per row: each path's time, the fastest, and its speed-up over the other paths measured
-in the same run. --write replaces the family's table in the package (the file the policy reads);
-the JSON always goes to --out. Weights: random codes (any byte is valid; QPN8 without the NaN bytes),
+median of REPEATS timings of CALLS back-to-back calls (on the GPU one CUDA graph of the calls,
+replayed and timed with events: kernel time, not Python's; perf_counter on the CPU). On the GPU
+the eager host time per call of each path (256x256, M = 1) is printed too. Printed per row: each
+path's time, the fastest, and its speed-up over the other paths measured in the same run. --write
+replaces the family's table in the package (the file the policy reads); the JSON always goes to
+--out. Weights: random codes (any byte is valid; QPN8 without the NaN bytes),
 e4m3 block scales 0x28..0x7D with g = 1e-3 (NVFP4), S16 in [2^-6, 2^2] (FP8): the values move no time.
 """
 
@@ -50,15 +52,28 @@ def buffers(wf: WeightFormat, n: int, k: int, device: str, rng: np.random.Genera
 
 
 def time_us(call, device: str) -> float:
+    """Median over REPEATS of the mean time of CALLS calls. CUDA: GPU time, the calls captured in one
+    CUDA graph and the replays timed with events (the paths are graph-safe), so Python's enqueue time
+    (the same order for every path, and gone under vLLM's graphs) cannot hide the kernels' time."""
     for _ in range(2):
         call()
+    if device == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(CALLS):
+                call()
+        graph.replay()
     samples = []
     for _ in range(REPEATS):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(CALLS):
-                call()
+            graph.replay()
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end) * 1e3 / CALLS)
@@ -68,6 +83,30 @@ def time_us(call, device: str) -> float:
                 call()
             samples.append((time.perf_counter() - t0) * 1e6 / CALLS)
     return statistics.median(samples)
+
+
+def host_us(call, calls: int = 200) -> float:
+    """Python's enqueue time per eager call (no graph): the loop's wall time with one sync at the end,
+    on a layer small enough that the GPU keeps up."""
+    call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
+def host_section() -> None:
+    rng = np.random.default_rng(1)
+    for wf in (QPN2, QPN8):
+        bufs = buffers(wf, 256, 256, "cuda", rng)
+        x = torch.zeros((1, 256), dtype=torch.float16, device="cuda")
+        us = {p: host_us(lambda p=p: _cuda.linear_on(p, wf, x, bufs, 256, 256, 256, False)) for p in
+              ("decode", "gemm", "dense")}
+        op = torch.ops.qpn.nvfp4_linear if wf is QPN2 else torch.ops.qpn.fp8_linear
+        us["op"] = host_us(lambda: op(x, *bufs))
+        print(f"host us per eager call, {wf.key} 256x256 M=1: " + ", ".join(f"{p} {t:.1f}" for p, t in us.items()))
 
 
 def measure(device: str) -> list[dict]:
@@ -105,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     family = dispatch.device_family(device if device.type == "cpu" else torch.device("cuda", 0))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"dispatch table for {family} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if device.type == "cuda":
+        host_section()
     table = {"family": family, "device": name, "written_by": "benchmarks/bench_dispatch.py",
              "torch": torch.__version__, "threads": torch.get_num_threads(),
              "date": time.strftime("%Y-%m-%d"), "rows": measure(device.type)}

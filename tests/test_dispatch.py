@@ -85,3 +85,21 @@ def test_describe_prints_the_choices():
     text = dispatch.describe("cpu", QPN2)
     assert "dispatch_tables/cpu.json" in text and "4096x4096: M=1: cpu_fused" in text
     assert "no measured table for sm_75" in dispatch.describe("sm_75", QPN2)
+
+
+def test_the_committed_h200_table_picks_the_fastest_measured_path():
+    """dispatch_tables/sm_90.json (bench_dispatch.py on the H200, CUDA-graph timings): at M = 48-64 the
+    dense path on 4096x4096 and 6144x4096 (the GEMM took 56-73 us there, dense 23-34 us: 2.2-2.9x),
+    the GEMM on the large layers (28672x8192: 195-205 us vs dense 274-304), decode at M <= 16."""
+    dispatch.table.cache_clear()
+    dispatch._choose.cache_clear()
+    rows = dispatch.table("sm_90")
+    assert rows, "the H200 table is committed"
+    for key in ("qpn2", "qpn8"):
+        for n, k in ((4096, 4096), (6144, 4096)):
+            assert {dispatch._choose("sm_90", "cuda", key, m, n, k, False) for m in (48, 56, 64)} == {"dense"}
+        assert {dispatch._choose("sm_90", "cuda", key, m, 28672, 8192, False) for m in (48, 64)} == {"gemm"}
+        assert {dispatch._choose("sm_90", "cuda", key, m, 4096, 4096, False) for m in (1, 8, 16)} == {"decode"}
+    for r in rows:  # at every measured point the choice is the measured minimum among the paths that can run
+        able = {p: t for p, t in r.us.items() if p != "decode" or r.m <= dispatch.DECODE_MAX_M}
+        assert dispatch._choose("sm_90", "cuda", r.layout, r.m, r.n, r.k, r.gated) == min(able, key=able.get)

@@ -14,6 +14,9 @@ import torch
 import qpn.torch_bridge  # noqa: F401  (registers torch.ops.qpn.*)
 from qpn import ref
 from qpn.cupy_kernels import decode_threshold
+from qpn.ref.formats import QPN2
+from qpn.ref.qpn8 import qpn8_group_scales_format
+from qpn.torch_bridge import dispatch
 
 # (N, K): one tile; several tiles and groups; the 128-multiples that block scales need; a
 # MiniLM shape (K = 384 = 6 * 64 is not a multiple of 128: the split-K decode's "practical" rule).
@@ -369,7 +372,8 @@ def cupy_and_kernels():
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("fmt,n,k,variant", [c for c in linear_cases() if c[1] % 64 == 0])
 def test_cuda_decode_path_equals_cupy_kernels_bit_for_bit(fmt, n, k, variant, gated):
-    """M <= decode_threshold: the op runs the CuPy decode kernel; same bytes as calling it directly."""
+    """M <= decode_threshold where the dispatch policy picks the decode kernel (every test shape: the
+    measured tables put decode first there): same bytes as calling the CuPy decode kernel directly."""
     cupy, kernels = cupy_and_kernels()
     buffers, w16 = buffers_for(fmt, n, k, variant, "cuda", seed=n * 11 + k)
     threshold = decode_threshold(fmt, n, k)
@@ -379,6 +383,8 @@ def test_cuda_decode_path_equals_cupy_kernels_bit_for_bit(fmt, n, k, variant, ga
     rng = np.random.default_rng(3)
     for m in sorted({1, threshold // 2 or 1, threshold}):
         x = torch.from_numpy((rng.standard_normal((m, k)) * x_scale).astype(np.float16)).cuda()
+        wf = QPN2 if fmt == "nvfp4" else qpn8_group_scales_format(tuple(buffers[1].shape), n, k)
+        assert dispatch.choose(x.device, wf, m, n, k, gated) == "decode", (fmt, n, k, m)
         y = run_linear(fmt, x, buffers, gated=gated)
         direct = cupy.empty((m, n // 2 if gated else n), dtype=cupy.float16)
         cx = cupy.asarray(x.cpu().numpy())
