@@ -118,12 +118,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:  # the checkpoint's tensors, and whether `qpn pack` can take them
             linear = c.linears[name]
             n, k = linear.n, linear.k
-            fmt, granularity, n_padded = packing.layer_format(linear), getattr(linear, "granularity", None), \
+            fmt, granularity, n_padded = linear.weight_format.format, getattr(linear, "granularity", None), \
                 packing.padded_rows(linear)
             scale = linear.global_scale if isinstance(linear, checkpoints.NVFP4Linear) else linear.weight_scale
             nbytes = sum(t.nbytes for t in packing.source_tensors(linear).values())
             reason = packing.unpackable_reason(linear)
-            status = f"cannot pack: {reason}" if reason else f"ok ({packing.weight_format_of(linear).layout})"
+            status = f"cannot pack: {reason}" if reason else f"ok ({linear.weight_format.layout})"
         if n_padded != n and not status.startswith("cannot"):
             status += f", N padded to {n_padded}"
         quantized_bytes += nbytes

@@ -22,6 +22,8 @@ from .output import NO_BARS, UsageError, plural, table_line, table_rule
 if TYPE_CHECKING:  # annotations only: torch is imported where a check needs it (the reference runs without)
     import torch
 
+    from ..torch_bridge import PackedWeight
+
 OK, FAIL, ABSENT = "ok", "FAIL", "-"
 
 
@@ -196,30 +198,21 @@ def _share_differing(a16: np.ndarray, b16: np.ndarray) -> float:
     return float(np.mean(_bits16(a16) != _bits16(b16)))
 
 
-def _torch_buffers(layer: packing.PackedLayer, device: torch.device) -> tuple[torch.Tensor, ...]:
-    import torch
+def _packed_weight(layer: packing.PackedLayer, device: torch.device) -> PackedWeight:
+    """The layer's packed weight on `device` (its CPU backend is numba, its CUDA backend CuPy)."""
+    from ..torch_bridge import PackedWeight
 
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.array(a)).to(device)  # a writable copy of the (read-only) mapped bytes
-
-    return tuple(t(a) for a in layer.kernel_buffers())
+    return PackedWeight.from_packed_layer(layer, device)
 
 
 def _dequantize_on(layer: packing.PackedLayer, device: torch.device) -> np.ndarray:
-    import torch
-
-    buffers = _torch_buffers(layer, device)
-    op = getattr(torch.ops.qpn, f"{layer.format}_dequantize")  # the ops are named by the public format (ops.py)
-    return op(*buffers)[: layer.n].cpu().numpy()
+    return _packed_weight(layer, device).dequantize().cpu().numpy()
 
 
 def _linear_on(layer: packing.PackedLayer, x: np.ndarray, device: torch.device) -> np.ndarray:
     import torch
 
-    buffers = _torch_buffers(layer, device)
-    xt = torch.from_numpy(x).to(device)
-    op = getattr(torch.ops.qpn, f"{layer.format}_linear")
-    return op(xt, *buffers)[:, : layer.n].cpu().numpy()
+    return _packed_weight(layer, device).linear(torch.from_numpy(x).to(device))[:, : layer.n].cpu().numpy()
 
 
 def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -241,14 +234,8 @@ def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.nda
 
 def _packed_layer_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear) -> packing.PackedLayer:
     """Prepack an original layer with qpn.ref, as `qpn pack` would (for verifying an original folder)."""
-    buffers = packing.prepack_layer(linear)
-    wf = packing.weight_format_of(linear)
-    entry = {} if isinstance(linear, checkpoints.NVFP4Linear) else {"granularity": linear.granularity,
-                                                           "scale_name": linear.scale_name}
-    return packing.PackedLayer(
-        linear.name, wf.format, linear.n, linear.k, buffers[packing.CODES],
-        buffers[packing.SCALES] if wf is QPN2 else buffers[packing.GROUP_SCALES],
-        buffers.get(packing.GLOBAL_SCALE), buffers.get(packing.WEIGHT_SCALE), buffers.get(packing.INPUT_SCALE), entry)
+    return packing.PackedLayer(linear.name, linear.weight_format.format, linear.n, linear.k,
+                               packing.prepack_layer(linear), packing.scale_fields(linear))
 
 
 def _new_result(source: Source, name: str) -> LayerResult:
@@ -258,7 +245,7 @@ def _new_result(source: Source, name: str) -> LayerResult:
         layer = c.layers[name]
         return LayerResult(name, format_name(layer.format, layer.granularity), layer.n, layer.k)
     linear = c.linears[name]
-    return LayerResult(name, format_name(packing.layer_format(linear), getattr(linear, "granularity", None)),
+    return LayerResult(name, format_name(linear.weight_format.format, getattr(linear, "granularity", None)),
                        linear.n, linear.k)
 
 

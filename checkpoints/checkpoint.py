@@ -43,7 +43,7 @@ from typing import Literal, overload
 import numpy as np
 
 from ..ref.checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
-from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES
+from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES, QPN2, QPN8, WeightFormat, weight_format
 from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from ..ref.geometry import GROUP_K
 from .safetensors_io import StoredTensor, as_stored_tensor
@@ -153,6 +153,11 @@ class NVFP4Linear:
     def k(self) -> int:
         return int(self.weight_packed.shape[1] * 2)
 
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The layout it packs into (qpn.ref.formats): QPN2."""
+        return QPN2
+
 
 @dataclass(frozen=True, eq=False)
 class FP8Linear:
@@ -221,6 +226,11 @@ class FP8Linear:
     @property
     def k(self) -> int:
         return int(self.weight.shape[1])
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The layout it packs into (qpn.ref.formats): QPN8, or QPN8_BLOCK for 128x128 block scales."""
+        return weight_format(QPN8.format, self.granularity)
 
 
 

@@ -173,11 +173,11 @@ def test_a_stated_single_block_is_a_block_everywhere(n, k, scale_shape):
     padded[:n] = weight
     by_ref = ref.qpn8_prepack(padded, scale, granularity="block")
     assert by_pack["qpn_group_scales"].shape == (1, 4) and by_torch.padded_out_features == 128
-    for codes, group_scales in [(by_torch.codes.numpy(), by_torch.scales.numpy()), by_ref]:
+    for codes, group_scales in [(by_torch.codes.numpy(), by_torch.buffers["group_scales"].numpy()), by_ref]:
         assert np.array_equal(codes, by_pack["qpn_codes"])
         assert np.array_equal(group_scales.view(np.uint16), by_pack["qpn_group_scales"].view(np.uint16))
     module = QPNLinear.from_modelopt_fp8(weight, scale, granularity="block")
-    assert module.fp8_granularity == "block" and torch.equal(module.group_scales, by_torch.scales)
+    assert module.fp8_granularity == "block" and torch.equal(module.group_scales, by_torch.buffers["group_scales"])
 
 
 @pytest.mark.parametrize("scale_shape", SIZE_ONE_SCALES)
@@ -187,9 +187,9 @@ def test_an_unstated_size_one_scale_is_per_tensor_everywhere(scale_shape):
     by_ref = ref.qpn8_prepack(weight, scale)
     assert ref.qpn8_scale_granularity(scale, 64, 128) == "tensor"
     assert ref.fp8_scale_granularity(scale, 64, 128) == "tensor"
-    assert by_torch.scales.shape == (1, 64) and by_ref[1].shape == (1, 64)
+    assert by_torch.buffers["group_scales"].shape == (1, 64) and by_ref[1].shape == (1, 64)
     assert np.array_equal(by_torch.codes.numpy(), by_ref[0])
-    assert np.array_equal(by_torch.scales.numpy().view(np.uint16), by_ref[1].view(np.uint16))
+    assert np.array_equal(by_torch.buffers["group_scales"].numpy().view(np.uint16), by_ref[1].view(np.uint16))
     assert QPNLinear.from_modelopt_fp8(weight, scale).fp8_granularity == "channel"  # the [1, N] layout
 
 

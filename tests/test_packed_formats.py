@@ -52,7 +52,7 @@ def test_what_pack_writes_is_the_format_description(packed_folders, kind):
 def test_a_k_that_breaks_the_layout_names_the_description_rule():
     for kind in ("nvfp4", "fp8-tensor", "fp8-block"):
         linear = build(kind).linears[Q]
-        wf = packed.weight_format_of(linear)
+        wf = linear.weight_format
         assert packed.k_multiple(linear) == wf.k_multiple and packed.padded_rows(linear) == wf.padded_n(linear.n)
         short = linear.k - wf.k_multiple // 2  # half a multiple short: never a multiple
         if wf is QPN2:

@@ -12,7 +12,7 @@ from torch import nn
 
 from qpn import ref
 from qpn.ref.formats import weight_format
-from qpn.torch_bridge import PackedWeight, QPNLinear, pack_fp8, pack_nvfp4
+from qpn.torch_bridge import QPN2Weight, QPN8Weight, QPNLinear, pack_fp8, pack_nvfp4
 
 # (out_features N, in_features K): aligned, N needing padding (40 -> 64, 100 -> 128), real MiniLM shapes
 NVFP4_LAYERS = [(64, 128), (40, 64), (100, 192), (384, 384), (1536, 384)]
@@ -278,10 +278,11 @@ def test_pack_helpers_return_padded_buffers():
     q = nvfp4_tensors(40, 64)
     packed = pack_nvfp4(q.weight_packed, q.weight_scale, q.weight_scale_2)
     assert (packed.format, packed.out_features, packed.in_features, packed.padded_out_features) == ("nvfp4", 40, 64, 64)
-    assert packed.global_scale.shape == (2,)
+    assert type(packed) is QPN2Weight and packed.buffers["global_scale"].shape == (2,)
     f = ref.fp8_quantize(np.ones((40, 32), np.float32), "tensor")
     packed8 = pack_fp8(f.weight, f.weight_scale)
-    assert packed8.scales.shape == (1, 64) and packed8.global_scale is None
+    assert type(packed8) is QPN8Weight and list(packed8.buffers) == ["codes", "group_scales"]
+    assert packed8.buffers["group_scales"].shape == (1, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
@@ -309,11 +310,14 @@ def test_negative_block_scale_bytes_are_refused():
     QPNLinear.from_modelopt_nvfp4(q.weight_packed, zero, q.weight_scale_2)
 
 
-def test_from_packed_nvfp4_without_global_scale_is_a_value_error():
-    """A hand-built PackedWeight("nvfp4", ..., global_scale=None) used to fail inside copy_ with a
-    TypeError (found by mypy: PackedWeight.global_scale is Optional); bad input is a ValueError."""
+def test_a_packed_weight_without_one_of_its_buffers_is_a_value_error():
+    """A hand-built PackedWeight must hold exactly its layout's buffers (once a nullable global_scale
+    failed inside copy_ with a TypeError); bad input is a ValueError naming the buffers."""
     q = nvfp4_tensors(32, 64)
     packed = pack_nvfp4(q.weight_packed, q.weight_scale, q.weight_scale_2)
-    broken = PackedWeight("nvfp4", packed.codes, packed.scales, None, packed.in_features, packed.out_features)
-    with pytest.raises(ValueError, match=r"global_scale.*pack_nvfp4"):
-        QPNLinear.from_packed(broken)
+    with pytest.raises(ValueError, match=r"QPN2 weight holds the buffers \['codes', 'scales', 'global_scale'\]"):
+        QPN2Weight({"codes": packed.codes, "scales": packed.buffers["scales"]}, 64, 32)
+    with pytest.raises(ValueError, match=r"global_scale must be torch.float32 \(1,\)"):
+        QPN2Weight({**packed.buffers, "global_scale": packed.buffers["global_scale"].half()}, 64, 32)
+    with pytest.raises(ValueError, match="cannot hold out_features 64"):
+        QPN2Weight(packed.buffers, 64, 64)

@@ -31,6 +31,7 @@ import vllm_standin as st  # noqa: E402
 
 from qpn import ref  # noqa: E402
 from qpn.ref.formats import weight_format  # noqa: E402
+from qpn.torch_bridge import packed_weight_class  # noqa: E402
 from qpn.torch_bridge import vllm as vm  # noqa: E402
 
 if vm.VLLM_AVAILABLE:
@@ -134,16 +135,16 @@ def test_unsharded_layers_equal_the_contract(block_checkpoints, algo):
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_layers_carry_their_format_description(block_checkpoints, algo):
-    """process_weights_after_loading stores the format description (qpn.ref.formats) that apply
-    dispatches on, and the packed buffers have its shapes; qpn_format stays its public name."""
+    """process_weights_after_loading leaves the packed weight of the layer's layout (its class is the
+    description's: qpn.ref.formats), whose buffers are the layer's qpn_<name> Parameters with its shapes."""
     folder, _ = block_checkpoints[algo]
     kind = vm.config.LAYER_ALGOS[algo]  # "nvfp4", "fp8_tensor", "fp8_channel"
     wf = weight_format("nvfp4") if kind == "nvfp4" else weight_format("fp8", kind.removeprefix("fp8_"))
     for name, layer in load_block(folder).items():
-        assert layer.qpn_weight_format is wf and layer.qpn_format == wf.format, name
+        assert layer.qpn_weight.weight_format is wf and type(layer.qpn_weight) is packed_weight_class(wf), name
         shapes = wf.buffer_shapes(layer.qpn_codes.shape[0], layer.input_size_per_partition)
-        buffers = [layer.qpn_codes, layer.qpn_scales] + ([layer.qpn_global_scale] if wf.key == "qpn2" else [])
-        assert [tuple(b.shape) for b in buffers] == list(shapes.values()), name
+        assert {b: tuple(t.shape) for b, t in layer.qpn_weight.buffers.items()} == shapes, name
+        assert all(t is getattr(layer, f"qpn_{b}") for b, t in layer.qpn_weight.buffers.items()), name
 
 
 @pytest.mark.parametrize("algo", MAIN_ALGOS)

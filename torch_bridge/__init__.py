@@ -3,12 +3,22 @@
 Importing this package registers the `torch.ops.qpn.*` custom ops (ops.py): prepack,
 dequantize and linear for NVFP4 (QPN2 layout) and FP8 (QPN8 layout), each with a CPU kernel
 (numba) and a CUDA kernel (CuPy over DLPack, imported lazily), and a fake kernel for
-torch.compile. On top of them: `QPNLinear` (module.py), `convert` / `load_quantized`
-(convert.py), and the packing helpers `pack_nvfp4` / `pack_fp8` / `qpn_linear` that the vLLM
-linear method builds on.
+torch.compile. On top of them: one object per packed weight (packed_weight.py: `PackedWeight`,
+one class per layout, built by `pack_nvfp4` / `pack_fp8` / `PackedWeight.from_checkpoint`), which
+`QPNLinear` (module.py), `qpn_linear`, `convert` / `load_quantized` (convert.py) and the vLLM
+method hold and call; the path each call takes is dispatch.py's.
 """
 
 from .convert import LoadReport, convert, load_quantized
 from .epilogue import silu_and_mul
-from .module import PackedWeight, QPNLinear, pack_fp8, pack_nvfp4, qpn_linear
+from .module import QPNLinear, qpn_linear
 from .ops import fp8_dequantize, fp8_linear, fp8_prepack, nvfp4_dequantize, nvfp4_linear, nvfp4_prepack
+from .packed_weight import (
+    PackedWeight,
+    QPN2Weight,
+    QPN8BlockWeight,
+    QPN8Weight,
+    pack_fp8,
+    pack_nvfp4,
+    packed_weight_class,
+)

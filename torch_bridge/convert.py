@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from .. import checkpoints
 from ..checkpoints import packed
 from ..ref.formats import FORMAT_NAMES
-from .module import PackedWeight, QPNLinear
+from .module import QPNLinear
+from .packed_weight import PackedWeight
 
 # what load_quantized reads: a folder, or a checkpoint already loaded by qpn.ref or qpn.checkpoints.packed
 Loaded: TypeAlias = checkpoints.Checkpoint | packed.PackedCheckpoint
@@ -123,10 +124,7 @@ def _qpn_linear_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear | pac
     qpn.checkpoints.packed.PackedLayer (as packed)."""
     if not isinstance(linear, packed.PackedLayer):
         return QPNLinear.from_checkpoint(linear, bias=bias)
-    global_scale = torch.from_numpy(np.array(linear.global_scale)) if linear.global_scale is not None else None
-    weight = PackedWeight(linear.format, torch.from_numpy(np.array(linear.codes)),
-                          torch.from_numpy(np.array(linear.scales)), global_scale, linear.k, linear.n)
-    return QPNLinear.from_packed(weight, bias, fp8_granularity="block" if linear.granularity == "block" else "channel")
+    return QPNLinear.from_packed(PackedWeight.from_packed_layer(linear), bias)
 
 
 def _read_checkpoint(checkpoint: object) -> Loaded:

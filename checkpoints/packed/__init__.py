@@ -87,14 +87,13 @@ from .layers import (
     WEIGHT_SCALE,
     PackedLayer,
     k_multiple,
-    layer_format,
     padded_rows,
     prepack_group_scales,
     prepack_layer,
+    scale_fields,
     source_tensors,
     tensor_suffix,
     unpackable_reason,
-    weight_format_of,
 )
 from .manifest import (
     COPIED_CONFIG_FILES,
@@ -113,8 +112,7 @@ from .write import pack_checkpoint, source_extras
 __all__ = [
     "CODES", "COPIED_CONFIG_FILES", "GLOBAL_SCALE", "GROUP_SCALES", "INPUT_SCALE", "MANIFEST_FILE", "PACKED_FORMAT",
     "PACKED_SUFFIXES", "PACKED_VERSION", "SCALES", "WEIGHT_SCALE", "PackError", "PackedCheckpoint", "PackedLayer",
-    "Progress", "copied_file_problems", "is_packed", "k_multiple", "layer_format", "load_packed",
-    "no_quantized_layer", "pack_checkpoint",
-    "padded_rows", "prepack_group_scales", "prepack_layer", "sha256_array", "sha256_file", "source_extras",
-    "source_tensors", "tensor_suffix", "unpackable_reason", "weight_format_of",
+    "Progress", "copied_file_problems", "is_packed", "k_multiple", "load_packed",
+    "no_quantized_layer", "pack_checkpoint", "padded_rows", "prepack_group_scales", "prepack_layer", "scale_fields",
+    "sha256_array", "sha256_file", "source_extras", "source_tensors", "tensor_suffix", "unpackable_reason",
 ]

@@ -37,26 +37,14 @@ PACKED_SUFFIXES = (CODES, SCALES, GLOBAL_SCALE, GROUP_SCALES, WEIGHT_SCALE, INPU
 NVFP4_PAD_SCALE_BYTE = int(ref.encode_e4m3(np.float32(QPN2.pad_scale)))
 
 
-def weight_format_of(linear: NVFP4Linear | FP8Linear) -> WeightFormat:
-    """The qpn.ref.formats description of a layer: QPN2 for an NVFP4Linear, QPN8 / QPN8_BLOCK for an FP8Linear."""
-    if isinstance(linear, NVFP4Linear):
-        return QPN2
-    return weight_format("fp8", linear.granularity)
-
-
-def layer_format(linear: NVFP4Linear | FP8Linear) -> str:
-    """"nvfp4" for an NVFP4Linear, "fp8" for an FP8Linear."""
-    return weight_format_of(linear).format
-
-
 def padded_rows(linear: NVFP4Linear | FP8Linear) -> int:
     """N_pad: N rounded up to the layout's N multiple."""
-    return weight_format_of(linear).padded_n(linear.n)
+    return linear.weight_format.padded_n(linear.n)
 
 
 def k_multiple(linear: NVFP4Linear | FP8Linear) -> int:
     """The K rule of the layer's layout (qpn.ref.formats)."""
-    return weight_format_of(linear).k_multiple
+    return linear.weight_format.k_multiple
 
 
 def unpackable_reason(linear: NVFP4Linear | FP8Linear) -> str | None:
@@ -65,7 +53,7 @@ def unpackable_reason(linear: NVFP4Linear | FP8Linear) -> str | None:
     Reads shapes and scales only (never the codes), so it is cheap enough for `qpn inspect`.
     N never blocks packing (it is padded); K does, and so do scales whose weights overflow fp16.
     """
-    wf = weight_format_of(linear)
+    wf = linear.weight_format
     if linear.k % wf.k_multiple != 0:
         return (f"K={linear.k} is not a multiple of {wf.k_multiple} ({wf.label}); "
                 "pad the input features with zero columns")
@@ -91,7 +79,7 @@ def prepack_layer(linear: NVFP4Linear | FP8Linear) -> dict[str, np.ndarray]:
 
     Raises ValueError if the layer cannot be packed (see `unpackable_reason`).
     """
-    wf = weight_format_of(linear)
+    wf = linear.weight_format
     n_pad = wf.padded_n(linear.n)
     out: dict[str, np.ndarray] = {}
     if isinstance(linear, NVFP4Linear):
@@ -111,11 +99,19 @@ def prepack_layer(linear: NVFP4Linear | FP8Linear) -> dict[str, np.ndarray]:
     return out
 
 
+def scale_fields(linear: NVFP4Linear | FP8Linear) -> dict[str, str]:
+    """The manifest fields that say how an FP8 layer's scale is stored (its granularity and tensor name);
+    none for NVFP4. PackedLayer.unpack reads them back."""
+    if isinstance(linear, FP8Linear):
+        return {"granularity": linear.granularity, "scale_name": linear.scale_name}
+    return {}
+
+
 def source_tensors(linear: NVFP4Linear | FP8Linear) -> dict[str, safetensors_io.StoredTensor]:
     """The layer's quantized tensors by role, with the bytes and dtype tag the checkpoint stores."""
     # each role is the layer's attribute of that name (NVFP4Linear.weight_packed, FP8Linear.weight, ...)
     return {role: safetensors_io.StoredTensor(getattr(linear, role), tag)
-            for role, tag in weight_format_of(linear).source_tags.items()}
+            for role, tag in linear.weight_format.source_tags.items()}
 
 
 
@@ -130,21 +126,19 @@ def prepack_group_scales(weight_scale: np.ndarray, granularity: str, n: int, n_p
 
 @dataclass(frozen=True, eq=False)
 class PackedLayer:
-    """One packed linear: the QPNLinear buffers (numpy) plus what the manifest says about it.
+    """One packed linear: its stored tensors by suffix, as `prepack_layer` returns them (the kernel
+    buffers of its layout in the description's order, then FP8's fp32 weight_scale, then the input
+    scale if any), plus what the manifest says about it.
 
-    nvfp4: codes uint8 [N_pad, K/2], scales uint8 [N_pad, K/16], global_scale float32 [N_pad/32];
-    fp8: codes uint8 [N_pad, K], scales = group_scales float16, weight_scale float32 (the source's).
+    nvfp4: qpn_codes uint8 [N_pad, K/2], qpn_scales uint8 [N_pad, K/16], qpn_global_scale float32 [N_pad/32];
+    fp8: qpn_codes uint8 [N_pad, K], qpn_group_scales float16, qpn_weight_scale float32 (the source's).
     """
 
     name: str
     format: str
     n: int
     k: int
-    codes: np.ndarray
-    scales: np.ndarray
-    global_scale: np.ndarray | None
-    weight_scale: np.ndarray | None
-    input_scale: np.ndarray | None
+    arrays: Mapping[str, np.ndarray]  # suffix -> array
     entry: Mapping[str, Any]  # the manifest's layer entry
 
     @property
@@ -160,35 +154,40 @@ class PackedLayer:
         """The qpn.ref.formats description of the layer (ValueError for a granularity its format has not)."""
         return weight_format(self.format, self.granularity)
 
+    @property
+    def codes(self) -> np.ndarray:
+        return self.arrays[CODES]
+
+    @property
+    def scales(self) -> np.ndarray:
+        """The layout's scale buffer: QPN2's e4m3 scales, QPN8's fp16 group scales."""
+        return self.arrays[tensor_suffix(self.weight_format.buffers[1])]
+
+    @property
+    def input_scale(self) -> np.ndarray | None:
+        return self.arrays.get(INPUT_SCALE)
+
     def buffers(self) -> dict[str, np.ndarray]:
         """{suffix: array} as `prepack_layer` returns them (for byte comparisons)."""
-        out = {CODES: self.codes}
-        if self.weight_format is QPN2:
-            out[SCALES], out[GLOBAL_SCALE] = self.scales, self.nvfp4_global_scale()
-        else:
-            out[GROUP_SCALES], out[WEIGHT_SCALE] = self.scales, self.fp8_weight_scale()
-        if self.input_scale is not None:
-            out[INPUT_SCALE] = self.input_scale
-        return out
+        return dict(self.arrays)
 
     def nvfp4_global_scale(self) -> np.ndarray:
-        """global_scale of an nvfp4 layer (None only for fp8; load_packed always sets it for nvfp4)."""
-        if self.global_scale is None:
+        """global_scale of an nvfp4 layer (absent only for fp8; load_packed always reads it for nvfp4)."""
+        if GLOBAL_SCALE not in self.arrays:
             raise ValueError(f"layer {self.name!r}: an nvfp4 PackedLayer needs global_scale float32 [N_pad/32], got "
-                             "None; read the layer with load_packed")
-        return self.global_scale
+                             "none; read the layer with load_packed")
+        return self.arrays[GLOBAL_SCALE]
 
     def kernel_buffers(self) -> tuple[np.ndarray, ...]:
         """The buffers the decode kernels take, in the description's order (qpn.ref.formats)."""
-        buffers = self.buffers()
-        return tuple(buffers[tensor_suffix(b)] for b in self.weight_format.buffers)
+        return tuple(self.arrays[tensor_suffix(b)] for b in self.weight_format.buffers)
 
     def fp8_weight_scale(self) -> np.ndarray:
-        """weight_scale of an fp8 layer (None only for nvfp4; load_packed always sets it for fp8)."""
-        if self.weight_scale is None:
-            raise ValueError(f"layer {self.name!r}: an fp8 PackedLayer needs its float32 weight_scale, got None; "
+        """weight_scale of an fp8 layer (absent only for nvfp4; load_packed always reads it for fp8)."""
+        if WEIGHT_SCALE not in self.arrays:
+            raise ValueError(f"layer {self.name!r}: an fp8 PackedLayer needs its float32 weight_scale, got none; "
                              "read the layer with load_packed")
-        return self.weight_scale
+        return self.arrays[WEIGHT_SCALE]
 
     def unpack(self) -> NVFP4Linear | FP8Linear:
         """The source layer (qpn.ref NVFP4Linear / FP8Linear): exact inverse of the prepack, pad rows cropped.

@@ -26,7 +26,7 @@ from ...ref.geometry import GROUP_K
 from ..checkpoint import CHECKPOINT_FORMATS, FP8Linear, NVFP4Linear
 from ..folder import CONFIG_FILE, HF_QUANT_CONFIG_FILE
 from ..safetensors_io import sha256_stream
-from .layers import WEIGHT_SCALE, source_tensors, tensor_suffix, weight_format_of
+from .layers import WEIGHT_SCALE, scale_fields, source_tensors, tensor_suffix
 
 PACKED_FORMAT = "qpn-packed"
 PACKED_VERSION = 1
@@ -104,7 +104,7 @@ def is_weight_file(name: str) -> bool:
 
 def layer_entry(name: str, linear: NVFP4Linear | FP8Linear, file: str,
                  buffers: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    wf = weight_format_of(linear)
+    wf = linear.weight_format
     entry: dict[str, Any] = {
         "format": wf.format,
         "layout": wf.layout,
@@ -117,13 +117,11 @@ def layer_entry(name: str, linear: NVFP4Linear | FP8Linear, file: str,
             for role, t in source_tensors(linear).items()
         },
     }
+    entry |= scale_fields(linear)
     if isinstance(linear, NVFP4Linear):
         entry["global_scale"] = [float(linear.global_scale)]  # float32 -> float64 is exact; JSON keeps it
-    else:
-        entry["granularity"] = linear.granularity
-        entry["scale_name"] = linear.scale_name
-        if linear.granularity == "tensor":
-            entry["weight_scale"] = [float(linear.weight_scale)]
+    elif linear.granularity == "tensor":
+        entry["weight_scale"] = [float(linear.weight_scale)]
     if linear.input_scale is not None:
         entry["input_scale"] = [float(linear.input_scale)]
     return entry

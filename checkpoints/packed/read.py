@@ -234,11 +234,9 @@ class _PackedTensors:
                                 f"tensor {name + '.' + INPUT_SCALE!r} must be F32 [] and recorded in the manifest, "
                                 f"got {tensor.dtype} {list(tensor.shape)}, manifest {entry.get('input_scale')!r}")
             input_scale = tensor.array
-        if wf is QPN2:
-            scales, global_scale, weight_scale = arrays[SCALES], arrays[GLOBAL_SCALE], None
-        else:
-            scales, global_scale, weight_scale = arrays[GROUP_SCALES], None, arrays[WEIGHT_SCALE]
-        layer = PackedLayer(name, fmt, n, k, arrays[CODES], scales, global_scale, weight_scale, input_scale, entry)
+        if input_scale is not None:
+            arrays[INPUT_SCALE] = input_scale
+        layer = PackedLayer(name, fmt, n, k, arrays, entry)
         if check_values:
             try:
                 _check_layer_values(layer)

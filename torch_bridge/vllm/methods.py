@@ -34,14 +34,15 @@ process_weights_after_loading (every slot must have been loaded; ValueError othe
   exact), then torch.ops.qpn.fp8_prepack (per-channel QPN8: S16 = RN16(256 * s)); block scales
   prepack as they are (QPN8 block layout).
 - Any other ValueError of the packing names the vLLM layer.
-- The original parameters are deleted; the layer keeps qpn_codes, qpn_scales (and
-  qpn_global_scale for NVFP4) as frozen Parameters.
+- The original parameters are deleted; the layer keeps its layout's buffers as frozen Parameters
+  qpn_<buffer name> (qpn_codes, qpn_scales, qpn_global_scale for NVFP4; qpn_codes, qpn_group_scales
+  for FP8) and the packed weight over them, layer.qpn_weight (torch_bridge/packed_weight.py).
 
-apply(layer, x, bias): x [..., K_part] float16 -> flattened to [M, K_part] -> torch.ops.qpn.nvfp4_linear
-/ fp8_linear (fp32 accumulation, one RN16; the decode / dense split is inside the op) -> padding
-cropped -> bias added as RN16(y + b) (computed in fp32 and rounded once: exact sum of two fp16
-values rounded to fp16, because fp32 holds 24 >= 2 * 11 + 2 bits, so the double rounding is
-innocuous) -> [..., N_part].
+apply(layer, x, bias): module.qpn_linear(x, layer.qpn_weight, bias), the forward QPNLinear runs:
+x [..., K_part] float16 -> flattened to [M, K_part] -> the layout's op (fp32 accumulation, one RN16;
+the decode / GEMM / dense path is chosen inside the op) -> padding cropped -> bias added as RN16(y + b)
+(computed in fp32 and rounded once: exact sum of two fp16 values rounded to fp16, because fp32 holds
+24 >= 2 * 11 + 2 bits, so the double rounding is innocuous) -> [..., N_part].
 
 KV cache: attention layers get `QPNKVCacheMethod`, vLLM's own BaseKVCacheMethod, as vLLM's ModelOpt
 method does: the checkpoint's k_scale / v_scale (ModelOpt `kv_cache_quant_algo: FP8`, stored as
@@ -64,7 +65,8 @@ from ...ref.codecs import decode_e4m3
 from ...ref.formats import FP8_BLOCK, FP8_GRANULARITIES, QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ...ref.geometry import GROUP_K, TILE_N
 from ...ref.nvfp4 import nvfp4_block_overflows
-from ..module import PackedWeight, pack_fp8, pack_nvfp4  # importing module registers torch.ops.qpn.*
+from ..module import qpn_linear
+from ..packed_weight import PackedWeight, QPN8BlockWeight, pack_fp8, pack_nvfp4  # registers torch.ops.qpn.*
 from ._compat import (
     LinearMethodBase,
     QuantizationConfig,
@@ -126,45 +128,29 @@ def _packed_named(geom: ShardGeometry, pack: Callable[[], PackedWeight]) -> Pack
         raise ValueError(f"vLLM layer {geom.prefix!r}: {exc}") from exc
 
 
-def _finish(layer: QPNLayer, wf: WeightFormat, packed: PackedWeight, deleted: tuple[str, ...]) -> None:
+def _finish(layer: QPNLayer, packed: PackedWeight, deleted: tuple[str, ...]) -> None:
+    """Replace the checkpoint Parameters by the packed buffers (frozen Parameters qpn_<buffer name>) and
+    the packed weight over them, `layer.qpn_weight`, which apply runs."""
     for name in deleted:
         if hasattr(layer, name):
             delattr(layer, name)
-    layer.qpn_weight_format = wf
-    layer.qpn_format = wf.format  # kept for code that reads the public name
-    layer.qpn_codes = Parameter(packed.codes, requires_grad=False)
-    layer.qpn_scales = Parameter(packed.scales, requires_grad=False)
-    if packed.global_scale is not None:
-        layer.qpn_global_scale = Parameter(packed.global_scale, requires_grad=False)
-    layer.qpn_out_features = packed.out_features
+    params = {name: Parameter(t, requires_grad=False) for name, t in packed.buffers.items()}
+    for name, param in params.items():
+        setattr(layer, f"qpn_{name}", param)
+    layer.qpn_weight = type(packed)(params, packed.in_features, packed.out_features)
 
 
 def _apply(layer: QPNLayer, x: Tensor, bias: Tensor | None, gated: bool = False) -> Tensor:
-    k = layer.input_size_per_partition
-    n = layer.qpn_out_features
-    if x.shape[-1] != k:
-        raise ValueError(f"layer {layer.qpn_geometry.prefix!r}: x must have {k} input features in its last "
-                         f"dimension, got shape {tuple(x.shape)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    if layer.qpn_weight_format is QPN2:
-        y = torch.ops.qpn.nvfp4_linear(x2, layer.qpn_codes, layer.qpn_scales, layer.qpn_global_scale, gated)
-    else:
-        y = torch.ops.qpn.fp8_linear(x2, layer.qpn_codes, layer.qpn_scales, gated)
-    n_out = n // 2 if gated else n
-    if y.shape[1] != n_out:
-        y = y[:, :n_out]  # pad rows (N_part padded to 32) produce exact zeros; crop them
-    if bias is not None:
-        y = (y.float() + bias.float()).to(y.dtype)  # RN16(y + b): module docstring
-    return y.reshape(*lead, n_out)
+    """module.qpn_linear on the layer's packed weight; an error names the vLLM layer."""
+    try:
+        return qpn_linear(x, layer.qpn_weight, bias, gated)
+    except ValueError as exc:
+        raise ValueError(f"layer {layer.qpn_geometry.prefix!r}: {exc}") from exc
 
 
 class _QPNLinearMethodBase(LinearMethodBase):
     """Shared apply / apply_gated / dequantized_weight of the two qpn methods."""
 
-    fmt = ""  # kept for code that reads it: weight_format.format
     weight_format: WeightFormat
 
     def __init__(self, quant_config: QuantizationConfig | None = None):
@@ -178,7 +164,8 @@ class _QPNLinearMethodBase(LinearMethodBase):
         equals vLLM's silu_and_mul applied to apply(layer, x). x [..., K_part] -> [..., N_part/2]."""
         geom = layer.qpn_geometry
         parts = geom.partitions
-        if len(parts) != 2 or parts[0] != parts[1] or parts[0] % TILE_N != 0 or layer.qpn_codes.shape[0] != sum(parts):
+        if len(parts) != 2 or parts[0] != parts[1] or parts[0] % TILE_N != 0 or \
+                layer.qpn_weight.padded_out_features != sum(parts):
             raise ValueError(f"layer {geom.prefix!r}: apply_gated needs a gate_up layer of two equal shards, each a "
                              f"multiple of {TILE_N} rows on this rank, got partitions {list(parts)}; use apply() "
                              "and a separate silu_and_mul")
@@ -189,17 +176,12 @@ class _QPNLinearMethodBase(LinearMethodBase):
 
     def dequantized_weight(self, layer: QPNLayer) -> Tensor:
         """float16 [N_part, K_part]: the W16 this rank computes with (padding cropped)."""
-        if layer.qpn_weight_format is QPN2:
-            w16 = torch.ops.qpn.nvfp4_dequantize(layer.qpn_codes, layer.qpn_scales, layer.qpn_global_scale)
-        else:
-            w16 = torch.ops.qpn.fp8_dequantize(layer.qpn_codes, layer.qpn_scales)
-        return w16[: layer.qpn_out_features]
+        return layer.qpn_weight.dequantize()
 
 
 class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
     """ModelOpt NVFP4 / W4A16_NVFP4 weights, run weight-only through the QPN2 ops (module docstring)."""
 
-    fmt = QPN2.format
     weight_format = QPN2
 
     def create_weights(self, layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -223,14 +205,13 @@ class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
         _require_shards_fit_fp16(layer, geom)
         global_scale = _nvfp4_global_scale(geom, layer.weight_scale_2.data)
         packed = _packed_named(geom, lambda: pack_nvfp4(layer.weight.data, layer.weight_scale.data, global_scale))
-        _finish(layer, self.weight_format, packed, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
+        _finish(layer, packed, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
 
 
 class QPNFP8LinearMethod(_QPNLinearMethodBase):
     """ModelOpt FP8 (per-tensor, per shard), FP8_PER_CHANNEL_PER_TOKEN or FP8_PB_WO (128x128 blocks)
     weights, run weight-only through the QPN8 ops (module docstring)."""
 
-    fmt = QPN8.format
 
     def __init__(self, quant_config: QuantizationConfig | None = None, granularity: str = "tensor"):
         super().__init__(quant_config)
@@ -238,7 +219,7 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
             raise ValueError(f"granularity must be 'tensor', 'channel' or 'block' (ModelOpt FP8 / "
                              f"FP8_PER_CHANNEL_PER_TOKEN / FP8_PB_WO), got {granularity!r}")
         self.granularity = granularity
-        self.weight_format = weight_format(self.fmt, granularity)
+        self.weight_format = weight_format(QPN8.format, granularity)
 
     def create_weights(self, layer: QPNLayer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
@@ -272,7 +253,7 @@ class QPNFP8LinearMethod(_QPNLinearMethodBase):
                 rows = torch.tensor(list(geom.partitions), device=s.device)
                 s = torch.repeat_interleave(s, rows)
             packed = _packed_named(geom, lambda: pack_fp8(layer.weight.data, s.contiguous(), "channel"))
-        _finish(layer, self.weight_format, packed, ("weight", "weight_scale", "input_scale"))
+        _finish(layer, packed, ("weight", "weight_scale", "input_scale"))
 
 
 def _require_shards_fit_fp16(layer: QPNLayer, geom: ShardGeometry) -> None:
@@ -339,9 +320,9 @@ def _pack_fp8_block_shards(weight: Tensor, grid: Tensor, geom: ShardGeometry) ->
     for rows, offset, count, start in zip(geom.partitions, geom.offsets, counts, starts, strict=True):
         part = pack_fp8(weight.narrow(0, offset, rows), grid.narrow(0, start, count).contiguous(), "block")
         codes.append(part.codes[:rows])
-        scales.append(part.scales[:, : rows // TILE_N])
-    return PackedWeight(QPN8.format, torch.cat(codes).contiguous(), torch.cat(scales, dim=1).contiguous(), None,
-                        int(weight.shape[1]), geom.n_partition)
+        scales.append(part.buffers["group_scales"][:, : rows // TILE_N])
+    buffers = {"codes": torch.cat(codes).contiguous(), "group_scales": torch.cat(scales, dim=1).contiguous()}
+    return QPN8BlockWeight(buffers, int(weight.shape[1]), geom.n_partition)
 
 
 class QPNUnquantizedLinearMethod(LinearMethodBase):

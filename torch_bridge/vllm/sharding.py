@@ -52,7 +52,7 @@ from ...ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from ...ref.qpn8 import require_qpn8_fits_fp16
 
 if TYPE_CHECKING:
-    from ...ref.formats import WeightFormat
+    from ..packed_weight import PackedWeight
 
 QKV_SHARD_IDS = ("q", "k", "v")
 # vLLM models set packed_modules_mapping on the config (fused layer -> the checkpoint layers it loads, in
@@ -87,9 +87,8 @@ class QPNLayer(Protocol):
 
     create_weights registers the checkpoint Parameters (weight, weight_scale, ...) and sets
     qpn_geometry and the three attributes vLLM's ModelOpt methods set; process_weights_after_loading
-    replaces the checkpoint Parameters with qpn_codes / qpn_scales (/ qpn_global_scale) and sets
-    qpn_weight_format (ref.formats' description; qpn_format its public name) and qpn_out_features,
-    which apply reads.
+    replaces the checkpoint Parameters with the layout's buffers (qpn_<buffer name>) and sets
+    qpn_weight, the packed weight over them, which apply runs.
     """
 
     qpn_geometry: ShardGeometry
@@ -99,12 +98,7 @@ class QPNLayer(Protocol):
     weight: Tensor
     weight_scale: Tensor
     weight_scale_2: Tensor
-    qpn_format: str  # qpn_weight_format.format, kept for code that reads the public name
-    qpn_weight_format: WeightFormat
-    qpn_codes: Tensor
-    qpn_scales: Tensor
-    qpn_global_scale: Tensor  # NVFP4 only
-    qpn_out_features: int
+    qpn_weight: PackedWeight
 
     def register_parameter(self, name: str, param: Parameter | None) -> None: ...
 
