@@ -3,6 +3,7 @@
     qpn pack CHECKPOINT_DIR OUT_DIR [--overwrite]   prepack a ModelOpt / compressed-tensors checkpoint
     qpn verify PATH [--upstream] [--m 1,40]         check every layer on every backend present
     qpn inspect PATH                                per-layer table: format, shape, scales, bytes, packability
+    qpn inspect [PATH] --dispatch [--family F]      the kernel path of each call shape, per device family
     qpn bench [kernels|decode|model] [ARGS...]      the kernel / model benchmarks (GPU only)
     qpn demo [--device auto|cpu|cuda] [--keep DIR]  all-MiniLM-L6-v2 end to end
 
@@ -40,7 +41,7 @@ from .. import __version__, checkpoints, ref
 from ..checkpoints import packed as packing
 from ..checkpoints.atomic import TargetError
 from ..checkpoints.packed import PackError
-from ..ref.formats import QPN2
+from ..ref.formats import QPN2, QPN8
 from .output import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -102,6 +103,10 @@ def _scale_summary(values: np.ndarray) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.dispatch:
+        return _inspect_dispatch(args)
+    if args.path is None:
+        raise UsageError("qpn inspect needs PATH (a checkpoint folder), or --dispatch")
     source = open_source(args.path)
     require_quantized_layers(source)
     c = source.checkpoint
@@ -140,6 +145,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{size_text(quantized_bytes)}; {plural(len(c.tensors), 'other tensor')}, {size_text(other)}"
           + (f"; {plural(blocked, 'layer')} cannot be packed" if blocked else ""))
     print("(global scale: NVFP4 weight_scale_2 multiplier; FP8: the weight_scale, min..max over channels/blocks)")
+    return EXIT_OK
+
+
+def _inspect_dispatch(args: argparse.Namespace) -> int:
+    """The dispatch policy's choices (torch_bridge/dispatch.py) per device family and layout: at the
+    layer shapes of PATH if given, else at five model shapes."""
+    from ..torch_bridge import dispatch
+
+    families = [args.family] if args.family else dispatch.families()
+    shapes = dispatch.DESCRIBE_SHAPES
+    layouts = [QPN2, QPN8]
+    if args.path is not None:
+        source = open_source(args.path)
+        require_quantized_layers(source)
+        c = source.checkpoint
+        layers = [c.layers[name] if isinstance(c, packing.PackedCheckpoint) else c.linears[name]
+                  for name in source.layer_names]
+        shapes = tuple(dict.fromkeys((layer.weight_format.padded_n(layer.n), layer.k) for layer in layers))
+        layouts = list({layer.weight_format.key: layer.weight_format for layer in layers}.values())
+    for family in families:
+        for wf in layouts:
+            print(dispatch.describe(family, wf, shapes=shapes))
     return EXIT_OK
 
 
@@ -290,10 +317,17 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{ref.UPSTREAM_VARIANTS.replace('%', '%%')}")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("inspect", parents=[common], help="per-layer table of a checkpoint",
+    p = sub.add_parser("inspect", parents=[common], help="per-layer table of a checkpoint; --dispatch: the kernel "
+                                                         "path each call takes",
                        description="Name, format, N, K, global scale(s), bytes and packability of every quantized "
-                                   "layer of an original or packed checkpoint.")
-    p.add_argument("path", metavar="PATH")
+                                   "layer of an original or packed checkpoint. With --dispatch: the path (decode, "
+                                   "GEMM, dense; CPU fused or decode-then-BLAS) the linear ops take per layer shape "
+                                   "and M, from the measured table of each device family (at PATH's layer shapes "
+                                   "if given).")
+    p.add_argument("path", metavar="PATH", nargs="?")
+    p.add_argument("--dispatch", action="store_true", help="print the dispatch policy's choices")
+    p.add_argument("--family", help="with --dispatch: one device family (cpu, sm_90, ...; default: this machine's "
+                                    "and every measured one)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("bench", parents=[common], help="kernel benchmark (needs a CUDA GPU)",

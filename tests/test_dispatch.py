@@ -103,3 +103,22 @@ def test_the_committed_h200_table_picks_the_fastest_measured_path():
     for r in rows:  # at every measured point the choice is the measured minimum among the paths that can run
         able = {p: t for p, t in r.us.items() if p != "decode" or r.m <= dispatch.DECODE_MAX_M}
         assert dispatch._choose("sm_90", "cuda", r.layout, r.m, r.n, r.k, r.gated) == min(able, key=able.get)
+
+
+def test_qpn_inspect_dispatch_prints_the_choices(capsys):
+    """`qpn inspect --dispatch` (issue 21: the choice is inspectable): the committed H200 table's picks,
+    at a checkpoint's own layer shapes when given one; without PATH or --dispatch, exit 2."""
+    from pathlib import Path
+
+    from qpn.apps import cli
+
+    assert cli.main(["inspect", "--dispatch", "--family", "sm_90"]) == 0
+    out = capsys.readouterr().out
+    assert "dispatch for QPN2 on sm_90: measured table" in out and "dispatch for QPN8 on sm_90" in out
+    assert "4096x4096: M=1: decode" in out and "M=48: dense" in out
+    fixture = Path(__file__).parent / "fixtures" / "modelopt" / "fp8_block"
+    assert cli.main(["inspect", str(fixture), "--dispatch", "--family", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dispatch for QPN8 with 128x128 block scales on cpu") and "M=1: cpu_fused" in out
+    assert cli.main(["inspect"]) == 2
+    assert "qpn inspect needs PATH" in capsys.readouterr().err

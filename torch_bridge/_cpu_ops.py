@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
+from ..ref.formats import QPN2, QPN8, WeightFormat
 from ..ref.geometry import TILE_N
 from . import _cpu, dispatch
 
@@ -69,12 +69,13 @@ class _Family(NamedTuple):
     operands: Callable[[tuple[Tensor, ...], int], tuple]
 
 
-_FAMILIES = {QPN2.key: _Family("qpn2_linear_fused", "qpn2_w16_rows", _qpn2_operands),
-             QPN8.key: _Family("qpn8_linear_fused", "qpn8_w16_rows", _qpn8_operands)}
+# by byte layout: both QPN8 descriptions (channel / tensor and block scales) run the QPN8 kernels
+_FAMILIES = {QPN2.layout: _Family("qpn2_linear_fused", "qpn2_w16_rows", _qpn2_operands),
+             QPN8.layout: _Family("qpn8_linear_fused", "qpn8_w16_rows", _qpn8_operands)}
 
 
 def _family(wf: WeightFormat) -> _Family:
-    return _FAMILIES[QPN8.key if wf is QPN8_BLOCK else wf.key]
+    return _FAMILIES[wf.layout]
 
 
 def _kernels() -> SimpleNamespace:

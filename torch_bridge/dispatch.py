@@ -14,7 +14,8 @@ The choice is the candidate of least cost, cost read from the MEASURED table of 
 `benchmarks/bench_dispatch.py` on that family (times of every path at a grid of M on a set of
 layer shapes). A call's cost: the row of the same layout (QPN8 block scales fall back to QPN8's rows,
 gated to plain) at the measured shape nearest in log N + log K, linear in M between the measured M
-(beyond the last, proportional to M), scaled by N*K over the row's. A family without a table, or a
+(beyond the last, proportional to M), scaled by N*K over the row's when larger (a smaller layer is
+latency-bound: it takes the measured layer's time). A family without a table, or a
 call no measured path covers, takes the rule the kernels were tuned for (`rule_path`): decode up to 32,
 the GEMM up to cupy_kernels.gemm_threshold, dense above; on the CPU the fused kernels up to
 _cpu.FUSED_MAX_M (the measured 4096 x 4096 crossover), decode-then-BLAS above.
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..ref.formats import BY_KEY, QPN8, QPN8_BLOCK, WeightFormat
+from ..ref.formats import BY_KEY, WEIGHT_FORMATS, WeightFormat
 
 TABLES = Path(__file__).resolve().parent / "dispatch_tables"
 DECODE_MAX_M = 32  # the decode kernels' range (cupy_kernels.linear.MAX_M: 4 tensor-core n8 blocks)
@@ -96,7 +97,9 @@ def table(family: str) -> tuple[Row, ...]:
 
 
 def _rows_for(rows: tuple[Row, ...], wf: WeightFormat, gated: bool) -> list[Row]:
-    for layout in dict.fromkeys((wf.key, QPN8.key if wf is QPN8_BLOCK else wf.key)):
+    """The layout's own rows, else those of a description with its byte layout (QPN8 for QPN8_BLOCK);
+    gated rows, else plain ones."""
+    for layout in dict.fromkeys((wf.key, *(f.key for f in WEIGHT_FORMATS if f.layout == wf.layout))):
         for g in dict.fromkeys((gated, False)):
             found = [r for r in rows if r.layout == layout and r.gated == g]
             if found:
@@ -123,7 +126,7 @@ def costs(family: str, wf: WeightFormat, m: int, n: int, k: int, gated: bool) ->
         return {}
     shapes = {(r.n, r.k) for r in rows}
     nr, kr = min(shapes, key=lambda s: (abs(math.log(n / s[0])) + abs(math.log(k / s[1])), s))
-    scale = n * k / (nr * kr)
+    scale = max(1.0, n * k / (nr * kr))  # smaller layers are latency-bound: the measured layer's time
     points: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         if (r.n, r.k) == (nr, kr):
@@ -164,8 +167,19 @@ DESCRIBE_MS = (1, 8, 16, 32, 33, 48, 64, 96, 128, 256, 512, 1024)
 DESCRIBE_SHAPES = ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096), (5120, 17408))
 
 
-def describe(family: str, wf: WeightFormat, gated: bool = False) -> str:
-    """A text table: the path chosen (and the estimated us of each measured path) per shape and M."""
+def families() -> list[str]:
+    """The device families of this machine ("cpu", then each CUDA device's) and of every committed table."""
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [_cuda_family(i) for i in range(torch.cuda.device_count())]
+    found += sorted(p.stem for p in TABLES.glob("*.json"))
+    return list(dict.fromkeys(found))
+
+
+def describe(family: str, wf: WeightFormat, gated: bool = False,
+             shapes: tuple[tuple[int, int], ...] = DESCRIBE_SHAPES) -> str:
+    """A text table: per [N, K] shape and M, the path chosen and the estimated us of it ("?": a CUDA
+    family without a table, whose rule reads the device: run on that device)."""
     device = "cpu" if family == "cpu" else "cuda"
     rows = _rows_for(table(family), wf, gated)
     if rows:
@@ -173,12 +187,12 @@ def describe(family: str, wf: WeightFormat, gated: bool = False) -> str:
                  f"{', gated' if rows[0].gated else ''})"
     else:
         source = f"no measured table for {family}: the rule (rule_path)"
-    lines = [f"dispatch for {wf.label} on {family}: {source}"]
-    for n, k in DESCRIBE_SHAPES:
+    lines = [f"dispatch for {wf.label}{' (gated)' if gated else ''} on {family}: {source}"]
+    for n, k in shapes:
         cells = []
         for m in DESCRIBE_MS:
             est = costs(family, wf, m, n, k, gated)
             pick = _choose(family, device, wf.key, m, n, k, gated) if device == "cpu" or est else "?"
-            cells.append(f"M={m}: {pick}" + (f" {est[pick]:.0f}us" if pick in est else ""))
+            cells.append(f"M={m}: {pick}" + (f" {est[pick]:.1f}us" if pick in est else ""))
         lines.append(f"  {n}x{k}: " + ", ".join(cells))
     return "\n".join(lines)
