@@ -154,7 +154,7 @@ def _inspect_dispatch(args: argparse.Namespace) -> int:
     from ..torch_bridge import dispatch
 
     families = [args.family] if args.family else dispatch.families()
-    shapes = dispatch.DESCRIBE_SHAPES
+    shapes: tuple[tuple[int, int], ...] = dispatch.DESCRIBE_SHAPES
     layouts = [QPN2, QPN8]
     if args.path is not None:
         source = open_source(args.path)

@@ -12,9 +12,11 @@ functions: one path per operation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
 from ..ref.qpn8 import qpn8_group_scales_format
-from ._validate import CupyArray, global_scale_stride
+from ._validate import CupyArray, global_scale_stride, require_aligned
 from .dequantize import (
     launch_qpn2_dequantize,
     launch_qpn8_dequantize,
@@ -52,11 +54,19 @@ class LayoutKernels:
     def decode(self, x: CupyArray, buffers: Buffers, n: int, out: CupyArray, gated: bool,
                workspace: CupyArray | None) -> None:
         """The decode kernel (M in [1, 32]) into `out`."""
-        raise NotImplementedError
+        self._linear(self._decode, x, buffers, n, out, gated, workspace)
 
     def gemm(self, x: CupyArray, buffers: Buffers, n: int, out: CupyArray, gated: bool,
              workspace: CupyArray | None) -> None:
         """The fused-dequantize GEMM (any M) into `out`."""
+        self._linear(self._gemm, x, buffers, n, out, gated, workspace)
+
+    # the layout's launch functions of the two builds (linear.py / gemm.py), same arguments
+    _decode: Callable[..., None]
+    _gemm: Callable[..., None]
+
+    def _linear(self, launch: Callable[..., None], x: CupyArray, buffers: Buffers, n: int, out: CupyArray,
+                gated: bool, workspace: CupyArray | None) -> None:
         raise NotImplementedError
 
     def workspace_size(self, path: str, m: int, n: int, k: int, gated: bool) -> int:
@@ -78,19 +88,14 @@ class _QPN2Kernels(LayoutKernels):
         require_qpn2_aligned(codes, scales)
         launch_qpn2_dequantize(codes, scales, g, global_scale_stride(g), out, n, k)
 
-    def decode(self, x: CupyArray, buffers: Buffers, n: int, out: CupyArray, gated: bool,
-               workspace: CupyArray | None) -> None:
-        codes, scales, g = buffers
-        require_x_aligned(x)
-        require_qpn2_aligned(codes, scales)
-        launch_qpn2_decode(x, codes, scales, g, global_scale_stride(g), n, out, gated, workspace)
+    _decode, _gemm = staticmethod(launch_qpn2_decode), staticmethod(launch_qpn2_gemm)
 
-    def gemm(self, x: CupyArray, buffers: Buffers, n: int, out: CupyArray, gated: bool,
-             workspace: CupyArray | None) -> None:
+    def _linear(self, launch: Callable[..., None], x: CupyArray, buffers: Buffers, n: int, out: CupyArray,
+                gated: bool, workspace: CupyArray | None) -> None:
         codes, scales, g = buffers
         require_x_aligned(x)
         require_qpn2_aligned(codes, scales)
-        launch_qpn2_gemm(x, codes, scales, g, global_scale_stride(g), n, out, gated, workspace)
+        launch(x, codes, scales, g, global_scale_stride(g), n, out, gated, workspace)
 
 
 class _QPN8Kernels(LayoutKernels):
@@ -99,8 +104,6 @@ class _QPN8Kernels(LayoutKernels):
     family = QPN8
 
     def prepack(self, sources: Buffers, granularity: str | None, out: Buffers) -> None:
-        from ._validate import require_aligned  # noqa: PLC0415
-
         weight, weight_scale = sources
         require_aligned("weight", weight)  # 16-byte loads
         run_qpn8_prepack(weight, weight_scale, granularity or "channel", *out)
@@ -116,19 +119,14 @@ class _QPN8Kernels(LayoutKernels):
         wf = self._aligned(codes, group_scales, n, k)
         launch_qpn8_dequantize(codes, group_scales, qpn8_strides(wf, n), out, n, k)
 
-    def decode(self, x: CupyArray, buffers: Buffers, n: int, out: CupyArray, gated: bool,
-               workspace: CupyArray | None) -> None:
-        codes, group_scales = buffers
-        require_x_aligned(x)
-        wf = self._aligned(codes, group_scales, n, x.shape[1])
-        launch_qpn8_decode(x, codes, group_scales, wf, n, out, gated, workspace)
+    _decode, _gemm = staticmethod(launch_qpn8_decode), staticmethod(launch_qpn8_gemm)
 
-    def gemm(self, x: CupyArray, buffers: Buffers, n: int, out: CupyArray, gated: bool,
-             workspace: CupyArray | None) -> None:
+    def _linear(self, launch: Callable[..., None], x: CupyArray, buffers: Buffers, n: int, out: CupyArray,
+                gated: bool, workspace: CupyArray | None) -> None:
         codes, group_scales = buffers
         require_x_aligned(x)
         wf = self._aligned(codes, group_scales, n, x.shape[1])
-        launch_qpn8_gemm(x, codes, group_scales, wf, n, out, gated, workspace)
+        launch(x, codes, group_scales, wf, n, out, gated, workspace)
 
 
 _QPN2_KERNELS, _QPN8_KERNELS = _QPN2Kernels(), _QPN8Kernels()
