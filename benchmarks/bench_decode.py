@@ -287,22 +287,24 @@ def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=
     verify its outputs against the fp32 accumulation bound. `source`: another kernel file (an
     ablation's path) instead of the shipped one."""
     from qpn.cupy_kernels import linear as L
+    from qpn.cupy_kernels import workspace as W
     from qpn.cupy_kernels.loader import get_function
+    from qpn.ref.formats import BY_KEY
 
     fn = get_function(str(source or ablate.kernel_source(fmt)), f"{fmt}_linear", macros)
     x_frag = dict(macros).get("QPN_X_FRAG") == "1"
     saved, L.TARGET_WARPS = L.TARGET_WARPS, target or L.TARGET_WARPS
     try:
         parts, split, gpw = L.decode_split({"qpn2": "nvfp4", "qpn8": "fp8"}[fmt], n, k)
-        split_k = sum(L._split_k_elements(parts, m, n, False))
-        workspace = ctx.cp.empty((L._fragment_elements(m, k) if x_frag else 0) + split_k, ctx.cp.float32)
+        split_k = sum(W.split_k_elements(parts, m, n, False))
+        workspace = ctx.cp.empty((W.fragment_elements(m, k) if x_frag else 0) + split_k, ctx.cp.float32)
 
         def launch(i):
             if fmt == "qpn2":
                 weights = (*bufs[i % slots], g_dev, np.int32(0))
             else:
                 weights = (bufs[i % slots][0], bufs[i % slots][1], np.int32(0))
-            L._launch(fmt, fn, weights, x, y, n, False, workspace, x_frag)
+            L._launch(BY_KEY[fmt], fn, weights, x, y, n, False, workspace, x_frag)
 
         if check is not None:
             launch(0)

@@ -37,14 +37,6 @@ from .dequantize import (
 from .linear import (
     MAX_M,
     SLICE_MULTIPLE,
-    TOKENS_PER_BLOCK,
-    _fragment_elements,
-    _gated_rows,
-    _partial_elements,
-    _rows_of,
-    _x_fragments,
-    _zeroed_tickets,
-    call_workspace,
     decode_threshold,
     require_family,
     require_group_scales_aligned,
@@ -52,6 +44,16 @@ from .linear import (
 )
 from .loader import kernel
 from .variants import KernelVariant
+from .workspace import (
+    TOKENS_PER_BLOCK,
+    call_workspace,
+    fragment_elements,
+    gated_rows,
+    partial_elements,
+    queue_x_fragments,
+    rows_of_codes,
+    zeroed_tickets,
+)
 
 GEMM_WARPS = 8  # tiles per block: 256 columns share one staging of x
 # groups per load batch, per kernel family: 4 spill at 128 registers on sm_75 (44-92 bytes of stack),
@@ -161,11 +163,11 @@ def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool) -> tu
     """(parts, groups per part, fragment end, partial end, ticket end): the call's split and its
     workspace layout in fp32 elements -- x fragments, then split-K partials and tickets (parts > 1)."""
     parts, per_part = gemm_split(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[wf.key], _device()[0])
-    frag = _fragment_elements(m, k)
+    frag = fragment_elements(m, k)
     if parts == 1:
         return parts, per_part, frag, frag, frag
     bx, _, bz = _grid(n, m, gated, parts)
-    partial = frag + _partial_elements(parts, m, n, gated)
+    partial = frag + partial_elements(parts, m, n, gated)
     return parts, per_part, frag, partial, partial + bx * bz
 
 
@@ -182,11 +184,11 @@ def _launch(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArr
     parts, per_part, frag_end, partial_end, size = _workspace_ends(wf, m, n, k, gated)
     workspace = call_workspace(workspace, size, "gemm_workspace_size")
     x_frag = workspace[:frag_end]
-    _x_fragments(x, x_frag)
+    queue_x_fragments(x, x_frag)
     partial, tickets = np.uint64(0), np.uint64(0)
     if parts > 1:
         partial = workspace[frag_end:partial_end]
-        tickets = _zeroed_tickets(workspace[partial_end:size])
+        tickets = zeroed_tickets(workspace[partial_end:size])
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(per_part), partial, tickets)
     kernel(variant)(_grid(n, m, gated, parts), (32 * GEMM_WARPS,), (*weights, x_frag, y, *tail))
 
@@ -207,9 +209,9 @@ def qpn2_gemm_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_s
     """y = x @ W16^T for a QPN2 (NVFP4) weight, any M >= 1 (built for 33-512; module docstring);
     arguments as qpn2_linear, workspace sized by gemm_workspace_size."""
     m, k = _activation(x, QPN2)
-    n = _rows_of(codes, k, QPN2.code_bits / 8)
+    n = rows_of_codes(codes, k, QPN2.code_bits / 8)
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
-    y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
+    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
     launch_qpn2_gemm(x, codes, scales, g, g_stride, n, y, gated, workspace)
     return y
 
@@ -218,11 +220,11 @@ def qpn8_gemm_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, ou
                      gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
     """y = x @ W16^T for a QPN8 (FP8) weight, any M >= 1 (built for 33-512); arguments as qpn8_linear."""
     m, k = _activation(x, QPN8)
-    n = _rows_of(codes, k, QPN8.code_bits / 8)
+    n = rows_of_codes(codes, k, QPN8.code_bits / 8)
     n, k, _ = prepare_qpn8(codes, group_scales, n, k)
     wf = qpn8_group_scales_format(group_scales.shape, n, k)
     require_group_scales_aligned(group_scales, wf)
-    y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
+    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
     launch_qpn8_gemm(x, codes, group_scales, wf, n, y, gated, workspace)
     return y
 

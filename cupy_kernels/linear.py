@@ -39,9 +39,18 @@ from .dequantize import (
 )
 from .loader import RawKernel, kernel
 from .variants import KernelVariant
+from .workspace import (
+    TOKENS_PER_BLOCK,
+    call_workspace,
+    fragment_elements,
+    gated_rows,
+    queue_x_fragments,
+    rows_of_codes,
+    split_k_elements,
+    zeroed_tickets,
+)
 
 MAX_M = 32  # the decode kernels' token limit (4 tensor-core n8 blocks)
-TOKENS_PER_BLOCK = 8  # tokens per mma n8 block
 # Split-K (split_k): K-slices per tile, one warp each, summed in a fixed order -- in shared memory
 # inside a block, across blocks for layers with few tiles -- chosen from N, K and the GPU's SM
 # count, never from M. About TARGET_WARPS warps in all (the H200 holds 132 SMs x 32 of these
@@ -123,9 +132,8 @@ QPN8_LINEAR = {
     for gated in (False, True)
     for nb in _BLOCKS
 }
-X_FRAGMENTS = KernelVariant("x_fragments.cu", "qpn_x_fragments", archs=("sm_75",))
 DECODE_VARIANTS = (*QPN2_LINEAR.values(), *QPN8_LINEAR.values())
-KERNEL_VARIANTS = (*DECODE_VARIANTS, X_FRAGMENTS)
+KERNEL_VARIANTS = DECODE_VARIANTS
 
 
 def split_k(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, int, int]:
@@ -201,60 +209,10 @@ def require_x_aligned(x: CupyArray) -> None:
     require_aligned("x", x, 8)  # 8-byte loads of 4 consecutive k
 
 
-def _rows_of(codes: CupyArray, k: int, bytes_per_k: float) -> int:
-    """N from a prepacked code buffer ([N, K*bytes_per_k] as prepack returns it, or flat)."""
-    require_cupy("codes", codes, np.uint8)
-    row = int(k * bytes_per_k)
-    if codes.ndim == 2:
-        return codes.shape[0]
-    if codes.ndim != 1 or codes.size % row:
-        raise ValueError(
-            f"codes must be [N, {row}] (as the prepack returns it for K={k}) or flat with a multiple of "
-            f"{row} bytes, got shape {tuple(codes.shape)}; pass the buffers prepacked for this layer"
-        )
-    return codes.size // row
-
-
-def _gated_rows(n: int, gated: bool) -> int:
-    if not isinstance(gated, (bool, np.bool_)):
-        raise ValueError(f"gated must be a bool, got {type(gated).__name__}")
-    if gated and n % (2 * TILE_N):
-        raise ValueError(
-            f"gated=True needs N/2 % 32 == 0 (gate rows [0, N/2) and up rows [N/2, N) in whole tiles), "
-            f"got N={n}; pad each half to a multiple of 32 rows"
-        )
-    return n // 2 if gated else n
-
-
 # groups_per_warp multiple per format, the same for every M and gated or not (batch invariance):
 # QPN2's K % 64 == 0 makes every K-slice whole batches of up to 4 groups (no pad groups; every
 # QPN2 build's batch divides it: tests/test_decode_split.py).
 SLICE_MULTIPLE = {QPN2.key: QPN2.k_multiple // GROUP_K, QPN8.key: 1}
-
-
-# Split-K state lives in the call's workspace, nothing outlives a call: the fp32 partial sums
-# [parts][gated ? 2 : 1][M][columns], then one uint32 arrival counter ("ticket") per output tile,
-# zeroed by a memset on the call's stream just before the launch. Stream order makes a workspace
-# safe to reuse as soon as the launch is queued (the caching allocator hands it out again only in
-# stream order), so any number of streams, concurrent or not, and CUDA-graph capture (the memset
-# becomes a graph node) need no shared table. Cost: one memset of N/32 * 4 bytes per split-K call,
-# measured on the H200 at +2 us on 5120x17408 (M=1: QPN2 33.8 -> 35.8 us, QPN8 34.0 -> 35.8 us;
-# benchmarks/results/splitk_streams_h200.md), +0.1 us on 4096x14336; split-K itself saved 7-11 us.
-
-
-def _partial_elements(parts: int, m: int, n: int, gated: bool) -> int:
-    return parts * (2 if gated else 1) * m * _gated_rows(n, gated)
-
-
-def _fragment_elements(m: int, k: int) -> int:
-    """fp32 slots of the x fragments (x_fragments.cu) of an [M, K] x: 16 bytes per lane, group and
-    pair of 8-token blocks."""
-    return k // GROUP_K * -(-m // (2 * TOKENS_PER_BLOCK)) * 32 * 4
-
-
-def _split_k_elements(parts: int, m: int, n: int, gated: bool) -> tuple[int, int]:
-    """fp32 slots of a call's split-K state: (partial sums, N/32 arrival tickets); none for one part."""
-    return (_partial_elements(parts, m, n, gated), n // TILE_N) if parts > 1 else (0, 0)
 
 
 def decode_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False) -> int:
@@ -267,41 +225,8 @@ def decode_workspace_size(format: str, m: int, n: int, k: int, gated: bool = Fal
     is queued.
     """
     family = require_family(format)
-    frag = _fragment_elements(m, k) if X_FRAG[family.key, -(-m // TOKENS_PER_BLOCK)] else 0
-    return frag + sum(_split_k_elements(decode_split(format, n, k)[0], m, n, gated))
-
-
-def _zeroed_tickets(tickets: CupyArray) -> CupyArray:
-    """The split-K arrival tickets, zeroed on the call's stream (module comment above)."""
-    import cupy  # noqa: PLC0415
-
-    tickets = tickets.view(np.uint32)
-    cupy.cuda.runtime.memsetAsync(tickets.data.ptr, 0, tickets.nbytes, cupy.cuda.get_current_stream().ptr)
-    return tickets
-
-
-def _x_fragments(x: CupyArray, out: CupyArray) -> None:
-    """Queue qpn_x_fragments: x [M, K] -> out, the decode kernels' fragment order (x_fragments.cu)."""
-    m, k = x.shape
-    nb2 = -(-m // (2 * TOKENS_PER_BLOCK))
-    threads = k // GROUP_K * nb2 * 32
-    kernel(X_FRAGMENTS)((min(-(-threads // 256), 1024),), (256,), (x, out, np.int32(m), np.int32(k), np.int32(nb2)))
-
-
-def call_workspace(workspace: CupyArray | None, size: int, sizer: str) -> CupyArray:
-    """The call's fp32 workspace of `size` elements: the caller's (checked; `sizer` names the function
-    that gives the size) or a fresh one."""
-    import cupy  # noqa: PLC0415
-
-    if workspace is None:
-        return cupy.empty(size, dtype=np.float32)
-    require_cupy("workspace", workspace, np.float32)
-    if workspace.size < size or not workspace.flags.c_contiguous:
-        raise ValueError(
-            f"workspace must be a C-contiguous float32 array of >= {size} elements for this call "
-            f"({sizer}), got shape {tuple(workspace.shape)}; allocate a larger one"
-        )
-    return workspace
+    frag = fragment_elements(m, k) if X_FRAG[family.key, -(-m // TOKENS_PER_BLOCK)] else 0
+    return frag + sum(split_k_elements(decode_split(format, n, k)[0], m, n, gated))
 
 
 def require_family(format: str) -> WeightFormat:
@@ -324,18 +249,18 @@ def _launch(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...],
 
     m, k = x.shape
     parts, split, groups_per_warp = decode_split(family.format, n, k)
-    partial_size, ticket_count = _split_k_elements(parts, m, n, gated)
-    frag = _fragment_elements(m, k) if x_frag else 0
+    partial_size, ticket_count = split_k_elements(parts, m, n, gated)
+    frag = fragment_elements(m, k) if x_frag else 0
     size = frag + partial_size + ticket_count
     x_arg, partial, tickets = x, np.uint64(0), np.uint64(0)
     if size:
         workspace = call_workspace(workspace, size, "decode_workspace_size")
         if frag:
             x_arg = workspace[:frag]
-            _x_fragments(x, x_arg)
+            queue_x_fragments(x, x_arg)
         if parts > 1:
             partial = workspace[frag:frag + partial_size]
-            tickets = _zeroed_tickets(workspace[frag + partial_size:size])
+            tickets = zeroed_tickets(workspace[frag + partial_size:size])
     grid = (n // TILE_N // (2 if gated else 1), parts)
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(groups_per_warp), partial, tickets)
     fn(grid, (32 * split,), (*weights, x_arg, y, *tail))
@@ -351,9 +276,9 @@ def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale:
     """
     # validate (shapes, dtypes, devices, alignment) -> allocate -> grid/block -> launch
     m, k = _activation(x, QPN2, "qpn2_dense_linear")
-    n = _rows_of(codes, k, QPN2.code_bits / 8)
+    n = rows_of_codes(codes, k, QPN2.code_bits / 8)
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)  # N's rule first
-    y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
+    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
     launch_qpn2_decode(x, codes, scales, g, g_stride, n, y, gated, workspace)
     return y
 
@@ -374,11 +299,11 @@ def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: Cu
     ([M, N/2] when gated). workspace: as qpn2_linear.
     """
     m, k = _activation(x, QPN8, "qpn8_dense_linear")
-    n = _rows_of(codes, k, QPN8.code_bits / 8)
+    n = rows_of_codes(codes, k, QPN8.code_bits / 8)
     n, k, _ = prepare_qpn8(codes, group_scales, n, k)  # N's rule first
     wf = qpn8_group_scales_format(group_scales.shape, n, k)
     require_group_scales_aligned(group_scales, wf)
-    y = output_array(out, (m, _gated_rows(n, gated)), np.float16)
+    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
     launch_qpn8_decode(x, codes, group_scales, wf, n, y, gated, workspace)
     return y
 

@@ -280,12 +280,12 @@ def x_fragments_reference(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("m", (9, 16, 17, 24, 32))
 def test_x_fragments_layout(cp, m):
     """qpn_x_fragments writes exactly the documented layout (every byte, zero rows past M)."""
-    from qpn.cupy_kernels import linear as L
+    from qpn.cupy_kernels import workspace as W
 
     k = 48
     x = activations(np.random.default_rng(m), m, k)
-    out = cp.full(L._fragment_elements(m, k), np.nan, dtype=cp.float32)
-    L._x_fragments(cp.asarray(x), out)
+    out = cp.full(W.fragment_elements(m, k), np.nan, dtype=cp.float32)
+    W.queue_x_fragments(cp.asarray(x), out)
     got = out.get().view(np.float16).reshape(k // 16, -(-m // 16), 32, 8)
     assert np.array_equal(got.view(np.uint16), x_fragments_reference(x).view(np.uint16))
 
