@@ -111,18 +111,18 @@ def bert_of(model: SentenceModel) -> BertModel:
     return model[0].auto_model
 
 
-def minilm_checkpoint(bert: BertModel, fmt: str, progress: Callable = lambda it, **_: it) -> checkpoints.Checkpoint:
+def minilm_checkpoint(bert: BertModel, format: str, progress: Callable = lambda it, **_: it) -> checkpoints.Checkpoint:
     """The BertModel as a ModelOpt checkpoint: every nn.Linear quantized ("nvfp4": NVFP4; "fp8": FP8
     per tensor), every other state_dict tensor kept (fp32)."""
     from torch import nn
 
-    quant_algo, _ = FORMATS[fmt]
+    quant_algo, _ = FORMATS[format]
     state = {name: t.detach().cpu().numpy() for name, t in bert.state_dict().items()}
     names = [name for name, module in bert.named_modules() if type(module) is nn.Linear]
     linears: dict[str, checkpoints.NVFP4Linear | checkpoints.FP8Linear] = {}
     for name in progress(names, desc=f"quantize {quant_algo}", total=len(names), unit="layer"):
         w = state.pop(f"{name}.weight")
-        if fmt == QPN2.format:
+        if format == QPN2.format:
             q4 = ref.nvfp4_quantize(w)
             linears[name] = checkpoints.NVFP4Linear(name, q4.weight_packed, q4.weight_scale, q4.weight_scale_2)
         else:

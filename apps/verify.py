@@ -27,9 +27,9 @@ if TYPE_CHECKING:  # annotations only: torch is imported where a check needs it 
 OK, FAIL, ABSENT = "ok", "FAIL", "-"
 
 
-def format_name(fmt: str, granularity: str | None) -> str:
+def format_name(format: str, granularity: str | None) -> str:
     """NVFP4, FP8/tensor, ...: the public format name, as `qpn pack` prints it, and the FP8 scale granularity."""
-    return fmt.upper() if granularity is None else f"{fmt.upper()}/{granularity}"
+    return format.upper() if granularity is None else f"{format.upper()}/{granularity}"
 
 
 DEFAULT_MS = (1, 40)  # activation rows for the linear check: a decode M and one past the decode/prefill split (32)
