@@ -279,6 +279,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # entry point
 
 
+def _add_inspect(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("inspect", parents=[common], help="per-layer table of a checkpoint; --dispatch: the kernel "
+                                                         "path each call takes",
+                       description="Name, format, N, K, global scale(s), bytes and packability of every quantized "
+                                   "layer of an original or packed checkpoint. With --dispatch: the path (decode, "
+                                   "GEMM, dense; CPU fused or decode-then-BLAS) the linear ops take per layer shape "
+                                   "and M, from the measured table of each device family (at PATH's layer shapes "
+                                   "if given).")
+    p.add_argument("path", metavar="PATH", nargs="?")
+    p.add_argument("--dispatch", action="store_true", help="print the dispatch policy's choices")
+    p.add_argument("--family", help="with --dispatch: one device family (cpu, sm_90, ...; default: this machine's "
+                                    "and every measured one)")
+    p.set_defaults(func=cmd_inspect)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -317,18 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{ref.UPSTREAM_VARIANTS.replace('%', '%%')}")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("inspect", parents=[common], help="per-layer table of a checkpoint; --dispatch: the kernel "
-                                                         "path each call takes",
-                       description="Name, format, N, K, global scale(s), bytes and packability of every quantized "
-                                   "layer of an original or packed checkpoint. With --dispatch: the path (decode, "
-                                   "GEMM, dense; CPU fused or decode-then-BLAS) the linear ops take per layer shape "
-                                   "and M, from the measured table of each device family (at PATH's layer shapes "
-                                   "if given).")
-    p.add_argument("path", metavar="PATH", nargs="?")
-    p.add_argument("--dispatch", action="store_true", help="print the dispatch policy's choices")
-    p.add_argument("--family", help="with --dispatch: one device family (cpu, sm_90, ...; default: this machine's "
-                                    "and every measured one)")
-    p.set_defaults(func=cmd_inspect)
+    _add_inspect(sub, common)
 
     p = sub.add_parser("bench", parents=[common], help="kernel benchmark (needs a CUDA GPU)",
                        usage="qpn bench [-h] [kernels | decode | model] [SCRIPT ARGS...]",
