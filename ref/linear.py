@@ -95,7 +95,8 @@ def linear(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
         return _float64_sums(x, w16).astype(np.float16)
 
 
-def _gamma(k: int, u: float) -> float:
+def gamma(k: int, u: float) -> float:
+    """gamma_K(u) = K*u / (1 - K*u): the relative error bound of K rounded additions (Higham, Sec. 4.2)."""
     if k * u >= 0.5:
         raise ValueError(f"K = {k} is too large for the accumulation bound with unit roundoff {u} (needs K*u < 1/2)")
     return k * u / (1.0 - k * u)
@@ -113,15 +114,29 @@ def linear_bounds(x: np.ndarray, w16: np.ndarray,
     k = x.shape[1]
     s64 = _float64_sums(x, w16)
     abs_sum = np.abs(x.astype(np.float64)) @ np.abs(w16.astype(np.float64)).T
-    gamma64 = _gamma(k, FP64_UNIT_ROUNDOFF)
     # d = (gamma_K(u) + gamma64_K) * (1 + gamma64_K) * abs_sum: the true sum|x*w| is at most
     # abs_sum / (1 - gamma64_K); the factor (1 + 2^-50) covers the rest of that and the few
     # float64 roundings of this very expression.
-    d = (_gamma(k, unit_roundoff) + gamma64) * (1.0 + gamma64) * (1.0 + 2.0**-50) * abs_sum
-    with np.errstate(over="ignore"):
-        lo = np.nextafter(s64 - d, -np.inf).astype(np.float16)
-        hi = np.nextafter(s64 + d, np.inf).astype(np.float16)
-    return lo, hi
+    d = float64_sum_slack(k, unit_roundoff, abs_sum)
+    return outward_fp16(s64 - d, s64 + d)
+
+
+def float64_sum_slack(k: int, unit_roundoff: float, abs_sum: np.ndarray) -> np.ndarray:
+    """d = (gamma_K(u) + gamma64_K) * (1 + gamma64_K) * (1 + 2^-50) * abs_sum: how far a kernel's K-term
+    sum (unit roundoff u) may lie from a float64 sum of the same exact products, abs_sum the float64
+    sum of their magnitudes (module docstring)."""
+    gamma64 = gamma(k, FP64_UNIT_ROUNDOFF)
+    return (gamma(k, unit_roundoff) + gamma64) * (1.0 + gamma64) * (1.0 + 2.0**-50) * abs_sum
+
+
+def outward_fp16(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 bounds -> the fp16 interval that contains every RN16 of a value in [lo, hi]: one nextafter
+    outward before the cast (so the float64 bounds' own last rounding cannot shrink it); +-inf where it
+    overflows; a NaN end (inf - inf) becomes the whole line."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        lo16 = np.nextafter(np.where(np.isnan(lo), -np.inf, lo), -np.inf).astype(np.float16)
+        hi16 = np.nextafter(np.where(np.isnan(hi), np.inf, hi), np.inf).astype(np.float16)
+    return lo16, hi16
 
 
 # (w16 [N, K], x32 [M + 1, K], M) -> (S32, A32): the fp32 matmuls of `linear_bounds_fp32`
@@ -174,12 +189,9 @@ def linear_bounds_of_fp32_sums(s32: np.ndarray, a32: np.ndarray, k: int,
     a32 = np.asarray(a32, dtype=np.float64)
     if s32.shape != a32.shape:
         raise ValueError(f"s32 and a32 must have one shape [M, N], got {s32.shape} and {a32.shape}")
-    gamma32 = _gamma(k, FP32_UNIT_ROUNDOFF)
-    d = (_gamma(k, unit_roundoff) + gamma32) / (1.0 - gamma32) * (1.0 + 2.0**-50) * a32
-    with np.errstate(over="ignore"):
-        lo = np.nextafter(s32 - d, -np.inf).astype(np.float16)
-        hi = np.nextafter(s32 + d, np.inf).astype(np.float16)
-    return lo, hi
+    gamma32 = gamma(k, FP32_UNIT_ROUNDOFF)
+    d = (gamma(k, unit_roundoff) + gamma32) / (1.0 - gamma32) * (1.0 + 2.0**-50) * a32
+    return outward_fp16(s32 - d, s32 + d)
 
 
 def linear_error_bound(x: np.ndarray, w16: np.ndarray,
