@@ -1,0 +1,115 @@
+"""Mixture-of-experts checkpoints written by REAL ModelOpt 0.47 (tests/fixtures/modelopt/{qwen3moe,mixtral}_
+{fp8,nvfp4}, made by tests/fixtures/make_modelopt_moe_fixtures.py; issue 22 part 2): each expert is a
+linear of its own on disk, which qpn's checkpoint reader, `qpn inspect`, `pack` and `verify` take as they
+take any linear; the router stays unquantized. The experts' W16 from qpn.ref, put into transformers'
+fused expert parameters, give ModelOpt's reference logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from qpn import ref
+from qpn.apps import cli
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "modelopt")
+MOE = {  # fixture -> (quant_algo, layer kind, on-disk (gate, up, down) of expert e in layer i, router)
+    "qwen3moe_fp8": ("FP8", ref.FP8Linear),
+    "qwen3moe_nvfp4": ("NVFP4", ref.NVFP4Linear),
+    "mixtral_fp8": ("FP8", ref.FP8Linear),
+    "mixtral_nvfp4": ("NVFP4", ref.NVFP4Linear),
+}
+EXPERT_NAMES = {"qwen3moe": ("model.layers.{i}.mlp.experts.{e}", ("gate_proj", "up_proj", "down_proj"),
+                             "model.layers.{i}.mlp.gate"),
+                "mixtral": ("model.layers.{i}.block_sparse_moe.experts.{e}", ("w1", "w3", "w2"),
+                            "model.layers.{i}.block_sparse_moe.gate")}
+LAYERS, EXPERTS = 2, 8
+# As tests/test_modelopt_exports.py's bound (fp16 roundings of x, W16 and each linear's output against
+# ModelOpt's fp32 dequantization): 24 * 2^-11 of max|logit| for two decoder layers.
+LOGIT_BOUND_FACTOR = 24 * 2.0**-11
+
+
+def family(name: str) -> str:
+    return name.split("_")[0]
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_the_fixtures_are_what_modelopt_writes(name):
+    algo, kind = MOE[name]
+    folder = os.path.join(FIXTURES, name)
+    hf = json.load(open(os.path.join(folder, "hf_quant_config.json")))
+    block, roles, router = EXPERT_NAMES[family(name)]
+    assert hf["producer"]["version"].startswith("0.47") and hf["quantization"]["quant_algo"] == algo
+    assert {router.format(i=i) for i in range(LAYERS)} <= set(hf["quantization"]["exclude_modules"])
+    checkpoint = ref.load_checkpoint(folder)
+    experts = {block.format(i=i, e=e) + f".{r}" for i in range(LAYERS) for e in range(EXPERTS) for r in roles}
+    assert experts <= set(checkpoint.linears) and all(isinstance(lin, kind) for lin in checkpoint.linears.values())
+    assert len(checkpoint.linears) == len(experts) + 4 * LAYERS  # + q, k, v, o
+    assert {f"{router.format(i=i)}.weight" for i in range(LAYERS)} <= set(checkpoint.tensors)
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_pack_and_verify_take_every_expert(tmp_path, capsys, name):
+    out = tmp_path / "packed"
+    assert cli.main(["pack", os.path.join(FIXTURES, name), str(out), "-q"]) == 0
+    assert cli.main(["verify", str(out), "-q"]) == 0
+    assert f"{len(ref.load_checkpoint(os.path.join(FIXTURES, name)).linears)} of" in capsys.readouterr().out
+
+
+def hf_model(name: str):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.from_pretrained(os.path.join(FIXTURES, name))
+    cls = {"qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}
+    torch.manual_seed(0)
+    return cls[config.model_type](config).float().eval()
+
+
+def float32_of(tensor: ref.StoredTensor) -> torch.Tensor:
+    """An unquantized checkpoint tensor as float32 (bf16 is stored as its upper 16 bits)."""
+    if tensor.dtype == "BF16":
+        return torch.from_numpy((np.asarray(tensor.array).view(np.uint16).astype(np.uint32) << 16).view(np.float32))
+    return torch.from_numpy(np.asarray(tensor.array, dtype=np.float32))
+
+
+def w16_of(linear) -> np.ndarray:
+    if isinstance(linear, ref.NVFP4Linear):
+        return ref.nvfp4_dequantize(linear.weight_packed, linear.weight_scale, linear.global_scale)
+    return ref.fp8_dequantize(linear.weight, linear.weight_scale)
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_the_experts_w16_give_modelopts_logits(name):
+    """An fp32 transformers model holding qpn.ref's W16 of every linear (the experts' per-expert linears
+    stacked into the fused gate_up_proj / down_proj, gate rows first) reproduces the reference logits."""
+    folder = os.path.join(FIXTURES, name)
+    checkpoint = ref.load_checkpoint(folder)
+    block, (gate, up, down), router = EXPERT_NAMES[family(name)]
+    model = hf_model(name)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for prefix, linear in checkpoint.linears.items():
+            if f"{prefix}.weight" in params:
+                params[f"{prefix}.weight"].copy_(torch.from_numpy(w16_of(linear).astype(np.float32)))
+        for i in range(LAYERS):
+            experts = model.model.layers[i].mlp.experts
+            for e in range(EXPERTS):
+                lin = {r: checkpoint.linears[f"{block.format(i=i, e=e)}.{r}"] for r in (gate, up, down)}
+                w13 = np.concatenate([w16_of(lin[gate]), w16_of(lin[up])])
+                experts.gate_up_proj[e].copy_(torch.from_numpy(w13.astype(np.float32)))
+                experts.down_proj[e].copy_(torch.from_numpy(w16_of(lin[down]).astype(np.float32)))
+            router_weight = checkpoint.tensors[f"{router.format(i=i)}.weight"]
+            model.model.layers[i].mlp.gate.weight.copy_(float32_of(router_weight))
+        for name_, tensor in checkpoint.tensors.items():
+            if name_ in params:
+                params[name_].copy_(float32_of(tensor))
+        with open(os.path.join(folder, "reference_input_ids.json")) as f:
+            ids = torch.tensor(json.load(f)["input_ids"])
+        got = model(ids).logits.numpy()
+    want = np.load(os.path.join(folder, "reference_logits.npy"))
+    bound = LOGIT_BOUND_FACTOR * float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= bound
