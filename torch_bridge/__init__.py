@@ -12,7 +12,9 @@ method hold and call; the path each call takes is dispatch.py's.
 from .convert import LoadReport, convert, load_quantized
 from .epilogue import silu_and_mul
 from .module import QPNLinear, qpn_linear
+from .moe_ops import fp8_moe, nvfp4_moe
 from .ops import fp8_dequantize, fp8_linear, fp8_prepack, nvfp4_dequantize, nvfp4_linear, nvfp4_prepack
+from .packed_experts import PackedExperts
 from .packed_weight import (
     PackedWeight,
     QPN2Weight,

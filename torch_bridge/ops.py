@@ -62,7 +62,7 @@ def _fail(message: str) -> NoReturn:
     raise ValueError(message)
 
 
-def _require_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int | tuple[int, ...] | None = None,
+def require_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: int | tuple[int, ...] | None = None,
                     contiguous: bool = True) -> None:
     if not isinstance(t, Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -84,7 +84,7 @@ def _dtype_fix(name: str, dtypes: tuple[torch.dtype, ...]) -> str:
     return "pass the tensor the prepack / checkpoint produced, unchanged"
 
 
-def _require_same_device(**tensors: Tensor) -> torch.device:
+def require_same_device(**tensors: Tensor) -> torch.device:
     devices = {name: t.device for name, t in tensors.items()}
     first_name, first = next(iter(devices.items()))
     for name, device in devices.items():
@@ -105,9 +105,9 @@ def _require_dims(wf: WeightFormat, n: int, k: int, n_where: str, k_where: str) 
 
 
 def _nvfp4_dims_of_checkpoint(weight_packed: Tensor, weight_scale: Tensor) -> tuple[int, int]:
-    _require_tensor("weight_packed", weight_packed, (torch.uint8,), ndim=2)
-    _require_tensor("weight_scale", weight_scale, _E4M3_DTYPES, ndim=2)
-    _require_same_device(weight_packed=weight_packed, weight_scale=weight_scale)
+    require_tensor("weight_packed", weight_packed, (torch.uint8,), ndim=2)
+    require_tensor("weight_scale", weight_scale, _E4M3_DTYPES, ndim=2)
+    require_same_device(weight_packed=weight_packed, weight_scale=weight_scale)
     n, k = weight_packed.shape[0], QPN2.k_of_codes(weight_packed.shape[1])
     _require_dims(QPN2, n, k, "weight_packed.shape[0]", "K = 2 * weight_packed.shape[1]")
     if tuple(weight_scale.shape) != (n, k // GROUP_K):  # the checkpoint's: one e4m3 scale per 16 weights
@@ -116,11 +116,11 @@ def _nvfp4_dims_of_checkpoint(weight_packed: Tensor, weight_scale: Tensor) -> tu
     return n, k
 
 
-def _nvfp4_dims(codes: Tensor, scales: Tensor, global_scale: Tensor) -> tuple[int, int]:
+def nvfp4_dims(codes: Tensor, scales: Tensor, global_scale: Tensor) -> tuple[int, int]:
     """Validate QPN2 buffers; returns (N, K)."""
-    _require_tensor("codes", codes, (torch.uint8,), ndim=2)
-    _require_tensor("scales", scales, (torch.uint8,), ndim=2)
-    _require_tensor("global_scale", global_scale, (torch.float32,), ndim=(0, 1))
+    require_tensor("codes", codes, (torch.uint8,), ndim=2)
+    require_tensor("scales", scales, (torch.uint8,), ndim=2)
+    require_tensor("global_scale", global_scale, (torch.float32,), ndim=(0, 1))
     n, k = codes.shape[0], QPN2.k_of_codes(codes.shape[1])
     _require_dims(QPN2, n, k, "codes.shape[0]", "K = 2 * codes.shape[1]")
     shapes = QPN2.buffer_shapes(n, k)
@@ -135,9 +135,9 @@ def _nvfp4_dims(codes: Tensor, scales: Tensor, global_scale: Tensor) -> tuple[in
 
 
 def _fp8_dims_of_checkpoint(weight: Tensor, weight_scale: Tensor) -> tuple[int, int, str]:
-    _require_tensor("weight", weight, _E4M3_DTYPES, ndim=2)
-    _require_tensor("weight_scale", weight_scale, (torch.float32,), ndim=(0, 1, 2))
-    _require_same_device(weight=weight, weight_scale=weight_scale)
+    require_tensor("weight", weight, _E4M3_DTYPES, ndim=2)
+    require_tensor("weight_scale", weight_scale, (torch.float32,), ndim=(0, 1, 2))
+    require_same_device(weight=weight, weight_scale=weight_scale)
     n, k = int(weight.shape[0]), int(weight.shape[1])
     # The shape rule (and the alignment rule that goes with it) is ref's; it reads only the
     # shape, never the (possibly device or fake) data.
@@ -149,10 +149,10 @@ def _fp8_group_scales_shape(n: int, k: int, granularity: str) -> tuple[int, ...]
     return weight_format("fp8", granularity).buffer("group_scales").shape(n, k)
 
 
-def _fp8_dims(codes: Tensor, group_scales: Tensor) -> tuple[int, int]:
-    """Validate QPN8 buffers; returns (N, K). Their layout (QPN8 or QPN8_BLOCK) is `_fp8_layout`'s."""
-    _require_tensor("codes", codes, (torch.uint8,), ndim=2)
-    _require_tensor("group_scales", group_scales, (torch.float16,), ndim=2)
+def fp8_dims(codes: Tensor, group_scales: Tensor) -> tuple[int, int]:
+    """Validate QPN8 buffers; returns (N, K). Their layout (QPN8 or QPN8_BLOCK) is `fp8_layout`'s."""
+    require_tensor("codes", codes, (torch.uint8,), ndim=2)
+    require_tensor("group_scales", group_scales, (torch.float16,), ndim=2)
     n, k = codes.shape[0], QPN8.k_of_codes(codes.shape[1])
     # QPN8's N / K rule for every granularity: a fused layer of 64-row block-scaled shards keeps
     # N % 32 (QPN8_BLOCK's N % 128 is the packer's, per shard); block scales add K % 128
@@ -166,13 +166,13 @@ def _fp8_dims(codes: Tensor, group_scales: Tensor) -> tuple[int, int]:
     return n, k
 
 
-def _fp8_layout(group_scales: Tensor, n: int, k: int) -> WeightFormat:
+def fp8_layout(group_scales: Tensor, n: int, k: int) -> WeightFormat:
     """QPN8 (channel / tensor scales [1, N]) or QPN8_BLOCK ([K/128, N/32]), from the validated shape."""
     return QPN8 if tuple(group_scales.shape) == QPN8.buffer("group_scales").shape(n, k) else QPN8_BLOCK
 
 
 def _linear_out_features(x: Tensor, n: int, k: int, gated: bool) -> int:
-    _require_tensor("x", x, (torch.float16,), ndim=2)
+    require_tensor("x", x, (torch.float16,), ndim=2)
     if x.shape[1] != k:
         _fail(f"x must be [M, K] with K = {k} (the weight's input features), got shape {tuple(x.shape)}; "
               "flatten leading dimensions into M (QPNLinear does this)")
@@ -253,42 +253,42 @@ def _fp8_prepack_fake(weight: Tensor, weight_scale: Tensor) -> tuple[Tensor, Ten
 def nvfp4_dequantize(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Tensor:
     """QPN2 buffers -> float16 [N, K] = RN16(RN32(e2m1 * RN32(e4m3 * g(n)))), byte-identical to
     qpn.ref.qpn2_dequantize."""
-    _require_same_device(codes=codes, scales=scales, global_scale=global_scale)
-    n, k = _nvfp4_dims(codes, scales, global_scale)
+    require_same_device(codes=codes, scales=scales, global_scale=global_scale)
+    n, k = nvfp4_dims(codes, scales, global_scale)
     return _cpu_ops.dequantize(QPN2, (codes, scales, global_scale), n, k)
 
 
 @nvfp4_dequantize.register_kernel("cuda")
 def _nvfp4_dequantize_cuda(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Tensor:
-    _require_same_device(codes=codes, scales=scales, global_scale=global_scale)
-    n, k = _nvfp4_dims(codes, scales, global_scale)
+    require_same_device(codes=codes, scales=scales, global_scale=global_scale)
+    n, k = nvfp4_dims(codes, scales, global_scale)
     return _cuda().dequantize(QPN2, (codes, scales, global_scale.reshape(-1)), n, k)
 
 
 @nvfp4_dequantize.register_fake
 def _nvfp4_dequantize_fake(codes: Tensor, scales: Tensor, global_scale: Tensor) -> Tensor:
-    n, k = _nvfp4_dims(codes, scales, global_scale)
+    n, k = nvfp4_dims(codes, scales, global_scale)
     return codes.new_empty((n, k), dtype=torch.float16)
 
 
 @torch.library.custom_op("qpn::fp8_dequantize", mutates_args=(), device_types="cpu")
 def fp8_dequantize(codes: Tensor, group_scales: Tensor) -> Tensor:
     """QPN8 buffers -> float16 [N, K] = RN16(e4m3 * 2^-8 * S16), byte-identical to qpn.ref.qpn8_dequantize."""
-    _require_same_device(codes=codes, group_scales=group_scales)
-    n, k = _fp8_dims(codes, group_scales)
-    return _cpu_ops.dequantize(_fp8_layout(group_scales, n, k), (codes, group_scales), n, k)
+    require_same_device(codes=codes, group_scales=group_scales)
+    n, k = fp8_dims(codes, group_scales)
+    return _cpu_ops.dequantize(fp8_layout(group_scales, n, k), (codes, group_scales), n, k)
 
 
 @fp8_dequantize.register_kernel("cuda")
 def _fp8_dequantize_cuda(codes: Tensor, group_scales: Tensor) -> Tensor:
-    _require_same_device(codes=codes, group_scales=group_scales)
-    n, k = _fp8_dims(codes, group_scales)
-    return _cuda().dequantize(_fp8_layout(group_scales, n, k), (codes, group_scales), n, k)
+    require_same_device(codes=codes, group_scales=group_scales)
+    n, k = fp8_dims(codes, group_scales)
+    return _cuda().dequantize(fp8_layout(group_scales, n, k), (codes, group_scales), n, k)
 
 
 @fp8_dequantize.register_fake
 def _fp8_dequantize_fake(codes: Tensor, group_scales: Tensor) -> Tensor:
-    n, k = _fp8_dims(codes, group_scales)
+    n, k = fp8_dims(codes, group_scales)
     return codes.new_empty((n, k), dtype=torch.float16)
 
 
@@ -301,8 +301,8 @@ def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
 
     CPU: the numba kernels, fused or decode-then-fp32-matmul (_cpu_ops.linear, as dispatch.choose picks).
     """
-    _require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
-    n, k = _nvfp4_dims(codes, scales, global_scale)
+    require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
+    n, k = nvfp4_dims(codes, scales, global_scale)
     n_out = _linear_out_features(x, n, k, gated)
     if x.shape[0] == 0:
         return x.new_empty((0, n_out))
@@ -312,15 +312,15 @@ def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
 
 @nvfp4_linear.register_kernel("cuda")
 def _nvfp4_linear_cuda(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, gated: bool = False) -> Tensor:
-    _require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
-    n, k = _nvfp4_dims(codes, scales, global_scale)
+    require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
+    n, k = nvfp4_dims(codes, scales, global_scale)
     n_out = _linear_out_features(x, n, k, gated)
     return _cuda().linear(QPN2, x, (codes, scales, global_scale.reshape(-1)), n, k, n_out, gated)
 
 
 @nvfp4_linear.register_fake
 def _nvfp4_linear_fake(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, gated: bool = False) -> Tensor:
-    n, k = _nvfp4_dims(codes, scales, global_scale)
+    n, k = nvfp4_dims(codes, scales, global_scale)
     n_out = _linear_out_features(x, n, k, gated)
     return x.new_empty((x.shape[0], n_out))
 
@@ -328,25 +328,25 @@ def _nvfp4_linear_fake(x: Tensor, codes: Tensor, scales: Tensor, global_scale: T
 @torch.library.custom_op("qpn::fp8_linear", mutates_args=(), device_types="cpu")
 def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = False) -> Tensor:
     """x float16 [M, K] times the QPN8 weight -> float16 [M, N] (or [M, N/2] gated)."""
-    _require_same_device(x=x, codes=codes, group_scales=group_scales)
-    n, k = _fp8_dims(codes, group_scales)
+    require_same_device(x=x, codes=codes, group_scales=group_scales)
+    n, k = fp8_dims(codes, group_scales)
     n_out = _linear_out_features(x, n, k, gated)
     if x.shape[0] == 0:
         return x.new_empty((0, n_out))
-    y = _cpu_ops.linear(_fp8_layout(group_scales, n, k), x, (codes, group_scales), n)
+    y = _cpu_ops.linear(fp8_layout(group_scales, n, k), x, (codes, group_scales), n)
     return silu_and_mul(y) if gated else y
 
 
 @fp8_linear.register_kernel("cuda")
 def _fp8_linear_cuda(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = False) -> Tensor:
-    _require_same_device(x=x, codes=codes, group_scales=group_scales)
-    n, k = _fp8_dims(codes, group_scales)
+    require_same_device(x=x, codes=codes, group_scales=group_scales)
+    n, k = fp8_dims(codes, group_scales)
     n_out = _linear_out_features(x, n, k, gated)
-    return _cuda().linear(_fp8_layout(group_scales, n, k), x, (codes, group_scales), n, k, n_out, gated)
+    return _cuda().linear(fp8_layout(group_scales, n, k), x, (codes, group_scales), n, k, n_out, gated)
 
 
 @fp8_linear.register_fake
 def _fp8_linear_fake(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = False) -> Tensor:
-    n, k = _fp8_dims(codes, group_scales)
+    n, k = fp8_dims(codes, group_scales)
     n_out = _linear_out_features(x, n, k, gated)
     return x.new_empty((x.shape[0], n_out))

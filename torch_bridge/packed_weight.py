@@ -155,6 +155,27 @@ class PackedWeight:
         raise NotImplementedError
 
     @classmethod
+    def stack_rows(cls, parts: list[PackedWeight]) -> PackedWeight:
+        """One weight of `parts` stacked along N (fused shards: gate then up, q / k / v), each part's rows
+        cropped to whole 32-row tiles first (a block-scaled part of 64 rows keeps its 64: the layouts hold
+        one scale per tile and column group, so a tile boundary is a clean cut). Every part must share the
+        layout and K, and hold N % 32 == 0 rows of weights."""
+        first = parts[0]
+        wf = first.weight_format
+        for part in parts:
+            if part.weight_format is not wf or part.in_features != first.in_features or part.out_features % TILE_N:
+                raise ValueError(f"stacked parts must share one layout and K and hold whole {TILE_N}-row tiles, got "
+                                 f"{[(p.weight_format.label, p.out_features, p.in_features) for p in parts]}")
+        k = first.in_features
+        buffers = {}
+        for b in wf.buffers:
+            axis = next(i for i, (one, two) in enumerate(zip(b.shape(TILE_N, k), b.shape(2 * TILE_N, k), strict=True))
+                        if one != two)  # the buffer's N axis
+            cuts = [p.buffers[b.name].narrow(axis, 0, b.shape(p.out_features, k)[axis]) for p in parts]
+            buffers[b.name] = torch.cat(cuts, dim=axis).contiguous()
+        return type(first)(buffers, k, sum(p.out_features for p in parts))
+
+    @classmethod
     def from_packed_layer(cls, layer: PackedLayer, device: torch.device | str = "cpu") -> PackedWeight:
         """A layer of a qpn packed folder (qpn.checkpoints.packed.load_packed), its buffers copied to `device`."""
         wf = layer.weight_format

@@ -66,7 +66,7 @@ from ...ref.formats import FP8_BLOCK, FP8_GRANULARITIES, QPN2, QPN8, QPN8_BLOCK,
 from ...ref.geometry import GROUP_K, TILE_N
 from ...ref.nvfp4 import nvfp4_block_overflows
 from ..module import qpn_linear
-from ..packed_weight import PackedWeight, QPN8BlockWeight, pack_fp8, pack_nvfp4  # registers torch.ops.qpn.*
+from ..packed_weight import PackedWeight, pack_fp8, pack_nvfp4  # registers torch.ops.qpn.*
 from ._compat import (
     LinearMethodBase,
     QuantizationConfig,
@@ -316,13 +316,9 @@ def _pack_fp8_block_shards(weight: Tensor, grid: Tensor, geom: ShardGeometry) ->
     if len(geom.partitions) == 1:
         return pack_fp8(weight, grid.contiguous(), "block")
     counts, starts = _block_rows(geom.partitions)
-    codes, scales = [], []
-    for rows, offset, count, start in zip(geom.partitions, geom.offsets, counts, starts, strict=True):
-        part = pack_fp8(weight.narrow(0, offset, rows), grid.narrow(0, start, count).contiguous(), "block")
-        codes.append(part.codes[:rows])
-        scales.append(part.buffers["group_scales"][:, : rows // TILE_N])
-    buffers = {"codes": torch.cat(codes).contiguous(), "group_scales": torch.cat(scales, dim=1).contiguous()}
-    return QPN8BlockWeight(buffers, int(weight.shape[1]), geom.n_partition)
+    return PackedWeight.stack_rows([
+        pack_fp8(weight.narrow(0, offset, rows), grid.narrow(0, start, count).contiguous(), "block")
+        for rows, offset, count, start in zip(geom.partitions, geom.offsets, counts, starts, strict=True)])
 
 
 class QPNUnquantizedLinearMethod(LinearMethodBase):

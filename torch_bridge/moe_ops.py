@@ -1,0 +1,179 @@
+"""The `qpn` mixture-of-experts ops: E experts of one layout, routed tokens in, the weighted sum out.
+
+    qpn::nvfp4_moe(Tensor x, Tensor w13_codes, Tensor w13_scales, Tensor w13_global_scale,
+                   Tensor w2_codes, Tensor w2_scales, Tensor w2_global_scale,
+                   Tensor topk_weights, Tensor topk_ids) -> Tensor
+    qpn::fp8_moe(Tensor x, Tensor w13_codes, Tensor w13_group_scales, Tensor w2_codes,
+                 Tensor w2_group_scales, Tensor topk_weights, Tensor topk_ids) -> Tensor
+
+Tensors: x float16 [M, H]; each w13 buffer is the layout's buffer of an [2I, H] weight (gate rows
+[0, I), up rows [I, 2I)) and each w2 buffer that of an [H, I] weight, stacked along a leading expert
+dimension E (QPN2: codes uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/16], global_scale float32
+[E, 2I/32]; QPN8: codes uint8 [E, 2I, H], group_scales float16 [E, 1, 2I] or [E, H/128, 2I/32]);
+topk_weights float32 [M, k] (>= 0), topk_ids int32 / int64 [M, k] in [0, E). Output float16 [M, H].
+I % 32 == 0 (the gated epilogue's halves are whole tiles) and the layouts' N / K rules hold.
+
+Numerics: docs/DESIGN.md, "Mixture of experts" (qpn.ref.moe.moe is the reference). Each expert's
+linears run on a path whose summation order does not depend on how many tokens chose the expert
+(CPU: the fused numba kernels at every M; CUDA: the decode kernels in chunks of at most 32 rows, each
+row's result independent of the chunk), and the combine is one fp32 multiply and add per choice in
+top-k order: a token's output never depends on the rest of the batch.
+
+This first implementation groups the tokens by expert on the host (one sync per call on CUDA), so a
+CUDA call cannot be captured in a CUDA graph; torch.compile sees one opaque op either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..ref.formats import QPN2, WeightFormat
+from ..ref.geometry import TILE_N
+from . import _cpu_ops
+from .epilogue import silu_and_mul
+from .ops import fp8_dims, fp8_layout, nvfp4_dims, require_same_device, require_tensor
+
+DECODE_ROWS = 32  # the decode kernels' M range: CUDA experts run in chunks of this many tokens
+
+# linear(wf, x, buffers, n, gated) -> fp16 [M, n or n/2]: one expert's linear on a batch-invariant path
+ExpertLinear = Callable[[WeightFormat, Tensor, tuple[Tensor, ...], int, bool], Tensor]
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def _stacked(prefix: str, buffers: dict[str, Tensor]) -> int:
+    """E of stacked expert buffers: each 3-D (E, ...) with one E >= 1."""
+    experts = set()
+    for name, t in buffers.items():
+        require_tensor(f"{prefix}_{name}", t, (t.dtype,), ndim=(1, 2) if name == "global_scale" else 3)
+        experts.add(int(t.shape[0]))
+    if len(experts) != 1 or 0 in experts:
+        _fail(f"the {prefix} buffers must stack the same number (>= 1) of experts along dim 0, got "
+              f"{ {name: tuple(t.shape) for name, t in buffers.items()} }")
+    return experts.pop()
+
+
+def _routing(x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> None:
+    require_tensor("topk_weights", topk_weights, (torch.float32,), ndim=2)
+    require_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2)
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
+        _fail(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must both be "
+              f"[M, top_k] with M = {x.shape[0]} (x's rows); pass the router's top-k as it returns them")
+
+
+def _dims(h: int, n13: int, k13: int, n2: int, k2: int) -> int:
+    """I, from the two projections' per-expert (N, K): w13 [2I, H], w2 [H, I]."""
+    if k13 != h or n2 != h or n13 != 2 * k2:
+        _fail(f"w13 must be [E, 2I, H] and w2 [E, H, I] for x [M, H = {h}], got per expert w13 [{n13}, {k13}] "
+              f"and w2 [{n2}, {k2}]")
+    if k2 % TILE_N:
+        _fail(f"the experts' intermediate size I = {k2} must be a multiple of {TILE_N} (the gate and up halves "
+              "of w13 are whole tiles); pad gate, up and down's input features with zeros to a multiple of 32")
+    return k2
+
+
+def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weights: Tensor, topk_ids: Tensor,
+           dims: Callable[..., tuple[int, int]]) -> None:
+    """Metadata only (never a value: no sync): dtypes, shapes, one device."""
+    require_tensor("x", x, (torch.float16,), ndim=2)
+    require_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids,
+                        **{f"w13_{n}": t for n, t in w13.items()}, **{f"w2_{n}": t for n, t in w2.items()})
+    experts = _stacked("w13", w13)
+    if _stacked("w2", w2) != experts:
+        _fail(f"w13 and w2 must stack the same experts, got {experts} and {next(iter(w2.values())).shape[0]}")
+    n13, k13 = dims(*(t[0] for t in w13.values()))
+    n2, k2 = dims(*(t[0] for t in w2.values()))
+    _dims(int(x.shape[1]), n13, k13, n2, k2)
+    _routing(x, topk_weights, topk_ids)
+
+
+def moe(linear: ExpertLinear, wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...],
+        w2: tuple[Tensor, ...], topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """The MoE block on any backend: each hit expert's gated up-projection and down-projection through
+    `linear` on its tokens, then the combine in top-k order (module docstring)."""
+    m, top_k = topk_ids.shape
+    h = x.shape[1]
+    n13 = int(w13[0].shape[1])
+    y = torch.zeros((m, top_k, h), dtype=torch.float16, device=x.device)
+    for e in torch.unique(topk_ids).tolist():  # the host's view of which experts are hit (one sync)
+        rows, choices = (topk_ids == e).nonzero(as_tuple=True)
+        hidden = linear(wf13, x[rows].contiguous(), tuple(t[e] for t in w13), n13, True)
+        y[rows, choices] = linear(wf2, hidden, tuple(t[e] for t in w2), h, False)
+    acc = torch.zeros((m, h), dtype=torch.float32, device=x.device)
+    for j in range(top_k):  # RN32 product, RN32 add, in top-k order: qpn.ref.moe.combine
+        acc += topk_weights[:, j:j + 1] * y[:, j].float()
+    return acc.to(torch.float16)
+
+
+def cpu_expert_linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, gated: bool) -> Tensor:
+    """The fused numba kernels at every M (batch invariant), then the gated epilogue."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, n // 2 if gated else n))
+    y = _cpu_ops.linear_on("cpu_fused", wf, x, buffers, n)
+    return silu_and_mul(y) if gated else y
+
+
+def cuda_expert_linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, gated: bool) -> Tensor:
+    """The decode kernels in chunks of DECODE_ROWS tokens (each row's result independent of its chunk)."""
+    from . import _cuda  # noqa: PLC0415  (imports no CuPy until a kernel launches)
+
+    k, n_out = int(x.shape[1]), n // 2 if gated else n
+    chunks = [_cuda.linear_on("decode", wf, x[i:i + DECODE_ROWS], buffers, n, k, n_out, gated)
+              for i in range(0, x.shape[0], DECODE_ROWS)]
+    return torch.cat(chunks) if chunks else x.new_empty((0, n_out))
+
+
+def _linear_of(x: Tensor) -> ExpertLinear:
+    return cuda_expert_linear if x.device.type == "cuda" else cpu_expert_linear
+
+
+def _qpn8_layouts(w13_group_scales: Tensor, w2_group_scales: Tensor, h: int, inter: int
+                  ) -> tuple[WeightFormat, WeightFormat]:
+    return fp8_layout(w13_group_scales[0], 2 * inter, h), fp8_layout(w2_group_scales[0], h, inter)
+
+
+# ----------------------------------------------------------------------------- the ops
+
+
+@torch.library.custom_op("qpn::nvfp4_moe", mutates_args=(), device_types=("cpu", "cuda"))
+def nvfp4_moe(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_global_scale: Tensor, w2_codes: Tensor,
+              w2_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """x float16 [M, H], NVFP4 experts in QPN2 (module docstring) -> float16 [M, H]."""
+    w13 = {"codes": w13_codes, "scales": w13_scales, "global_scale": w13_global_scale}
+    w2 = {"codes": w2_codes, "scales": w2_scales, "global_scale": w2_global_scale}
+    _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims)
+    return moe(_linear_of(x), QPN2, QPN2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids)
+
+
+@nvfp4_moe.register_fake
+def _nvfp4_moe_fake(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_global_scale: Tensor, w2_codes: Tensor,
+                    w2_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    w13 = {"codes": w13_codes, "scales": w13_scales, "global_scale": w13_global_scale}
+    w2 = {"codes": w2_codes, "scales": w2_scales, "global_scale": w2_global_scale}
+    _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("qpn::fp8_moe", mutates_args=(), device_types=("cpu", "cuda"))
+def fp8_moe(x: Tensor, w13_codes: Tensor, w13_group_scales: Tensor, w2_codes: Tensor, w2_group_scales: Tensor,
+            topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """x float16 [M, H], FP8 experts in QPN8 (module docstring) -> float16 [M, H]."""
+    w13 = {"codes": w13_codes, "group_scales": w13_group_scales}
+    w2 = {"codes": w2_codes, "group_scales": w2_group_scales}
+    _check(x, w13, w2, topk_weights, topk_ids, fp8_dims)
+    wf13, wf2 = _qpn8_layouts(w13_group_scales, w2_group_scales, int(x.shape[1]), int(w2_codes.shape[2]))
+    return moe(_linear_of(x), wf13, wf2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids)
+
+
+@fp8_moe.register_fake
+def _fp8_moe_fake(x: Tensor, w13_codes: Tensor, w13_group_scales: Tensor, w2_codes: Tensor,
+                  w2_group_scales: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    w13 = {"codes": w13_codes, "group_scales": w13_group_scales}
+    w2 = {"codes": w2_codes, "group_scales": w2_group_scales}
+    _check(x, w13, w2, topk_weights, topk_ids, fp8_dims)
+    return torch.empty_like(x)
