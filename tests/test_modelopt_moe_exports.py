@@ -113,3 +113,49 @@ def test_the_experts_w16_give_modelopts_logits(name):
     want = np.load(os.path.join(folder, "reference_logits.npy"))
     bound = LOGIT_BOUND_FACTOR * float(np.abs(want).max())
     assert float(np.abs(got - want).max()) <= bound
+
+
+@pytest.mark.parametrize("packed_first", [False, True])
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_load_quantized_puts_qpn_experts_into_the_hf_model(tmp_path, name, packed_first):
+    """load_quantized (from the export, or from its `qpn pack` folder) replaces each transformers experts
+    module by a QPNExperts (and attention linears by QPNLinear) and the model gives ModelOpt's logits
+    within the dense fixtures' bound; both folders load to the same buffers."""
+    from qpn.torch_bridge import load_quantized
+    from qpn.torch_bridge.experts import QPNExperts
+
+    source = os.path.join(FIXTURES, name)
+    if packed_first:
+        assert cli.main(["pack", source, str(tmp_path / "packed"), "-q"]) == 0
+        source = str(tmp_path / "packed")
+    model = hf_model(name)
+    report = load_quantized(model, source)
+    assert {f"model.layers.{i}.mlp.experts" for i in range(LAYERS)} <= set(report.quantized)
+    assert all(isinstance(model.model.layers[i].mlp.experts, QPNExperts) for i in range(LAYERS))
+    with open(os.path.join(FIXTURES, name, "reference_input_ids.json")) as f:
+        ids = torch.tensor(json.load(f)["input_ids"])
+    with torch.no_grad():
+        got = model(ids).logits.numpy()
+    want = np.load(os.path.join(FIXTURES, name, "reference_logits.npy"))
+    assert float(np.abs(got - want).max()) <= LOGIT_BOUND_FACTOR * float(np.abs(want).max())
+
+
+def test_convert_quantizes_a_float_moe_models_experts():
+    """convert() puts QPNExperts into a float Qwen3-MoE: the logits follow the model's quantized W16."""
+    from qpn.torch_bridge import convert
+    from qpn.torch_bridge.experts import QPNExperts
+
+    model = hf_model("qwen3moe_fp8")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3]])
+    with torch.no_grad():
+        before = model(ids).logits.numpy()
+    skipped = convert(model, "fp8", fp8_granularity="channel", skip=["lm_head"])
+    assert all(isinstance(model.model.layers[i].mlp.experts, QPNExperts) for i in range(LAYERS))
+    assert [n for n, _ in skipped] == ["lm_head"]
+    with torch.no_grad():
+        after = model(ids).logits.numpy()
+    # FP8 per-channel weights move each linear by <= 2^-4 relative (e4m3's 3 mantissa bits): a few % of the logits
+    assert float(np.abs(after - before).max()) <= 0.1 * float(np.abs(before).max())

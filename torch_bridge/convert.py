@@ -2,12 +2,15 @@
 
 - `convert(model, format, skip=...)` replaces every eligible `nn.Linear` (exactly that class:
   subclasses such as MultiheadAttention's out_projection are read by their owners through
-  `.weight`, so they stay) with a `QPNLinear` quantized by qpn.ref's quantizers. Layers that
+  `.weight`, so they stay) with a `QPNLinear`, and every transformers experts module (gate_up_proj /
+  down_proj: Qwen3-MoE, Mixtral) with a `QPNExperts`, quantized by qpn.ref's quantizers. Layers that
   stay are returned with the reason: in `skip`, K breaking the layout rule, a subclass, or a
   weight the quantizer rejects (NaN / inf, ...).
 - `load_quantized(model, checkpoint)` puts the quantized linears of a ModelOpt /
   compressed-tensors checkpoint (read and validated by qpn.ref.load_checkpoint) into the model
-  as QPNLinear layers - checkpoint layer names are module paths - and copies every other
+  as QPNLinear layers - checkpoint layer names are module paths; per-expert linears
+  (`<block>.experts.<e>.<gate_proj | up_proj | down_proj | w1 | w3 | w2>`) as one QPNExperts per
+  experts module - and copies every other
   checkpoint tensor into the parameter or buffer of the same name. A load that quantizes nothing
   or leaves model tensors unfilled is an error unless `allow_partial=True`. A folder written by
   `qpn pack` (checkpoints/packed/) is read with qpn.checkpoints.packed.load_packed and its QPN2 / QPN8 buffers go
@@ -28,7 +31,8 @@ from torch import Tensor, nn
 
 from .. import checkpoints
 from ..checkpoints import packed
-from ..ref.formats import FORMAT_NAMES
+from ..ref.formats import FORMAT_NAMES, weight_format
+from .experts import QPNExperts, expert_layer_names, is_experts_module, model_names, new_experts
 from .module import QPNLinear
 from .packed_weight import PackedWeight
 
@@ -73,7 +77,7 @@ def convert(model: nn.Module, format: str = "nvfp4", skip: Sequence[str] = (), *
     if isinstance(skip, str):
         skip = (skip,)
     skipped: list[tuple[str, str]] = []
-    new_layers: dict[str, QPNLinear] = {}
+    new_layers: dict[str, nn.Module] = _new_experts_of(model, format, skip, fp8_granularity, skipped)
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
@@ -93,6 +97,25 @@ def convert(model: nn.Module, format: str = "nvfp4", skip: Sequence[str] = (), *
         parent, attr = _parent_and_attr(model, name)
         setattr(parent, attr, new)
     return skipped
+
+
+def _new_experts_of(model: nn.Module, format: str, skip: Sequence[str], fp8_granularity: str,
+                    skipped: list[tuple[str, str]]) -> dict[str, nn.Module]:
+    """{name: QPNExperts} for every transformers experts module (gate_up_proj / down_proj) that is not in
+    `skip`; a ValueError skips that module with its reason."""
+    wf = weight_format(format, fp8_granularity if format == "fp8" else None)
+    new: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if not is_experts_module(module) or isinstance(module, QPNExperts):
+            continue
+        if _matches(name, skip):
+            skipped.append((name, "listed in skip"))
+            continue
+        try:
+            new[name] = QPNExperts.from_module(module, wf, fp8_granularity if format == "fp8" else None)
+        except ValueError as exc:
+            skipped.append((name, str(exc)))
+    return new
 
 
 class LoadReport(NamedTuple):
@@ -118,6 +141,14 @@ def _stored_to_torch(stored: checkpoints.StoredTensor) -> torch.Tensor:
     return tensor.view(dtype) if dtype is not None else tensor
 
 
+def _packed_weight_of(layer: object) -> PackedWeight:
+    """A checkpoint layer (qpn.ref NVFP4Linear / FP8Linear, or a packed folder's PackedLayer) as its PackedWeight."""
+    if isinstance(layer, packed.PackedLayer):
+        return PackedWeight.from_packed_layer(layer)
+    assert isinstance(layer, (checkpoints.NVFP4Linear, checkpoints.FP8Linear))  # what checkpoints' readers return
+    return PackedWeight.from_checkpoint(layer)
+
+
 def _qpn_linear_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear | packed.PackedLayer,
                    bias: Tensor | None) -> QPNLinear:
     """QPNLinear from a qpn.ref NVFP4Linear / FP8Linear (prepacked here) or a
@@ -138,11 +169,16 @@ def _read_checkpoint(checkpoint: object) -> Loaded:
     return checkpoint
 
 
-def _new_linears(model: nn.Module, checkpoint: Loaded, device: Device) -> tuple[dict[str, QPNLinear], set[str]]:
-    """{layer name: new QPNLinear} and the checkpoint tensors they took (biases). The model is not touched."""
+def _new_linears(model: nn.Module, checkpoint: Loaded, device: Device) -> tuple[dict[str, nn.Module], set[str]]:
+    """{module name: new QPNLinear, or QPNExperts for a checkpoint's per-expert linears} and the checkpoint
+    tensors they took (biases). The model is not touched."""
     layers = checkpoint.layers if isinstance(checkpoint, packed.PackedCheckpoint) else checkpoint.linears
-    new, consumed = {}, set()
+    new: dict[str, nn.Module] = dict(new_experts(model, layers, _packed_weight_of, device))
+    expert_names = expert_layer_names(list(layers))
+    consumed: set[str] = set()
     for name, linear in layers.items():
+        if name in expert_names:
+            continue
         try:
             old = model.get_submodule(name)
         except AttributeError:
@@ -298,15 +334,16 @@ def _checkpoint_values(checkpoint: Loaded, consumed: set[str],
     for tensor_name, stored in checkpoint.tensors.items():
         if tensor_name in consumed:
             continue
-        if tensor_name not in slots:
+        name = next((n for n in model_names(tensor_name) if n in slots), None)  # Mixtral's router: under mlp
+        if name is None:
             unexpected.append(tensor_name)
             continue
-        target = _tensor(slots[tensor_name])
+        target = _tensor(slots[name])
         value = _stored_to_torch(stored)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {tuple(value.shape)} but the model's "
-                             f"has {tuple(target.shape)}")
-        values[tensor_name] = value.to(target.dtype)
+                             f"{name!r} has {tuple(target.shape)}")
+        values[name] = value.to(target.dtype)
     return values, unexpected
 
 
@@ -322,7 +359,7 @@ def _require_complete(report: LoadReport, strict: bool, allow_partial: bool) -> 
                          "values there (the report lists them as missing)")
 
 
-def _change_model(model: nn.Module, new_linears: dict[str, QPNLinear], values: dict[str, Tensor],
+def _change_model(model: nn.Module, new_linears: dict[str, nn.Module], values: dict[str, Tensor],
                   slots: dict[str, _Slot], meta_device: torch.device) -> None:
     """The only step of load_quantized that changes the model (every check has passed): the new layers in
     place, every value copied into its tensor, a meta tensor replaced by one new tensor (tied names stay

@@ -1,0 +1,185 @@
+"""QPNExperts: the experts of a transformers mixture-of-experts block (transformers 5's Qwen3MoeExperts,
+MixtralExperts: gate_up_proj [E, 2I, H], down_proj [E, H, I], called as experts(hidden_states,
+top_k_index, top_k_weights)) over one PackedExperts, and the checkpoint side of it: which per-expert
+linears of a checkpoint form one experts module.
+
+On disk each expert is a linear of its own, under the names HF and vLLM read (and ModelOpt exports):
+`<block>.experts.<e>.{gate_proj, up_proj, down_proj}` (Qwen3-MoE) or `<block>.experts.<e>.{w1, w3, w2}`
+(Mixtral: gate, up, down). Mixtral's checkpoints name the block `block_sparse_moe` where transformers 5's
+model has `mlp` (transformers renames it on load; so does `module_path` here).
+
+Numerics: the router stays the model's (its logits, softmax and top k in the model's own code); the
+routing weights reach the op in fp32 (Qwen3-MoE's router rounds them to the model dtype first, as HF
+computes them); the experts follow docs/DESIGN.md, "Mixture of experts"; the result is cast to the
+input's dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..ref.formats import WeightFormat
+from .packed_experts import PackedExperts
+from .packed_weight import PackedWeight, packed_weight_class
+
+# role of a per-expert linear on disk -> its place in the fused experts: gate, up (w13), down (w2)
+EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_EXPERT_NAME = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<role>" + "|".join(EXPERT_ROLES) + r")$")
+# on-disk block names that transformers 5 loads under another module path
+_BLOCK_RENAMES = ((".block_sparse_moe", ".mlp"),)
+
+
+def expert_layers(names: list[str]) -> dict[str, dict[int, dict[str, str]]]:
+    """{on-disk experts path ("<block>.experts"): {expert: {"gate" | "up" | "down": layer name}}} of the
+    per-expert linears among `names` (others are not listed)."""
+    groups: dict[str, dict[int, dict[str, str]]] = {}
+    for name in names:
+        match = _EXPERT_NAME.match(name)
+        if match:
+            experts = groups.setdefault(f"{match['block']}.experts", {})
+            experts.setdefault(int(match["e"]), {})[EXPERT_ROLES[match["role"]]] = name
+    return groups
+
+
+def model_names(disk_name: str) -> list[str]:
+    """The names a checkpoint name may have in a transformers model: itself, then with the MoE block renamed
+    as transformers 5 renames it on load (Mixtral's block_sparse_moe -> mlp)."""
+    return [disk_name] + [disk_name.replace(old, new) for old, new in _BLOCK_RENAMES if old in disk_name]
+
+
+def module_path(model: nn.Module, disk_path: str) -> str:
+    """The model's module path of an on-disk experts path (Mixtral's block_sparse_moe is transformers 5's mlp)."""
+    candidates = model_names(disk_path)
+    for path in candidates:
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            continue
+        return path
+    raise ValueError(f"checkpoint experts {disk_path!r} have no module in the model (looked for {candidates}); "
+                     "the checkpoint names must be the model's module paths")
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """transformers 5's fused experts: 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.dim() == down.dim() == 3):
+        return False
+    e, two_i, hidden = gate_up.shape
+    return tuple(down.shape) == (e, hidden, two_i // 2) and two_i % 2 == 0
+
+
+def complete_experts(disk_path: str, experts: Mapping[int, Mapping[str, str]]) -> list[tuple[str, str, str]]:
+    """[(gate, up, down) layer names] for experts 0..E-1; a missing expert or role is a ValueError."""
+    count = max(experts) + 1
+    gaps = [f"{e}.{role}" for e in range(count) for role in ("gate", "up", "down") if role not in experts.get(e, {})]
+    if gaps:
+        raise ValueError(f"checkpoint experts {disk_path!r}: experts 0..{count - 1} need gate, up and down each, "
+                         f"missing {gaps[:6]}; the checkpoint is incomplete")
+    return [(experts[e]["gate"], experts[e]["up"], experts[e]["down"]) for e in range(count)]
+
+
+def new_experts(model: nn.Module, layers: Mapping[str, object], packed_weight_of: Callable[[object], PackedWeight],
+                device: torch.device | str | None) -> dict[str, QPNExperts]:
+    """{model path: a new QPNExperts} for every experts group among the checkpoint's `layers` (`packed_weight_of`
+    turns one layer into its PackedWeight); the model is not touched. Each group must be complete and match
+    the model's experts module (E, H, I)."""
+    new = {}
+    for disk_path, experts in expert_layers(list(layers)).items():
+        path = module_path(model, disk_path)
+        old = model.get_submodule(path)
+        if not (is_experts_module(old) or isinstance(old, QPNExperts)):
+            raise ValueError(f"checkpoint experts {disk_path!r} are quantized but the model's {path} is a "
+                             f"{type(old).__name__}, not a transformers experts module (gate_up_proj, down_proj)")
+        packed = PackedExperts.stack([
+            (PackedWeight.stack_rows([packed_weight_of(layers[gate]), packed_weight_of(layers[up])]),
+             packed_weight_of(layers[down])) for gate, up, down in complete_experts(disk_path, experts)])
+        shape = (packed.num_experts, packed.hidden_size, packed.intermediate_size)
+        old_shape = _experts_shape(old)
+        if shape != old_shape:
+            raise ValueError(f"checkpoint experts {disk_path!r} are (E, H, I) = {shape} but the model's {path} is "
+                             f"{old_shape}")
+        old_device = next(iter(old.buffers() if isinstance(old, QPNExperts) else old.parameters())).device
+        target = torch.device(device) if device is not None else \
+            (old_device if old_device.type != "meta" else torch.device("cpu"))
+        new[path] = QPNExperts(packed.to(target))
+    return new
+
+
+def expert_layer_names(names: Sequence[str]) -> set[str]:
+    """The per-expert linears among `names` (what new_experts takes)."""
+    return {name for name in names if _EXPERT_NAME.match(name)}
+
+
+def _experts_weights(module: nn.Module) -> tuple[Tensor, Tensor]:
+    """(gate_up_proj, down_proj) of a module is_experts_module accepted."""
+    gate_up, down = getattr(module, "gate_up_proj"), getattr(module, "down_proj")  # noqa: B009 (typed as Tensor)
+    assert isinstance(gate_up, Tensor) and isinstance(down, Tensor)
+    return gate_up, down
+
+
+def _experts_shape(module: nn.Module) -> tuple[int, int, int]:
+    if isinstance(module, QPNExperts):
+        return module.num_experts, module.hidden_size, module.intermediate_size
+    e, hidden, inter = _experts_weights(module)[1].shape
+    return int(e), int(hidden), int(inter)
+
+
+class QPNExperts(nn.Module):
+    """Drop-in for a transformers 5 experts module (module docstring). Buffers (in state_dict):
+    w13_<buffer> and w2_<buffer>, the layout's buffers of every expert stacked along dim 0."""
+
+    def __init__(self, packed: PackedExperts) -> None:
+        super().__init__()
+        self.weight_format: WeightFormat = packed.weight_class.weight_format
+        self.num_experts, self.hidden_size, self.intermediate_size = (
+            packed.num_experts, packed.hidden_size, packed.intermediate_size)
+        for prefix, buffers in (("w13", packed.w13), ("w2", packed.w2)):
+            for name, tensor in buffers.items():
+                self.register_buffer(f"{prefix}_{name}", tensor)
+
+    @property
+    def packed_experts(self) -> PackedExperts:
+        """The experts over this module's buffers (no copy)."""
+        names = [b.name for b in self.weight_format.buffers]
+        return PackedExperts(packed_weight_class(self.weight_format), {n: getattr(self, f"w13_{n}") for n in names},
+                             {n: getattr(self, f"w2_{n}") for n in names}, self.hidden_size, self.intermediate_size)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QPNExperts:
+        """Device moves apply to the buffers, dtype casts do not (as QPNLinear: `model.half()` keeps them)."""
+
+        def move_only(t: Tensor) -> Tensor:
+            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
+
+        return super()._apply(move_only, recurse)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """hidden_states [M, H] (any float dtype: computed in fp16), the router's top-k -> [M, H] in its dtype."""
+        x = hidden_states.reshape(-1, self.hidden_size).to(torch.float16).contiguous()
+        out = self.packed_experts.forward(x, top_k_weights.reshape(x.shape[0], -1).float().contiguous(),
+                                          top_k_index.reshape(x.shape[0], -1).contiguous())
+        return out.to(hidden_states.dtype).reshape(hidden_states.shape)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, layout={self.weight_format.label!r}")
+
+    @classmethod
+    def from_module(cls, module: nn.Module, wf: WeightFormat, granularity: str | None = None) -> QPNExperts:
+        """Quantize a transformers experts module's weights (read as float32) with qpn.ref's quantizers."""
+        gate_up_proj, down_proj = _experts_weights(module)
+        gate_up = gate_up_proj.detach().to("cpu", torch.float32).numpy()
+        down = down_proj.detach().to("cpu", torch.float32).numpy()
+        inter = down.shape[2]
+        pairs = []
+        for e in range(gate_up.shape[0]):
+            halves = [PackedWeight.quantize(np.ascontiguousarray(w), wf, granularity)
+                      for w in (gate_up[e, :inter], gate_up[e, inter:])]
+            pairs.append((PackedWeight.stack_rows(halves), PackedWeight.quantize(down[e], wf, granularity)))
+        return cls(PackedExperts.stack(pairs).to(gate_up_proj.device))
