@@ -519,14 +519,20 @@ def test_non_linear_layers():
         pass
 
     class FusedMoE(torch.nn.Module):
-        pass
+        global_num_experts = 2
+        ckpt_gate_proj_name, ckpt_up_proj_name, ckpt_down_proj_name = "gate_proj", "up_proj", "down_proj"
 
     assert config.get_quant_method(Attention(), "model.layers.0.self_attn.attn") is None
     assert config.get_quant_method(ParallelLMHead(), "lm_head") is None  # excluded
     with pytest.raises(ValueError, match="lm_head"):
         vm.QPNConfig("NVFP4").get_quant_method(ParallelLMHead(), "lm_head")
-    with pytest.raises(ValueError, match="quantized MoE layer"):
-        config.get_quant_method(FusedMoE(), "model.layers.0.mlp.experts")
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.experts': qpn's FusedMoE method .* vLLM is not"):
+        config.get_quant_method(FusedMoE(), "model.layers.0.mlp.experts")  # quantized experts: vLLM's seam
+    assert vm.QPNConfig("NVFP4", exclude_modules=["*.experts.*"]).get_quant_method(
+        FusedMoE(), "model.layers.0.mlp.experts") is None  # unquantized experts: vLLM's own method
+    mixed = vm.QPNConfig("MIXED_PRECISION", quantized_layers={"model.layers.0.mlp.experts.0.gate_proj": "NVFP4"})
+    with pytest.raises(ValueError, match="quantized differently"):
+        mixed.get_quant_method(FusedMoE(), "model.layers.0.mlp.experts")
 
 
 def test_module_imports_without_vllm_and_register_says_why():

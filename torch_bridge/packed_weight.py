@@ -35,7 +35,7 @@ are on (torch tensors or numpy arrays; numpy goes to the CPU):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar, TypeAlias
 
 import numpy as np
@@ -155,7 +155,7 @@ class PackedWeight:
         raise NotImplementedError
 
     @classmethod
-    def stack_rows(cls, parts: list[PackedWeight]) -> PackedWeight:
+    def stack_rows(cls, parts: Sequence[PackedWeight]) -> PackedWeight:
         """One weight of `parts` stacked along N (fused shards: gate then up, q / k / v), each part's rows
         cropped to whole 32-row tiles first (a block-scaled part of 64 rows keeps its 64: the layouts hold
         one scale per tile and column group, so a tile boundary is a clean cut). Every part must share the

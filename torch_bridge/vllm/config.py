@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ...checkpoints.checkpoint import FP8_GRANULARITY_OF_ALGO, NVFP4_ALGOS
-from ...ref.formats import QPN2, QPN8
+from ...ref.formats import QPN2, QPN8, weight_format
 from ._compat import VLLM_AVAILABLE, QuantizationConfig, QuantizeMethod, _VllmLinearBase
 from .methods import (
     NVFP4_GROUP_SIZE,
@@ -245,10 +245,7 @@ class QPNConfig(QuantizationConfig):
                 return QPNNVFP4LinearMethod(self)
             return QPNFP8LinearMethod(self, kind.removeprefix(f"{QPN8.format}_"))
         if names & {"FusedMoE", "RoutedExperts"}:
-            if self.layer_algo(prefix, fused=False) is not None or self._has_quantized_descendant(prefix):
-                raise ValueError(f"layer {prefix!r} is a quantized MoE layer; qpn's vLLM plugin runs dense linear "
-                                 "layers only - serve this checkpoint with vLLM's ModelOpt path")
-            return None
+            return self._moe_method(layer, prefix)
         if names & EMBEDDING_CLASSES:
             # ModelOpt quantizes nn.Linear modules only: an input embedding is quantized only if a
             # MIXED_PRECISION config lists it; lm_head is a Linear in HF, quantized unless excluded.
@@ -262,6 +259,38 @@ class QPNConfig(QuantizationConfig):
         if names & ATTENTION_CLASSES and QPNKVCacheMethod is not None:
             return QPNKVCacheMethod(self)
         return None
+
+    def _moe_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethod | None:
+        """qpn's FusedMoE method for quantized experts (one algorithm for all of them), None for unquantized."""
+        algo = self.experts_algo(layer, prefix)
+        if algo is None:
+            return None
+        kind = LAYER_ALGOS[algo]
+        granularity = None if kind == QPN2.format else kind.removeprefix(f"{QPN8.format}_")
+        if granularity == "block":
+            raise ValueError(f"layer {prefix!r}: FP8 experts with 128x128 block scales (FP8_PB_WO) are not served by "
+                             "qpn's MoE method yet; serve this checkpoint with vLLM's ModelOpt path")
+        if not VLLM_AVAILABLE:
+            raise ValueError(f"MoE layer {prefix!r}: qpn's FusedMoE method subclasses vLLM's MoE base, and vLLM is not "
+                             "importable here; in PyTorch, load the checkpoint with qpn.torch_bridge.load_quantized")
+        from .moe_method import QPNFusedMoEMethod  # noqa: PLC0415  (subclasses vLLM's MoE base: vLLM only)
+
+        wf = weight_format(QPN2.format) if granularity is None else weight_format(QPN8.format, granularity)
+        return QPNFusedMoEMethod(self, layer.moe_config, wf, granularity)
+
+    def experts_algo(self, layer: torch.nn.Module, prefix: str) -> str | None:
+        """The ModelOpt algorithm of a FusedMoE layer's experts: that of its per-expert linears
+        (<prefix>.<e>.<gate / up / down checkpoint name>), which must agree (None: unquantized)."""
+        roles = [getattr(layer, f"ckpt_{r}_proj_name", None) or r for r in ("gate", "up", "down")]
+        experts = int(getattr(layer, "global_num_experts", 0) or getattr(layer, "num_experts", 0))
+        if experts <= 0:
+            raise ValueError(f"MoE layer {prefix!r} ({type(layer).__name__}) names no experts (global_num_experts); "
+                             "qpn cannot tell which checkpoint layers are its experts")
+        algos = {self._algo_of(f"{prefix}.{e}.{role}") for e in range(experts) for role in roles}
+        if len(algos) != 1:
+            raise ValueError(f"MoE layer {prefix!r}: its experts are quantized differently {sorted(map(str, algos))} "
+                             "(None = unquantized); vLLM runs one method for all experts of a layer")
+        return algos.pop()
 
     # --- which layers are quantized, and how
 

@@ -1,0 +1,136 @@
+"""qpn's FusedMoE method for vLLM (issue 22): ModelOpt NVFP4 and FP8 (per tensor, per channel) experts of
+Qwen3-MoE / Mixtral checkpoints, run weight-only through torch.ops.qpn.{nvfp4,fp8}_moe.
+
+Imported only inside vLLM (config.get_quant_method meets a FusedMoE layer): the class subclasses vLLM's
+FusedMoEMethodBase. Along vLLM 0.32's MoE seam:
+- create_weights registers the checkpoint layout's parameters under ModelOpt's names (w13_weight [E, 2I,
+  H/2 or H], w2_weight [E, H, I/2 or I], w13_weight_scale, w2_weight_scale, NVFP4's w13_weight_scale_2
+  [E, 2] / w2_weight_scale_2 [E], the input scales), so vLLM's own FusedMoE weight loader fills them per
+  expert and shard (w1 = gate, w3 = up, w2 = down) and splits I across tensor-parallel ranks; the scale
+  parameters carry its `quant_method` kind (block, tensor, channel) so that loader reads them right.
+- process_weights_after_loading packs every expert through qpn's packers (the same value checks: NaN
+  scale bytes, fp16 overflow; an error names the vLLM layer): w13 = gate's rows then up's, each with its
+  own scale (NVFP4: one global scale per 32-row tile, never a max() of the two), w2 = down; stacks them
+  (PackedExperts), keeps the buffers as frozen Parameters qpn_w13_<name> / qpn_w2_<name> and drops the
+  checkpoint parameters. Each rank's I must keep the layouts' rules (I % 32; NVFP4's down projection
+  K = I % 64).
+- apply runs the MoE op on vLLM's routing (topk_weights fp32, topk_ids): fp16 activations, the
+  combine in top-k order, a token's output independent of the batch (docs/DESIGN.md, "Mixture of
+  experts"); the result in x's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
+from vllm.model_executor.utils import set_weight_attrs
+
+from ...ref.formats import QPN2, WeightFormat
+from ..packed_experts import PackedExperts
+from ..packed_weight import PackedWeight, pack_fp8, pack_nvfp4, packed_weight_class
+from .methods import NVFP4_GROUP_SIZE
+
+
+def _data(layer: torch.nn.Module, name: str) -> Tensor:
+    param = getattr(layer, name)
+    assert isinstance(param, Tensor)  # a Parameter create_weights registered
+    return param.data
+
+
+class QPNFusedMoEMethod(FusedMoEMethodBase):
+    """ModelOpt NVFP4 / FP8 experts through qpn's MoE op (module docstring). `granularity`: the FP8
+    scale granularity ("tensor" | "channel"), None for NVFP4."""
+
+    def __init__(self, quant_config: Any, moe_config: Any, weight_format: WeightFormat,
+                 granularity: str | None) -> None:
+        super().__init__(moe_config)
+        self.quant_config = quant_config
+        self.weight_format, self.granularity = weight_format, granularity
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+        return None  # no vLLM modular kernel: apply runs qpn's op
+
+    def uses_weight_scale_2_pattern(self) -> bool:
+        return self.weight_format is QPN2
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
+        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        nvfp4 = self.weight_format is QPN2
+        weight_dtype = torch.uint8 if nvfp4 else torch.float8_e4m3fn
+        per_byte = 2 if nvfp4 else 1
+
+        def register(name: str, data: Tensor, kind: str | None = None) -> None:
+            param = Parameter(data, requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, {**extra_weight_attrs, **({"quant_method": kind} if kind else {})})
+
+        register("w13_weight", torch.empty(e, 2 * i, h // per_byte, dtype=weight_dtype))
+        register("w2_weight", torch.empty(e, h, i // per_byte, dtype=weight_dtype))
+        if nvfp4:
+            block = FusedMoeWeightScaleSupported.BLOCK.value
+            register("w13_weight_scale", torch.empty(e, 2 * i, h // NVFP4_GROUP_SIZE, dtype=torch.float8_e4m3fn),
+                     block)
+            register("w2_weight_scale", torch.empty(e, h, i // NVFP4_GROUP_SIZE, dtype=torch.float8_e4m3fn), block)
+            tensor = FusedMoeWeightScaleSupported.TENSOR.value
+            register("w13_weight_scale_2", torch.ones(e, 2, dtype=torch.float32), tensor)
+            register("w2_weight_scale_2", torch.ones(e, dtype=torch.float32), tensor)
+        elif self.granularity == "channel":
+            channel = FusedMoeWeightScaleSupported.CHANNEL.value
+            register("w13_weight_scale", torch.ones(e, 2 * i, 1, dtype=torch.float32), channel)
+            register("w2_weight_scale", torch.ones(e, h, 1, dtype=torch.float32), channel)
+        else:
+            tensor = FusedMoeWeightScaleSupported.TENSOR.value
+            register("w13_weight_scale", torch.ones(e, 2, dtype=torch.float32), tensor)
+            register("w2_weight_scale", torch.ones(e, dtype=torch.float32), tensor)
+        register("w13_input_scale", torch.ones(e, dtype=torch.float32))  # loaded, never read (weight-only)
+        register("w2_input_scale", torch.ones(e, dtype=torch.float32))
+
+    def _pack_expert(self, layer: torch.nn.Module, e: int) -> tuple[PackedWeight, PackedWeight]:
+        w13, w2 = _data(layer, "w13_weight")[e], _data(layer, "w2_weight")[e]
+        inter = w2.shape[1] * (2 if self.weight_format is QPN2 else 1)
+        s13, s2 = _data(layer, "w13_weight_scale")[e], _data(layer, "w2_weight_scale")[e]
+        halves: list[PackedWeight]
+        if self.weight_format is QPN2:
+            g13, g2 = _data(layer, "w13_weight_scale_2")[e], _data(layer, "w2_weight_scale_2")[e]
+            halves = [pack_nvfp4(w13[r], s13[r], g13[j]) for j, r in enumerate((slice(0, inter), slice(inter, None)))]
+            return PackedWeight.stack_rows(halves), pack_nvfp4(w2, s2, g2)
+        if self.granularity == "channel":
+            return pack_fp8(w13, s13.reshape(-1).contiguous(), "channel"), pack_fp8(w2, s2.reshape(-1).contiguous(),
+                                                                                  "channel")
+        halves = [pack_fp8(w13[r], s13[j], "tensor") for j, r in enumerate((slice(0, inter), slice(inter, None)))]
+        return PackedWeight.stack_rows(halves), pack_fp8(w2, s2, "tensor")
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        prefix = getattr(layer, "layer_name", type(layer).__name__)
+        try:
+            packed = PackedExperts.stack([self._pack_expert(layer, e)
+                                          for e in range(_data(layer, "w13_weight").shape[0])])
+        except ValueError as exc:
+            raise ValueError(f"vLLM MoE layer {prefix!r}: {exc}") from exc
+        for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_weight_scale_2",
+                     "w2_weight_scale_2", "w13_input_scale", "w2_input_scale"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        params: dict[str, dict[str, Tensor]] = {"w13": {}, "w2": {}}
+        for stem, buffers in (("w13", packed.w13), ("w2", packed.w2)):
+            for name, tensor in buffers.items():
+                param = Parameter(tensor, requires_grad=False)
+                setattr(layer, f"qpn_{stem}_{name}", param)
+                params[stem][name] = param
+        experts = PackedExperts(packed_weight_class(packed.weight_class.weight_format), params["w13"], params["w2"],
+                                packed.hidden_size, packed.intermediate_size)
+        setattr(layer, "qpn_experts", experts)  # noqa: B010 (a plain attribute: no Module, no Parameter)
+
+    def apply(self, layer: torch.nn.Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+              shared_experts: Any = None, shared_experts_input: Tensor | None = None) -> Tensor:
+        x16 = x.to(torch.float16).contiguous()
+        experts: PackedExperts = getattr(layer, "qpn_experts")  # noqa: B009 (typed)
+        out = experts.forward(x16, topk_weights.float().contiguous(), topk_ids.contiguous())
+        return out.to(x.dtype)
