@@ -435,3 +435,40 @@ def test_llm_serves_moe_with_tensor_parallel_2(tmp_path):
                                       env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     worst, bound = _worst_logprob_error(got, ids, logits), FIXTURE_LOGPROB_FACTOR * float(np.abs(logits).max())
     assert worst <= bound, f"TP=2: teacher-forced log-probs differ from ModelOpt's by {worst} > {bound}"
+
+
+def _write_moe_dense_twin(name: str, folder) -> None:
+    """The fixture's model unquantized in fp16: every quantized linear replaced by its contract W16 (vLLM
+    then runs its own unquantized MoE and linears on the same weights), every other tensor as stored."""
+    from qpn import ref
+
+    checkpoint = ref.load_checkpoint(os.path.join(FIXTURES, name))
+    stored = {f"{layer}.weight": ref.StoredTensor(st.contract_w16(linear), "F16")
+              for layer, linear in checkpoint.linears.items()}
+    stored.update(checkpoint.tensors)
+    with open(os.path.join(FIXTURES, name, "config.json")) as f:
+        config = {k: v for k, v in json.load(f).items() if k != "quantization_config"}
+    tl._write_folder(folder, config, stored)
+
+
+# Against the dense twin the runs differ only in the summation orders of the linears (qpn's ops vs vLLM's
+# fp16 matmuls and its unquantized CPU experts) and of the expert combine: per logit, 2 layers x {qkv, o,
+# gate_up, down, combine} + lm_head = 11 stages, each at most 2^-10 relative to its output, and
+# log_softmax at most doubles it: 2 * 11 * 2^-10 * max|logit| (as LOGPROB_BOUND's derivation).
+MOE_TWIN_FACTOR = 2 * 11 * 2.0**-10
+
+
+@pytest.mark.parametrize("name", ["qwen3moe_nvfp4", "mixtral_fp8"])
+def test_llm_moe_equals_its_dense_twin(tmp_path, name):
+    got, ids, logits = _serve_fixture(tmp_path, name)
+    _write_moe_dense_twin(name, tmp_path / "dense")
+    dense = _vllm_run(tmp_path / "dense", tmp_path / "dense.json", "--prompts", json.dumps([ids]))
+    worst = max(abs(a - b) for a, b in zip(got["prompt_logprobs"][0][1:], dense["prompt_logprobs"][0][1:], strict=True))
+    bound = MOE_TWIN_FACTOR * float(np.abs(logits).max())
+    assert worst <= bound, f"{name}: teacher-forced log-probs differ from the dense twin's by {worst} > {bound}"
+    for a, b, ((_, lp1), (_, lp2)) in zip(got["tokens"][0], dense["tokens"][0], dense["top2"][0], strict=True):
+        if lp1 - lp2 < 2 * bound:
+            break  # a near tie either run may break either way: the sequences may part from here
+        assert a == b, f"{name}: greedy tokens differ where the dense twin's top-2 gap is {lp1 - lp2}"
+    print(f"{name}: max |qpn - dense twin| log-prob {worst:.3g} (bound {bound:.3g}); tokens {got['tokens'][0]} "
+          f"vs {dense['tokens'][0]}")
