@@ -437,6 +437,20 @@ def test_llm_serves_moe_with_tensor_parallel_2(tmp_path):
     assert worst <= bound, f"TP=2: teacher-forced log-probs differ from ModelOpt's by {worst} > {bound}"
 
 
+def test_llm_moe_tensor_parallel_that_breaks_the_layout_says_why(tmp_path):
+    """Qwen3-MoE NVFP4 (I = 64) on two ranks: I_part = 32, but QPN2's down projection needs K % 64. One
+    ValueError, before any weight loads, names the layer, the rule, I_part, tp_size and the fix."""
+    folder = os.path.join(FIXTURES, "qwen3moe_nvfp4")
+    cmd = [sys.executable, os.path.join(HERE, "vllm_run.py"), folder, str(tmp_path / "out.json"), "--quantization",
+           "qpn", "--tp", "2", "--prompts", "[[1, 2, 3]]"]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, start_new_session=True)
+    log = proc.stdout + proc.stderr  # vLLM's workers log the error to stdout
+    assert proc.returncode != 0
+    assert ("vLLM MoE layer 'model.layers.0.mlp.experts': QPN2 experts need the intermediate size per rank to be a "
+            "multiple of 64") in log and "got I_part=32 (tp_size=2)" in log
+
+
 def _write_moe_dense_twin(name: str, folder) -> None:
     """The fixture's model unquantized in fp16: every quantized linear replaced by its contract W16 (vLLM
     then runs its own unquantized MoE and linears on the same weights), every other tensor as stored."""

@@ -31,6 +31,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightSc
 from vllm.model_executor.utils import set_weight_attrs
 
 from ...ref.formats import QPN2, WeightFormat
+from ...ref.geometry import TILE_N
 from ..packed_experts import PackedExperts
 from ..packed_weight import PackedWeight, pack_fp8, pack_nvfp4, packed_weight_class
 from .methods import NVFP4_GROUP_SIZE
@@ -62,6 +63,7 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
         e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        self._require_layout(layer, h, i)
         nvfp4 = self.weight_format is QPN2
         weight_dtype = torch.uint8 if nvfp4 else torch.float8_e4m3fn
         per_byte = 2 if nvfp4 else 1
@@ -91,6 +93,19 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
             register("w2_weight_scale", torch.ones(e, dtype=torch.float32), tensor)
         register("w13_input_scale", torch.ones(e, dtype=torch.float32))  # loaded, never read (weight-only)
         register("w2_input_scale", torch.ones(e, dtype=torch.float32))
+
+    def _require_layout(self, layer: torch.nn.Module, hidden: int, inter: int) -> None:
+        """Each rank's experts keep the layouts' rules: I_part % 32 (the gate / up halves in whole tiles) and
+        the K multiples of both projections (w13: K = H, w2: K = I_part); said before any weight loads."""
+        wf = self.weight_format
+        step = max(TILE_N, wf.k_multiple)
+        if inter % step == 0 and hidden % wf.k_multiple == 0:
+            return
+        tp = getattr(self.moe, "tp_size", 1)
+        raise ValueError(f"vLLM MoE layer {getattr(layer, 'layer_name', '?')!r}: {wf.label} experts need the "
+                         f"intermediate size per rank to be a multiple of {step} and the hidden size of "
+                         f"{wf.k_multiple}, got I_part={inter} (tp_size={tp}), H={hidden}; pick a tensor-parallel "
+                         "size that keeps I_part a multiple of it, or serve this checkpoint with vLLM's ModelOpt path")
 
     def _pack_expert(self, layer: torch.nn.Module, e: int) -> tuple[PackedWeight, PackedWeight]:
         w13, w2 = _data(layer, "w13_weight")[e], _data(layer, "w2_weight")[e]
