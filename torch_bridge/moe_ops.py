@@ -20,7 +20,11 @@ row's result independent of the chunk), and the combine is one fp32 multiply and
 top-k order: a token's output never depends on the rest of the batch.
 
 This first implementation groups the tokens by expert on the host (one sync per call on CUDA), so a
-CUDA call cannot be captured in a CUDA graph; torch.compile sees one opaque op either way.
+CUDA call cannot be captured in a CUDA graph; torch.compile sees one opaque op either way. The
+batch-invariant paths cost speed where many tokens share an expert: on the CPU the fused kernels at
+M = 32 take 8.6x the decode-then-BLAS time (4096 x 4096, dispatch_tables/cpu.json); on the H200 the
+32-row decode chunks make M >= 512 slower than the dispatch policy's GEMM / dense paths
+(benchmarks/results/moe_h200.md). The fused MoE kernels of issue 22 replace both.
 """
 
 from __future__ import annotations
