@@ -159,3 +159,18 @@ def test_convert_quantizes_a_float_moe_models_experts():
         after = model(ids).logits.numpy()
     # FP8 per-channel weights move each linear by <= 2^-4 relative (e4m3's 3 mantissa bits): a few % of the logits
     assert float(np.abs(after - before).max()) <= 0.1 * float(np.abs(before).max())
+
+
+def test_a_model_cast_leaves_the_experts_buffers_as_they_are():
+    """model.half() / .to(torch.bfloat16) change no packed buffer (QPNLinear's rule): the model still runs."""
+    from qpn.torch_bridge import load_quantized
+
+    model = hf_model("qwen3moe_nvfp4")
+    load_quantized(model, os.path.join(FIXTURES, "qwen3moe_nvfp4"))
+    experts = model.model.layers[0].mlp.experts
+    before = {name: t.dtype for name, t in experts.named_buffers()}
+    model.to(torch.bfloat16)
+    assert {name: t.dtype for name, t in experts.named_buffers()} == before
+    assert before["w13_global_scale"] == torch.float32
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits.float()).all()

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..ref.formats import WeightFormat
 from .packed_experts import PackedExperts
-from .packed_weight import PackedWeight, packed_weight_class
+from .packed_weight import PackedWeight, device_moves_only, packed_weight_class
 
 # role of a per-expert linear on disk -> its place in the fused experts: gate, up (w13), down (w2)
 EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -151,13 +151,8 @@ class QPNExperts(nn.Module):
                              {n: getattr(self, f"w2_{n}") for n in names}, self.hidden_size, self.intermediate_size)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QPNExperts:
-        """Device moves apply to the buffers, dtype casts do not (as QPNLinear: `model.half()` keeps them)."""
-
-        def move_only(t: Tensor) -> Tensor:
-            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-            return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
-
-        return super()._apply(move_only, recurse)
+        """Device moves apply to the buffers, dtype casts do not (packed_weight.device_moves_only)."""
+        return super()._apply(device_moves_only(fn), recurse)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """hidden_states [M, H] (any float dtype: computed in fp16), the router's top-k -> [M, H] in its dtype."""

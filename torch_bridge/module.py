@@ -25,6 +25,7 @@ from .packed_weight import (
     PackedWeight,
     ScaleIn,
     as_tensor,
+    device_moves_only,
     float32,
     pack_fp8,
     pack_nvfp4,
@@ -191,12 +192,7 @@ class QPNLinear(nn.Module):
         """Device moves apply to the buffers; dtype casts do not. `model.half()` or
         `model.to(torch.bfloat16)` would otherwise round the float32 global scales and bias
         (and the ops would refuse them): each buffer keeps its dtype, only its device follows."""
-
-        def move_only(t: Tensor) -> Tensor:
-            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-            return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
-
-        return super()._apply(move_only, recurse)
+        return super()._apply(device_moves_only(fn), recurse)
 
 
     @property

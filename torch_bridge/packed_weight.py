@@ -259,6 +259,18 @@ def packed_weight_class(wf: WeightFormat) -> type[PackedWeight]:
     return _CLASSES[wf.key]
 
 
+def device_moves_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """`fn` as nn.Module._apply passes it, kept to device moves: the modules that hold packed buffers
+    (QPNLinear, QPNExperts) let `model.half()` / `.to(torch.bfloat16)` change no buffer's dtype (they
+    would round float32 global scales and the bias, and the ops would refuse them); the device follows."""
+
+    def move_only(t: Tensor) -> Tensor:
+        probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+        return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
+
+    return move_only
+
+
 # ----------------------------------------------------------------------------- packing
 
 
