@@ -486,3 +486,32 @@ def test_llm_moe_equals_its_dense_twin(tmp_path, name):
         assert a == b, f"{name}: greedy tokens differ where the dense twin's top-2 gap is {lp1 - lp2}"
     print(f"{name}: max |qpn - dense twin| log-prob {worst:.3g} (bound {bound:.3g}); tokens {got['tokens'][0]} "
           f"vs {dense['tokens'][0]}")
+
+
+def test_llm_serves_a_mixed_precision_moe(tmp_path):
+    """MIXED_PRECISION: attention FP8 (the FP8 export's tensors) and experts NVFP4 (the NVFP4 export's), in
+    the ModelOpt mixed config qpn's writer produces (quantized_layers per linear; a composition of two real
+    exports, since ModelOpt's mixed-precision search needs CUDA). The experts get qpn's MoE method on NVFP4
+    and the whole model equals its dense twin within the MoE twin bound."""
+    from qpn import ref
+
+    fp8 = ref.load_checkpoint(os.path.join(FIXTURES, "qwen3moe_fp8"))
+    nvfp4 = ref.load_checkpoint(os.path.join(FIXTURES, "qwen3moe_nvfp4"))
+    linears = {name: (fp8 if ".self_attn." in name else nvfp4).linears[name] for name in nvfp4.linears}
+    with open(os.path.join(FIXTURES, "qwen3moe_fp8", "config.json")) as f:
+        config = {k: v for k, v in json.load(f).items() if k != "quantization_config"}
+    mixed = ref.Checkpoint("modelopt", "MIXED_PRECISION", linears, nvfp4.tensors, config)
+    ref.save_checkpoint(tmp_path / "mixed", mixed)
+    with open(os.path.join(FIXTURES, "qwen3moe_fp8", "reference_input_ids.json")) as f:
+        ids = json.load(f)["input_ids"][0]
+    prompts = json.dumps([ids])
+    got = _vllm_run(tmp_path / "mixed", tmp_path / "mixed.json", "--quantization", "qpn", "--prompts", prompts)
+    methods = got["quant_methods"]
+    assert methods["model.layers.0.mlp.experts.routed_experts"] == "QPNFusedMoEMethod"
+    assert methods["model.layers.0.self_attn.qkv_proj"] == "QPNFP8LinearMethod"
+    stored = {f"{layer}.weight": ref.StoredTensor(st.contract_w16(linear), "F16") for layer, linear in linears.items()}
+    tl._write_folder(tmp_path / "dense", config, {**stored, **nvfp4.tensors})
+    dense = _vllm_run(tmp_path / "dense", tmp_path / "dense.json", "--prompts", prompts)
+    logits = np.load(os.path.join(FIXTURES, "qwen3moe_fp8", "reference_logits.npy"))[0]
+    worst = max(abs(a - b) for a, b in zip(got["prompt_logprobs"][0][1:], dense["prompt_logprobs"][0][1:], strict=True))
+    assert worst <= MOE_TWIN_FACTOR * float(np.abs(logits).max())
