@@ -31,9 +31,9 @@ from torch import Tensor, nn
 
 from .. import checkpoints
 from ..checkpoints import packed
-from ..ref.formats import FORMAT_NAMES, weight_format
+from ..ref.formats import FORMAT_NAMES
 from .experts import QPNExperts, expert_layer_names, is_experts_module, model_names, new_experts
-from .module import QPNLinear
+from .module import QPNLinear, format_of
 from .packed_weight import PackedWeight
 
 # what load_quantized reads: a folder, or a checkpoint already loaded by qpn.ref or qpn.checkpoints.packed
@@ -103,7 +103,8 @@ def _new_experts_of(model: nn.Module, format: str, skip: Sequence[str], fp8_gran
                     skipped: list[tuple[str, str]]) -> dict[str, nn.Module]:
     """{name: QPNExperts} for every transformers experts module (gate_up_proj / down_proj) that is not in
     `skip`; a ValueError skips that module with its reason."""
-    wf = weight_format(format, fp8_granularity if format == "fp8" else None)
+    wf = format_of(format, fp8_granularity)  # QPNLinear's rule: the granularity counts for FP8 only
+    granularity = fp8_granularity if wf.granularities else None
     new: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if not is_experts_module(module) or isinstance(module, QPNExperts):
@@ -112,7 +113,7 @@ def _new_experts_of(model: nn.Module, format: str, skip: Sequence[str], fp8_gran
             skipped.append((name, "listed in skip"))
             continue
         try:
-            new[name] = QPNExperts.from_module(module, wf, fp8_granularity if format == "fp8" else None)
+            new[name] = QPNExperts.from_module(module, wf, granularity)
         except ValueError as exc:
             skipped.append((name, str(exc)))
     return new

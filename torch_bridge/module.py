@@ -34,7 +34,7 @@ from .packed_weight import (
 )
 
 
-def _format_of(format: str, fp8_granularity: str) -> WeightFormat:
+def format_of(format: str, fp8_granularity: str) -> WeightFormat:
     """The description QPNLinear(format, fp8_granularity=...) runs; fp8_granularity must be valid
     even for nvfp4 (where it is ignored: it is a keyword with a default)."""
     if format not in FORMAT_NAMES:
@@ -101,7 +101,7 @@ class QPNLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, format: str = "nvfp4", bias: bool = False, *,
                  fp8_granularity: str = "channel", device: torch.device | str | None = None) -> None:
         super().__init__()
-        wf = _format_of(format, fp8_granularity)
+        wf = format_of(format, fp8_granularity)
         k, n = int(in_features), int(out_features)
         if n <= 0:
             raise ValueError(f"out_features must be >= 1, got {n}")
@@ -177,7 +177,7 @@ class QPNLinear(nn.Module):
         / bf16 / fp32). The new module is on linear.weight's device; bias is kept (as float32)."""
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        wf = _format_of(format, fp8_granularity)
+        wf = format_of(format, fp8_granularity)
         require_k("in_features", linear.in_features, wf)  # before quantizing: the constructor would refuse it
         w = linear.weight.detach().to("cpu", torch.float32).numpy()
         packed = PackedWeight.quantize(w, wf, fp8_granularity)

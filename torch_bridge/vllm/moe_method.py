@@ -64,17 +64,17 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
                        **extra_weight_attrs: Any) -> None:
         e, h, i = num_experts, hidden_size, intermediate_size_per_partition
         self._require_layout(layer, h, i)
-        nvfp4 = self.weight_format is QPN2
+        wf = self.weight_format
+        nvfp4 = wf is QPN2
         weight_dtype = torch.uint8 if nvfp4 else torch.float8_e4m3fn
-        per_byte = 2 if nvfp4 else 1
 
         def register(name: str, data: Tensor, kind: str | None = None) -> None:
             param = Parameter(data, requires_grad=False)
             layer.register_parameter(name, param)
             set_weight_attrs(param, {**extra_weight_attrs, **({"quant_method": kind} if kind else {})})
 
-        register("w13_weight", torch.empty(e, 2 * i, h // per_byte, dtype=weight_dtype))
-        register("w2_weight", torch.empty(e, h, i // per_byte, dtype=weight_dtype))
+        register("w13_weight", torch.empty(e, 2 * i, h * wf.code_bits // 8, dtype=weight_dtype))
+        register("w2_weight", torch.empty(e, h, i * wf.code_bits // 8, dtype=weight_dtype))
         if nvfp4:
             block = FusedMoeWeightScaleSupported.BLOCK.value
             register("w13_weight_scale", torch.empty(e, 2 * i, h // NVFP4_GROUP_SIZE, dtype=torch.float8_e4m3fn),
@@ -109,7 +109,7 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
 
     def _pack_expert(self, layer: torch.nn.Module, e: int) -> tuple[PackedWeight, PackedWeight]:
         w13, w2 = _data(layer, "w13_weight")[e], _data(layer, "w2_weight")[e]
-        inter = w2.shape[1] * (2 if self.weight_format is QPN2 else 1)
+        inter = self.weight_format.k_of_codes(w2.shape[1])
         s13, s2 = _data(layer, "w13_weight_scale")[e], _data(layer, "w2_weight_scale")[e]
         halves: list[PackedWeight]
         if self.weight_format is QPN2:
