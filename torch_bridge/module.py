@@ -198,9 +198,10 @@ class QPNLinear(nn.Module):
     @property
     def packed_weight(self) -> PackedWeight:
         """The layer's packed weight over its buffers (no copy): what forward runs."""
-        cls = packed_weight_class(self.weight_format)
-        return cls({b.name: getattr(self, b.name) for b in self.weight_format.buffers}, self.in_features,
-                   self.out_features)
+        buffers = self._buffers  # registered in __init__ for every buffer of the description: never None
+        return packed_weight_class(self.weight_format).over(
+            {b.name: buffers[b.name] for b in self.weight_format.buffers},  # type: ignore[misc]
+            self.in_features, self.out_features)
 
     def forward(self, x: Tensor) -> Tensor:
         return qpn_linear(x, self.packed_weight, self.bias)
