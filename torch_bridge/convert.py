@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from .. import checkpoints
 from ..checkpoints import packed
 from ..ref.formats import FORMAT_NAMES
-from .experts import QPNExperts, expert_layer_names, is_experts_module, model_names, new_experts
+from .experts import QPNExperts, is_experts_module, model_names, new_experts
 from .module import QPNLinear, format_of
 from .packed_weight import PackedWeight
 
@@ -174,8 +174,8 @@ def _new_linears(model: nn.Module, checkpoint: Loaded, device: Device) -> tuple[
     """{module name: new QPNLinear, or QPNExperts for a checkpoint's per-expert linears} and the checkpoint
     tensors they took (biases). The model is not touched."""
     layers = checkpoint.layers if isinstance(checkpoint, packed.PackedCheckpoint) else checkpoint.linears
-    new: dict[str, nn.Module] = dict(new_experts(model, layers, _packed_weight_of, device))
-    expert_names = expert_layer_names(list(layers))
+    experts, expert_names = new_experts(model, layers, _packed_weight_of, device)
+    new: dict[str, nn.Module] = dict(experts)
     consumed: set[str] = set()
     for name, linear in layers.items():
         if name in expert_names:

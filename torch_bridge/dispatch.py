@@ -36,11 +36,13 @@ from pathlib import Path
 
 import torch
 
+from ..cupy_kernels.linear import MAX_M  # a constant: importing it imports no CuPy
 from ..ref.formats import BY_KEY, WEIGHT_FORMATS, WeightFormat
 
 TABLES = Path(__file__).resolve().parent / "dispatch_tables"
-DECODE_MAX_M = 32  # the decode kernels' range (cupy_kernels.linear.MAX_M: 4 tensor-core n8 blocks)
-CPU_FUSED_MAX_M = 32  # the fused numba kernels run any M; the table (or the rule) says where they win
+# the decode kernels' range (4 tensor-core n8 blocks); the fused numba kernels run any M but are offered
+# to the policy over the same range, the one their table measures (their time grows ~M^2 past M = 8)
+DECODE_MAX_M = CPU_FUSED_MAX_M = MAX_M
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ input's dtype.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -85,12 +85,13 @@ def complete_experts(disk_path: str, experts: Mapping[int, Mapping[str, str]]) -
 
 
 def new_experts(model: nn.Module, layers: Mapping[str, object], packed_weight_of: Callable[[object], PackedWeight],
-                device: torch.device | str | None) -> dict[str, QPNExperts]:
-    """{model path: a new QPNExperts} for every experts group among the checkpoint's `layers` (`packed_weight_of`
-    turns one layer into its PackedWeight); the model is not touched. Each group must be complete and match
-    the model's experts module (E, H, I)."""
-    new = {}
+                device: torch.device | str | None) -> tuple[dict[str, QPNExperts], set[str]]:
+    """({model path: a new QPNExperts} for every experts group among the checkpoint's `layers`, the layer
+    names they took); `packed_weight_of` turns one layer into its PackedWeight; the model is not touched.
+    Each group must be complete and match the model's experts module (E, H, I)."""
+    new, taken = {}, set()
     for disk_path, experts in expert_layers(list(layers)).items():
+        taken |= {name for roles in experts.values() for name in roles.values()}
         path = module_path(model, disk_path)
         old = model.get_submodule(path)
         if not (is_experts_module(old) or isinstance(old, QPNExperts)):
@@ -108,12 +109,7 @@ def new_experts(model: nn.Module, layers: Mapping[str, object], packed_weight_of
         target = torch.device(device) if device is not None else \
             (old_device if old_device.type != "meta" else torch.device("cpu"))
         new[path] = QPNExperts(packed.to(target))
-    return new
-
-
-def expert_layer_names(names: Sequence[str]) -> set[str]:
-    """The per-expert linears among `names` (what new_experts takes)."""
-    return {name for name in names if _EXPERT_NAME.match(name)}
+    return new, taken
 
 
 def _experts_weights(module: nn.Module) -> tuple[Tensor, Tensor]:

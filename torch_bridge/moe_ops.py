@@ -34,30 +34,28 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..cupy_kernels.linear import MAX_M  # a constant: importing it imports no CuPy
 from ..ref.formats import QPN2, WeightFormat
 from ..ref.geometry import TILE_N
 from . import _cpu_ops
 from .epilogue import silu_and_mul
 from .ops import fp8_dims, fp8_layout, nvfp4_dims, require_same_device, require_tensor
 
-DECODE_ROWS = 32  # the decode kernels' M range: CUDA experts run in chunks of this many tokens
+DECODE_ROWS = MAX_M  # the decode kernels' M range: CUDA experts run in chunks of this many tokens
 
 # linear(wf, x, buffers, n, gated) -> fp16 [M, n or n/2]: one expert's linear on a batch-invariant path
 ExpertLinear = Callable[[WeightFormat, Tensor, tuple[Tensor, ...], int, bool], Tensor]
-
-
-def _fail(message: str) -> None:
-    raise ValueError(message)
 
 
 def _stacked(prefix: str, buffers: dict[str, Tensor]) -> int:
     """E of stacked expert buffers: each 3-D (E, ...) with one E >= 1."""
     experts = set()
     for name, t in buffers.items():
+        # rank and contiguity here; dtypes and per-expert shapes by the layout's own checks on slice 0 (_check)
         require_tensor(f"{prefix}_{name}", t, (t.dtype,), ndim=(1, 2) if name == "global_scale" else 3)
         experts.add(int(t.shape[0]))
     if len(experts) != 1 or 0 in experts:
-        _fail(f"the {prefix} buffers must stack the same number (>= 1) of experts along dim 0, got "
+        raise ValueError(f"the {prefix} buffers must stack the same number (>= 1) of experts along dim 0, got "
               f"{ {name: tuple(t.shape) for name, t in buffers.items()} }")
     return experts.pop()
 
@@ -66,18 +64,19 @@ def _routing(x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> None:
     require_tensor("topk_weights", topk_weights, (torch.float32,), ndim=2)
     require_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), ndim=2)
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
-        _fail(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must both be "
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} must both be "
               f"[M, top_k] with M = {x.shape[0]} (x's rows); pass the router's top-k as it returns them")
 
 
 def _dims(h: int, n13: int, k13: int, n2: int, k2: int) -> int:
     """I, from the two projections' per-expert (N, K): w13 [2I, H], w2 [H, I]."""
     if k13 != h or n2 != h or n13 != 2 * k2:
-        _fail(f"w13 must be [E, 2I, H] and w2 [E, H, I] for x [M, H = {h}], got per expert w13 [{n13}, {k13}] "
-              f"and w2 [{n2}, {k2}]")
+        raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I] for x [M, H = {h}], got per expert "
+                         f"w13 [{n13}, {k13}] and w2 [{n2}, {k2}]")
     if k2 % TILE_N:
-        _fail(f"the experts' intermediate size I = {k2} must be a multiple of {TILE_N} (the gate and up halves "
-              "of w13 are whole tiles); pad gate, up and down's input features with zeros to a multiple of 32")
+        raise ValueError(f"the experts' intermediate size I = {k2} must be a multiple of {TILE_N} (the gate and up "
+                         "halves of w13 are whole tiles); pad gate, up and down's input features with zeros to a "
+                         "multiple of 32")
     return k2
 
 
@@ -89,7 +88,8 @@ def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weight
                         **{f"w13_{n}": t for n, t in w13.items()}, **{f"w2_{n}": t for n, t in w2.items()})
     experts = _stacked("w13", w13)
     if _stacked("w2", w2) != experts:
-        _fail(f"w13 and w2 must stack the same experts, got {experts} and {next(iter(w2.values())).shape[0]}")
+        raise ValueError(f"w13 and w2 must stack the same experts, got {experts} and "
+                         f"{next(iter(w2.values())).shape[0]}")
     n13, k13 = dims(*(t[0] for t in w13.values()))
     n2, k2 = dims(*(t[0] for t in w2.values()))
     _dims(int(x.shape[1]), n13, k13, n2, k2)
