@@ -11,8 +11,9 @@ packed buffers qpn reads, their share of the read ceiling at the measured time),
 the same run: fp16 / qpn (> 1: qpn faster) and loop / qpn. Routing: random router logits, softmax top-k
 (renormalized), the same for every path.
 
-- fp16: the fastest plain torch formulation here: per hit expert, index the tokens, F.linear for gate_up,
-  silu * up, F.linear for down, index_add_ of the weighted result (transformers 5's experts loop).
+- fp16: transformers 5's experts loop in fp16 (per hit expert: index the tokens, F.linear for gate_up,
+  silu * up, F.linear for down, index_add_ of the weighted result); a gather + bmm formulation was not
+  tried, so this is a baseline, not the fastest fp16 layer one can build.
 - loop: the same loop over qpn's dense ops (torch.ops.qpn.*_linear, gated, then down), the path each
   call takes chosen by the dispatch policy (not batch invariant: a reference for speed only).
 Weights: random packed bytes (valid in any order: QPN2 codes, e4m3 scales 0x28..0x7D with g = 1e-3;
