@@ -96,7 +96,7 @@ def shipped_macros(fmt, nb):
     """The wrapper's own build for M <= 8 * nb (channel scales for QPN8), as a dict to override."""
     from qpn.cupy_kernels import linear as L
 
-    return dict(L._macros(fmt, nb, False))
+    return dict(L.decode_macros(fmt, nb, False))
 
 
 def _check(ctx, what, y, x, w16_rows, n_check):

@@ -4,18 +4,21 @@ of qpn's own dense linear ops per expert, on a Qwen3-30B-A3B-shaped layer (128 e
 
     python benchmarks/bench_moe.py [--out DIR] [--ms 1,8,32,64,512,2048] [--layers qwen3,mixtral]
 
-Per layer, format (NVFP4 / FP8 per channel) and M: microseconds per call (eager: qpn's MoE op groups the
-tokens on the host today, so it cannot be graph-captured; every path is timed the same way, the median of
-REPEATS timings of CALLS calls, a sync at the end of each), the bytes of the experts actually hit (the
-packed buffers qpn reads, their share of the read ceiling at the measured time), and ratios measured in
-the same run: fp16 / qpn (> 1: qpn faster) and loop / qpn. Routing: random router logits, softmax top-k
-(renormalized), the same for every path.
+Per layer, format (NVFP4 / FP8 per channel) and M: microseconds per call, the bytes of the experts actually
+hit (the packed buffers qpn reads, their share of the read ceiling at the measured time), and ratios
+measured in the same run. Routing: random router logits, softmax top-k (renormalized), the same for every
+path.
 
-- fp16: transformers 5's experts loop in fp16 (per hit expert: index the tokens, F.linear for gate_up,
-  silu * up, F.linear for down, index_add_ of the weighted result); a gather + bmm formulation was not
-  tried, so this is a baseline, not the fastest fp16 layer one can build.
-- loop: the same loop over qpn's dense ops (torch.ops.qpn.*_linear, gated, then down), the path each
-  call takes chosen by the dispatch policy (not batch invariant: a reference for speed only).
+- qpn: the op (the fused MoE kernels, chunks of 32 tokens, no host sync) replayed from a CUDA graph of
+  GRAPH_CALLS calls, GPU time between CUDA events (as vLLM replays its graphs); qpn_eager: called from
+  Python, host included.
+- fp16_bmm: fp16 experts, capturable: the chosen experts' weights gathered per (token, choice), two bmm,
+  silu * up, the weighted sum; graph-replayed as qpn; only where the gathered weights fit in GATHER_BYTES.
+- fp16_loop: transformers 5's experts loop in fp16 (per hit expert: index the tokens, F.linear for gate_up,
+  silu * up, F.linear for down, index_add_ of the weighted result), eager (it syncs on the hit experts).
+- fp16: the faster of the two, the baseline of the targets. loop: the same loop over qpn's dense ops
+  (torch.ops.qpn.*_linear, gated, then down), eager, each call's path chosen by the dispatch policy.
+Eager timings: the median of REPEATS timings of CALLS calls, a sync at the end of each.
 Weights: random packed bytes (valid in any order: QPN2 codes, e4m3 scales 0x28..0x7D with g = 1e-3;
 QPN8 codes without the NaN bytes, S16 in [2^-6, 2^2]); fp16 experts random. Values move no time.
 """
@@ -39,6 +42,8 @@ from qpn.torch_bridge import PackedExperts, packed_weight_class
 LAYERS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}  # experts, top-k, hidden, intermediate
 READ_CEILING_GBPS = 4566.0  # the H200's measured streaming-read ceiling (benchmarks/results/decode_h200.md)
 REPEATS, CALLS = 5, 3
+GRAPH_CALLS = 20  # calls captured in one graph: the replay's host cost spread over them
+GATHER_BYTES = 8e9  # fp16_bmm's gathered weights at most (Mixtral-shaped: M <= 11 at top-2)
 
 
 def random_buffers(wf: WeightFormat, e: int, n: int, k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -69,6 +74,36 @@ def timed_us(fn) -> float:
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - t0) * 1e6 / CALLS)
     return statistics.median(samples)
+
+
+def graph_us(fn) -> float:
+    """GPU microseconds per call of `fn` replayed from a CUDA graph of GRAPH_CALLS calls (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    samples = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
+    return statistics.median(samples)
+
+
+def fp16_bmm_moe(x, w13, w2, weights, ids):
+    """fp16 experts without a host sync: each (token, choice) multiplies its expert's gathered weights."""
+    m, top_k = ids.shape
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [S, H, 1]
+    gate, up = torch.bmm(w13[flat], xs).squeeze(-1).chunk(2, dim=-1)
+    y = torch.bmm(w2[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [S, H]
+    return (y.view(m, top_k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
 
 
 def fp16_moe(x, w13, w2, weights, ids):
@@ -109,20 +144,28 @@ def bench_layer(name: str, ms: list[int], gen: torch.Generator) -> list[dict]:
             probs = torch.softmax(torch.randn(m, experts, device="cuda", generator=gen), dim=-1)
             weights, ids = torch.topk(probs, top_k, dim=-1)
             weights = (weights / weights.sum(-1, keepdim=True)).float().contiguous()
-            us = {"qpn": timed_us(lambda: packed.forward(x, weights, ids)),
-                  "fp16": timed_us(lambda: fp16_moe(x, w13_16, w2_16, weights, ids)),
+            ids = ids.to(torch.int32)  # as vLLM's routers return them
+            qpn = lambda: packed.forward(x, weights, ids)  # noqa: E731
+            us = {"qpn": graph_us(qpn), "qpn_eager": timed_us(qpn),
+                  "fp16_bmm": graph_us(lambda: fp16_bmm_moe(x, w13_16, w2_16, weights, ids))
+                  if m * top_k * 3 * inter * hidden * 2 <= GATHER_BYTES else None,
+                  "fp16_loop": timed_us(lambda: fp16_moe(x, w13_16, w2_16, weights, ids)),
                   "loop": timed_us(lambda: loop_moe(packed, x, weights, ids))}
+            us["fp16"] = min(v for k, v in us.items() if k.startswith("fp16_") and v is not None)
             nbytes = hit_bytes(packed, ids)
             row = {"layer": name, "format": wf.format, "m": m, "experts_hit": int(torch.unique(ids).numel()),
-                   "hit_mb": nbytes / 1e6, **{f"{k}_us": round(v, 1) for k, v in us.items()},
+                   "hit_mb": nbytes / 1e6,
+                   **{f"{k}_us": None if v is None else round(v, 1) for k, v in us.items()},
                    "pct_read_ceiling": round(100 * nbytes / (us["qpn"] * 1e-6) / (READ_CEILING_GBPS * 1e9), 2),
                    "fp16_over_qpn": round(us["fp16"] / us["qpn"], 3),
                    "loop_over_qpn": round(us["loop"] / us["qpn"], 3)}
             rows.append(row)
+            show = {k: "-" if v is None else f"{v:.1f}" for k, v in us.items()}
             print(f"{name:8s} {wf.format:5s} M={m:<5d} hit {row['experts_hit']:3d} ({row['hit_mb']:.0f} MB): qpn "
-                  f"{us['qpn']:9.1f} us ({row['pct_read_ceiling']:5.2f} % of read ceiling), fp16 {us['fp16']:9.1f}, "
-                  f"loop {us['loop']:9.1f}; fp16/qpn {row['fp16_over_qpn']:.2f}, loop/qpn {row['loop_over_qpn']:.2f}",
-                  flush=True)
+                  f"{show['qpn']} us (graph; {row['pct_read_ceiling']:5.2f} % of read ceiling), eager "
+                  f"{show['qpn_eager']}, fp16 bmm {show['fp16_bmm']} loop {show['fp16_loop']}, "
+                  f"qpn loop {show['loop']}; "
+                  f"fp16/qpn {row['fp16_over_qpn']:.2f}, loop/qpn {row['loop_over_qpn']:.2f}", flush=True)
     return rows
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
 from ..ref.qpn8 import qpn8_group_scales_format
 from ._validate import CupyArray, global_scale_stride, require_aligned
@@ -69,6 +71,12 @@ class LayoutKernels:
                 gated: bool, workspace: CupyArray | None) -> None:
         raise NotImplementedError
 
+    def expert_weights(self, buffers: Buffers, n: int, k: int) -> tuple[WeightFormat, tuple[object, ...], int]:
+        """Stacked experts' buffers ([E, ...], each expert an [N, K] weight of this layout) -> (the layout of
+        the build, the decode kernel's leading arguments, the scale buffer's per-expert stride in elements)
+        for the MoE builds (moe.py); the codes' and NVFP4 scales' strides follow from N and K."""
+        raise NotImplementedError
+
     def workspace_size(self, path: str, m: int, n: int, k: int, gated: bool) -> int:
         """fp32 elements of the workspace a "decode" or "gemm" call needs (0: none)."""
         size = decode_workspace_size if path == "decode" else gemm_workspace_size
@@ -87,6 +95,11 @@ class _QPN2Kernels(LayoutKernels):
         codes, scales, g = buffers
         require_qpn2_aligned(codes, scales)
         launch_qpn2_dequantize(codes, scales, g, global_scale_stride(g), out, n, k)
+
+    def expert_weights(self, buffers: Buffers, n: int, k: int) -> tuple[WeightFormat, tuple[object, ...], int]:
+        codes, scales, g = buffers
+        require_qpn2_aligned(codes, scales)
+        return QPN2, (codes, scales, g, np.int32(global_scale_stride(g[0]))), int(g[0].size)
 
     _decode, _gemm = staticmethod(launch_qpn2_decode), staticmethod(launch_qpn2_gemm)
 
@@ -118,6 +131,11 @@ class _QPN8Kernels(LayoutKernels):
         codes, group_scales = buffers
         wf = self._aligned(codes, group_scales, n, k)
         launch_qpn8_dequantize(codes, group_scales, qpn8_strides(wf, n), out, n, k)
+
+    def expert_weights(self, buffers: Buffers, n: int, k: int) -> tuple[WeightFormat, tuple[object, ...], int]:
+        codes, group_scales = buffers
+        wf = self._aligned(codes, group_scales[0], n, k)
+        return wf, (codes, group_scales, np.int32(qpn8_strides(wf, n)[0])), int(group_scales[0].size)
 
     _decode, _gemm = staticmethod(launch_qpn8_decode), staticmethod(launch_qpn8_gemm)
 

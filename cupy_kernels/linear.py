@@ -98,13 +98,17 @@ X_BATCH = {QPN2.key: 1, QPN8.key: 0}  # when a batch's x is loaded: qpn_mma.cuh,
 X_FRAG = {(wf.key, nb): nb >= 2 for wf in (QPN2, QPN8) for nb in (1, 2, 3, 4)}
 
 
-def _macros(key: str, nb: int, gated: bool, block_scales: bool = False) -> tuple[tuple[str, str], ...]:
-    """The build of a decode kernel of family `key` (QPN2.key | QPN8.key), 8 * nb tokens, gated or not."""
+def decode_macros(key: str, nb: int, gated: bool, block_scales: bool = False, moe: bool = False,
+                  pipeline: tuple[int, int] | None = None) -> tuple[tuple[str, str], ...]:
+    """The build of a decode kernel of family `key` (QPN2.key | QPN8.key), 8 * nb tokens, gated or not;
+    moe: the stacked-experts build (moe.py), which reads x rows through the route (no fragments);
+    pipeline: (groups per batch, blocks per SM) in place of PIPELINE's (the order of the sums is the same)."""
     family = QPN8_BLOCK.key if block_scales else key
     return tuple(sorted((
-        *pipeline_macros(*PIPELINE[family, nb, gated]),
+        *pipeline_macros(*(pipeline or PIPELINE[family, nb, gated])),
         ("QPN_X_BATCH", str(X_BATCH[key])),
-        ("QPN_X_FRAG", str(int(X_FRAG[key, nb]))),
+        ("QPN_X_FRAG", str(int(X_FRAG[key, nb] and not moe))),
+        *((("QPN_MOE", "1"),) if moe else ()),
         ("QPN_GATED", str(int(gated))),
         ("QPN_NB", str(nb)),
         ("QPN_WARPS", str(MAX_WARPS)),
@@ -118,14 +122,14 @@ _BLOCKS = range(1, MAX_M // TOKENS_PER_BLOCK + 1)
 # in an 8-byte stack slot. That is the only local memory these kernels may have.
 FALLBACK_STACK_BYTES = 16
 QPN2_LINEAR = {
-    (nb, gated): KernelVariant("qpn2_linear.cu", "qpn2_linear", _macros(QPN2.key, nb, gated), archs=("sm_75",),
+    (nb, gated): KernelVariant("qpn2_linear.cu", "qpn2_linear", decode_macros(QPN2.key, nb, gated), archs=("sm_75",),
                                max_stack_bytes=FALLBACK_STACK_BYTES)
     for gated in (False, True)
     for nb in _BLOCKS
 }
 QPN8_LINEAR = {
     (nb, gated, block): KernelVariant(
-        "qpn8_linear.cu", "qpn8_linear", _macros(QPN8.key, nb, gated, block), archs=("sm_75",),
+        "qpn8_linear.cu", "qpn8_linear", decode_macros(QPN8.key, nb, gated, block), archs=("sm_75",),
         max_stack_bytes=FALLBACK_STACK_BYTES,
     )
     for block in (False, True)

@@ -6,6 +6,7 @@
 //          QPN_WARPS          most warps per block (launch bound, shared-memory size)
 //          QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   the load batches (qpn_mma.cuh)
 //          QPN_X_FRAG         0: x as [M][K] rows;  1: x as fragments (x_fragments.cu, qpn_mma.cuh)
+//          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py)
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][8 bytes]  QPN2 order (docs/QPN2.md)
 //         scales  [tile][group][lane]  e4m3 bytes
@@ -77,6 +78,7 @@
 // (benchmarks/ablate) and what was tried and kept off: benchmarks/NOTES.md, "Decode kernels:
 // history moved out of the kernel comments".
 #include "qpn_mma.cuh"
+#include "qpn_moe.cuh"
 
 #define QPN2_SLOW_XY 0xFFFFFFFFu  // scale-table marker: this (byte, g) block takes the exact path
 #define QPN2_SLOW_FLAG 0x40000000u  // 0100 0000 ... : Y's exponent MSB (|Y| >= 2), set in the marker
@@ -176,8 +178,16 @@ __device__ __forceinline__ void qpn2_e14_pairs(qpn_u32 w, qpn_u32 (&e)[4]) {
 extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn2_linear(
     const qpn_u8* __restrict__ codes, const qpn_u8* __restrict__ scales, const float* __restrict__ gscale,
     int gs_stride, const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
-    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
+    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets QPN_MOE_PARAMS)
 {
+#if QPN_MOE  // stacked experts: this block's expert, or nothing to do (before any load or barrier)
+    const QpnExpert ex = qpn_moe_expert(route, experts, slots, route_class, passes, map_x);
+    if (ex.rows == 0) return;
+    codes += (long long)ex.e * n * (k / 2);
+    scales += (long long)ex.e * n * (k / QPN_GROUP_K);
+    gscale += ex.e * scale_expert_stride;
+    qpn_moe_rows(ex, QPN_GATED ? n / 2 : n, m_rows, y, partial, tickets);
+#endif
 #if !QPN_GEMM
     __shared__ float red[QPN_RED_WARPS][QPN_HT][2][4][32];  // split-K rounds (qpn_reduce_store)
     __shared__ float red_sum[QPN_HT][256];
@@ -240,7 +250,11 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         pc[h] = codes + unit * 8;
         ps[h] = scales + unit;
     }
+#if QPN_MOE
+    QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin, ex.row_map, ex.row0);
+#else
     QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin);
+#endif
 
     // lane-dependent byte-permute selectors of the quad transpose (see header comment)
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;

@@ -3,6 +3,7 @@
 // Kernel:  qpn8_linear
 // Macros:  QPN_NB, QPN_GATED, QPN_WARPS, QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH, QPN_X_FRAG   qpn_mma.cuh
 //          QPN8_BLOCK_SCALES  0: channel / tensor scales S16[0, n];  1: 128x128 block S16[kb, t]
+//          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py)
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][16 bytes]  QPN8 order (docs/QPN8.md):
 //                 lane byte p holds W[32t + col(lane)][16g + KORDER[p]]
@@ -31,6 +32,7 @@
 // tile on 28672x8192; the alternatives' numbers: benchmarks/NOTES.md, "Decode kernels: history
 // moved out of the kernel comments".
 #include "qpn_mma.cuh"
+#include "qpn_moe.cuh"
 
 #ifndef QPN8_BLOCK_SCALES
 #define QPN8_BLOCK_SCALES 0
@@ -73,8 +75,15 @@ __device__ __forceinline__ qpn_u32 qpn8_scale_pair(qpn_u32 bits, qpn_u32 s2) {
 extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn8_linear(
     const qpn_u8* __restrict__ codes, const qpn_u16* __restrict__ gs16, int kb_stride,
     const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
-    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets)
+    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets QPN_MOE_PARAMS)
 {
+#if QPN_MOE  // stacked experts: this block's expert, or nothing to do (before any load or barrier)
+    const QpnExpert ex = qpn_moe_expert(route, experts, slots, route_class, passes, map_x);
+    if (ex.rows == 0) return;
+    codes += (long long)ex.e * n * k;
+    gs16 += ex.e * scale_expert_stride;
+    qpn_moe_rows(ex, QPN_GATED ? n / 2 : n, m_rows, y, partial, tickets);
+#endif
     const int lane = threadIdx.x & 31;
     const int quad = lane >> 2;
     const QpnSlice sl = qpn_block_slice(n, k, groups_per_warp);
@@ -93,7 +102,11 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #pragma unroll
     for (int tt = 0; tt < QPN_HT; ++tt)
         pc[tt] = codes + (((long long)sl.tile[tt] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane) * 16;
+#if QPN_MOE
+    QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin, ex.row_map, ex.row0);
+#else
     QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin);
+#endif
 
     const int q0 = lane & 1, q1 = (lane >> 1) & 1;
     const qpn_u32 sel_keep = q0 ? QPN_PRMT_HIGH_HALVES : QPN_PRMT_LOW_HALVES;

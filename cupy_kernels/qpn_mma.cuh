@@ -220,7 +220,14 @@ struct QpnX {  // the warp's x at its slice's first group; loads add the group a
 #endif
 };
 
-__device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_rows, int k, int g_begin) {
+// QPN_MOE builds (qpn_moe.cuh): the call's row r is x row row_map[row0 + r] (row0 + r without a map). The
+// dense builds keep the plain form (with the map as a defaulted argument their K loops grew by 2 SASS
+// instructions: tests/test_turing_model.py).
+__device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_rows, int k, int g_begin
+#if QPN_MOE
+                                             , const int* __restrict__ row_map, int row0
+#endif
+) {
     QpnX xs;
     const int lane = threadIdx.x & 31;
 #if QPN_GEMM
@@ -237,7 +244,12 @@ __device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_r
 #else
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j) {
+#if QPN_MOE
+        const int r = row0 + min(8 * j + (lane >> 2), m_rows - 1);
+        const int row = row_map ? row_map[r] : r;
+#else
         const int row = min(8 * j + (lane >> 2), m_rows - 1);
+#endif
         xs.p[j] = static_cast<const qpn_u16*>(x) + (long long)row * k + 16 * g_begin + 4 * (lane & 3);
     }
 #endif

@@ -168,3 +168,37 @@ def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...
         workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
         launch(as_cupy(x), tuple(as_cupy(t) for t in buffers), n, as_cupy(out), gated, workspace)
     return out
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+def moe(wf: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...], inter: int,
+        topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """The fused MoE decode (qpn.cupy_kernels.moe) over the call's tokens in chunks of MAX_M: x fp16 [M, H],
+    the experts' stacked buffers, the routing -> fp16 [M, H]. Every token's bits are its bits in any other
+    call (rows never share a sum); the chunks are fixed by M, and the route, the slot-ordered h and y and
+    the split-K state come from torch's allocator (one set, reused by the chunks in stream order): no host
+    sync, capturable in a CUDA graph at every M."""
+    from ..cupy_kernels.linear import MAX_M  # noqa: PLC0415
+    from ..cupy_kernels.moe import launch_moe, moe_workspace_size, route_size  # noqa: PLC0415
+
+    (m, h), top_k, experts = x.shape, int(topk_ids.shape[1]), int(w13[0].shape[0])
+    out = torch.empty_like(x)
+    if m == 0:
+        return out
+    rows = min(m, MAX_M)
+    kernels = _layout_kernels(wf)
+    route = torch.empty(route_size(experts, rows * top_k), dtype=torch.int32, device=x.device)
+    hidden = torch.empty((rows * top_k, inter), dtype=torch.float16, device=x.device)
+    y = torch.empty((rows * top_k, h), dtype=torch.float16, device=x.device)
+    with _on_torch_stream(x.device) as as_cupy:
+        size = moe_workspace_size(kernels.family.format, rows, top_k, h, inter, experts)  # x's device's split
+        workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
+        buffers = tuple(as_cupy(t) for t in w13), tuple(as_cupy(t) for t in w2)
+        for i in range(0, m, MAX_M):
+            j = min(i + MAX_M, m)
+            launch_moe(kernels, as_cupy(x[i:j]), *buffers, inter, as_cupy(topk_weights[i:j]),
+                       as_cupy(topk_ids[i:j]), as_cupy(route), workspace, as_cupy(hidden), as_cupy(y),
+                       as_cupy(out[i:j]))
+    return out

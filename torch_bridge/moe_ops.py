@@ -14,17 +14,16 @@ topk_weights float32 [M, k] (>= 0), topk_ids int32 / int64 [M, k] in [0, E). Out
 I % 32 == 0 (the gated epilogue's halves are whole tiles) and the layouts' N / K rules hold.
 
 Numerics: docs/DESIGN.md, "Mixture of experts" (qpn.ref.moe.moe is the reference). Each expert's
-linears run on a path whose summation order does not depend on how many tokens chose the expert
-(CPU: the fused numba kernels at every M; CUDA: the decode kernels in chunks of at most 32 rows, each
-row's result independent of the chunk), and the combine is one fp32 multiply and add per choice in
-top-k order: a token's output never depends on the rest of the batch.
-
-This first implementation groups the tokens by expert on the host (one sync per call on CUDA), so a
-CUDA call cannot be captured in a CUDA graph; torch.compile sees one opaque op either way. The
-batch-invariant paths cost speed where many tokens share an expert: on the CPU the fused kernels at
-M = 32 take 8.6x the decode-then-BLAS time (4096 x 4096, dispatch_tables/cpu.json); on the H200 the
-32-row decode chunks make M >= 512 slower than the dispatch policy's GEMM / dense paths
-(benchmarks/results/moe_h200.md). The fused MoE kernels of issue 22 replace both.
+linears run on a path whose summation order does not depend on how many tokens chose the expert, and
+the combine is one fp32 multiply and add per choice in top-k order: within a path, a token's output
+never depends on the rest of the batch.
+- CUDA: the fused MoE kernels (qpn.cupy_kernels.moe) on chunks of 32 tokens: routing on the GPU, one
+  launch per projection and token class, each hit expert's weights read once per chunk for its tokens,
+  the dense decode kernels' split and order. Every token gets the same bits at every M (no path switch);
+  no host sync, capturable in a CUDA graph at every M. Limits: E <= 1024 and top_k <= 32.
+- CPU: grouped on the host, the fused numba kernels at every M. They cost speed where many tokens
+  share an expert: at M = 32 they take 8.6x the decode-then-BLAS time (4096 x 4096,
+  dispatch_tables/cpu.json).
 """
 
 from __future__ import annotations
@@ -34,14 +33,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..cupy_kernels.linear import MAX_M  # a constant: importing it imports no CuPy
+from ..cupy_kernels.linear import MAX_M  # constants: importing them imports no CuPy
+from ..cupy_kernels.moe import ROUTE_LIMIT
 from ..ref.formats import QPN2, WeightFormat
 from ..ref.geometry import TILE_N
 from . import _cpu_ops
 from .epilogue import silu_and_mul
 from .ops import fp8_dims, fp8_layout, nvfp4_dims, require_same_device, require_tensor
-
-DECODE_ROWS = MAX_M  # the decode kernels' M range: CUDA experts run in chunks of this many tokens
 
 # linear(wf, x, buffers, n, gated) -> fp16 [M, n or n/2]: one expert's linear on a batch-invariant path
 ExpertLinear = Callable[[WeightFormat, Tensor, tuple[Tensor, ...], int, bool], Tensor]
@@ -81,8 +79,8 @@ def _dims(h: int, n13: int, k13: int, n2: int, k2: int) -> int:
 
 
 def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weights: Tensor, topk_ids: Tensor,
-           dims: Callable[..., tuple[int, int]]) -> None:
-    """Metadata only (never a value: no sync): dtypes, shapes, one device."""
+           dims: Callable[..., tuple[int, int]]) -> int:
+    """Metadata only (never a value: no sync): dtypes, shapes, one device. Returns I."""
     require_tensor("x", x, (torch.float16,), ndim=2)
     require_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids,
                         **{f"w13_{n}": t for n, t in w13.items()}, **{f"w2_{n}": t for n, t in w2.items()})
@@ -92,8 +90,14 @@ def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weight
                          f"{next(iter(w2.values())).shape[0]}")
     n13, k13 = dims(*(t[0] for t in w13.values()))
     n2, k2 = dims(*(t[0] for t in w2.values()))
-    _dims(int(x.shape[1]), n13, k13, n2, k2)
+    inter = _dims(int(x.shape[1]), n13, k13, n2, k2)
     _routing(x, topk_weights, topk_ids)
+    top_k = int(topk_ids.shape[1])
+    if x.device.type == "cuda" and (experts > ROUTE_LIMIT or MAX_M * top_k > ROUTE_LIMIT):
+        raise ValueError(f"the fused MoE kernels route at most {ROUTE_LIMIT} experts and {ROUTE_LIMIT} choices per "
+                         f"{MAX_M} tokens (top_k <= {ROUTE_LIMIT // MAX_M}), got E = {experts}, top_k = {top_k}; "
+                         "split the experts across devices (expert parallelism) or run this layer on the CPU")
+    return inter
 
 
 def moe(linear: ExpertLinear, wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...],
@@ -122,18 +126,14 @@ def cpu_expert_linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], 
     return silu_and_mul(y) if gated else y
 
 
-def cuda_expert_linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, gated: bool) -> Tensor:
-    """The decode kernels in chunks of DECODE_ROWS tokens (each row's result independent of its chunk)."""
-    from . import _cuda  # noqa: PLC0415  (imports no CuPy until a kernel launches)
+def _run(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...],
+         topk_weights: Tensor, topk_ids: Tensor, inter: int) -> Tensor:
+    """The op's backend for this call (module docstring)."""
+    if x.device.type == "cuda":
+        from . import _cuda  # noqa: PLC0415  (imports no CuPy until a kernel launches)
 
-    k, n_out = int(x.shape[1]), n // 2 if gated else n
-    chunks = [_cuda.linear_on("decode", wf, x[i:i + DECODE_ROWS], buffers, n, k, n_out, gated)
-              for i in range(0, x.shape[0], DECODE_ROWS)]
-    return torch.cat(chunks) if chunks else x.new_empty((0, n_out))
-
-
-def _linear_of(x: Tensor) -> ExpertLinear:
-    return cuda_expert_linear if x.device.type == "cuda" else cpu_expert_linear
+        return _cuda.moe(wf13, x, w13, w2, inter, topk_weights, topk_ids)
+    return moe(cpu_expert_linear, wf13, wf2, x, w13, w2, topk_weights, topk_ids)
 
 
 def _qpn8_layouts(w13_group_scales: Tensor, w2_group_scales: Tensor, h: int, inter: int
@@ -150,8 +150,8 @@ def nvfp4_moe(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_global_scale
     """x float16 [M, H], NVFP4 experts in QPN2 (module docstring) -> float16 [M, H]."""
     w13 = {"codes": w13_codes, "scales": w13_scales, "global_scale": w13_global_scale}
     w2 = {"codes": w2_codes, "scales": w2_scales, "global_scale": w2_global_scale}
-    _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims)
-    return moe(_linear_of(x), QPN2, QPN2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids)
+    inter = _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims)
+    return _run(QPN2, QPN2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids, inter)
 
 
 @nvfp4_moe.register_fake
@@ -169,9 +169,9 @@ def fp8_moe(x: Tensor, w13_codes: Tensor, w13_group_scales: Tensor, w2_codes: Te
     """x float16 [M, H], FP8 experts in QPN8 (module docstring) -> float16 [M, H]."""
     w13 = {"codes": w13_codes, "group_scales": w13_group_scales}
     w2 = {"codes": w2_codes, "group_scales": w2_group_scales}
-    _check(x, w13, w2, topk_weights, topk_ids, fp8_dims)
-    wf13, wf2 = _qpn8_layouts(w13_group_scales, w2_group_scales, int(x.shape[1]), int(w2_codes.shape[2]))
-    return moe(_linear_of(x), wf13, wf2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids)
+    inter = _check(x, w13, w2, topk_weights, topk_ids, fp8_dims)
+    wf13, wf2 = _qpn8_layouts(w13_group_scales, w2_group_scales, int(x.shape[1]), inter)
+    return _run(wf13, wf2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids, inter)
 
 
 @fp8_moe.register_fake

@@ -1,0 +1,163 @@
+"""The fused mixture-of-experts decode, M <= 32 tokens (issue 22): E experts of one layout stacked along a
+leading dimension, routed tokens in, the weighted top-k sum out, in 2 + 2 * ceil(M / 8) launches on the
+current stream with no host sync (CUDA-graph capturable; docs/DESIGN.md, "Mixture of experts"):
+
+1. qpn_moe_route (moe_route.cu): the top-k ids -> the route (qpn_moe.cuh): the choices sorted by expert
+   into slots, each expert's slot range, the hit experts by class (their count of 8-token blocks); it
+   also zeroes the split-K tickets of the launches below.
+2. gate/up: the decode kernels' MoE build (QPN_MOE = 1), gated, one launch per class c < ceil(M / 8)
+   with the build of c + 1 token blocks, grid (output tiles, parts, class_blocks): a block finds its
+   expert in the route, reads that expert's weight tiles once for all of its tokens (x rows through the
+   route) and writes h = silu_and_mul(gate, up) to their slots. Blocks without an expert exit before
+   any load: the experts nobody hits are never read.
+3. down: the same builds, not gated, on the slot-ordered h -> y per slot (fp16).
+4. qpn_moe_combine: y weighted and summed per token in top-k order, one RN16 (qpn.ref.moe.combine).
+
+Numerics: each expert's two linears run the dense decode kernels' own code and split (decode_split: from
+N, K and the SM count), so every slot's h and y equal, bit for bit, the dense decode kernels' rows for
+that expert and token (tests/test_cupy_moe.py), whatever the counts: a token's output never depends on
+the other tokens of the call or on the experts they hit.
+
+Limits: E <= ROUTE_LIMIT and M * top_k <= ROUTE_LIMIT (the route kernel is one block, a thread per
+expert and one per choice); ids outside [0, E) add no term (the convention of vLLM's expert maps, -1 for
+an expert not held here); a token's ids are a top-k, distinct (an expert chosen twice by one token could
+exceed 32 rows: the rows past 32 are not computed).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK
+from ..ref.geometry import TILE_N
+from ._validate import CupyArray, require_aligned
+from .layouts import Buffers, LayoutKernels
+from .linear import MAX_M, decode_macros, decode_split, require_x_aligned
+from .loader import kernel
+from .variants import KernelVariant
+from .workspace import TOKENS_PER_BLOCK, call_workspace, gated_rows
+
+MOE_CLASSES = MAX_M // TOKENS_PER_BLOCK  # qpn_moe.cuh QPN_MOE_CLASSES: 8-token blocks of the largest build
+ROUTE_LIMIT = 1024  # moe_route.cu QPN_ROUTE_THREADS: most experts, and most choices M * top_k, per call
+COMBINE_THREADS = 256  # two columns each
+
+ROUTE = KernelVariant("moe_route.cu", "qpn_moe_route", archs=("sm_75",))
+COMBINE = KernelVariant("moe_route.cu", "qpn_moe_combine", archs=("sm_75",))
+# The decode builds over stacked experts, per (layout key, 8-token blocks, gated): the dense builds with x
+# read as rows through the route. Row pointers (2 registers per 8-token block) and the route's arguments
+# cost registers the fragment builds do not; where a dense pipeline then spills on sm_75 (compile_check),
+# the MoE build takes the one below, the first of (2, 2), (1, 2), (4, 1) without a spill (the order of
+# every sum is the same; the speed of these is not measured separately; tests/test_turing_compile.py):
+MOE_PIPELINE = {
+    (QPN2.key, 2, False): (4, 1),  # (2, 2): 40 bytes spilled; (4, 1): 112 registers
+    (QPN8.key, 2, False): (1, 2),  # (4, 2): 44; (2, 2): 8
+    (QPN8.key, 3, False): (4, 1),  # (2, 2): 76; (1, 2): 28
+    (QPN8_BLOCK.key, 1, False): (2, 2),  # (4, 2): 12
+    (QPN8_BLOCK.key, 2, False): (4, 1),  # (2, 2) and (1, 2): 20
+    (QPN8_BLOCK.key, 3, False): (4, 1),  # (1, 2): 48
+}
+# ... and where no pipeline fits 128 registers (FP8 gated at 32 tokens: 8-16 bytes spilled even at 1
+# group per batch), the class runs as passes of a smaller build, each a block reading the expert's tiles
+# (per pass rows independent of each other: the same bits): {(layout key, gated): {class: (nb, passes)}}
+CLASS_PASSES = {(QPN8.key, True): {3: (2, 2)}, (QPN8_BLOCK.key, True): {3: (2, 2)}}
+MAX_PASSES = 2  # qpn_moe.cuh QPN_MOE_MAX_PASSES: the tickets' stride per expert
+_FALLBACK_STACK_BYTES = 16  # as linear.FALLBACK_STACK_BYTES: the shuffles' divergent-warp fallback
+
+
+def class_build(key: str, gated: bool, cls: int) -> tuple[int, int]:
+    """(8-token blocks of the build, passes) that class `cls` runs for layout `key`."""
+    return CLASS_PASSES.get((key, gated), {}).get(cls, (cls + 1, 1))
+
+
+EXPERT_DECODE = {
+    (wf.key, nb, gated): KernelVariant(
+        "qpn2_linear.cu" if wf is QPN2 else "qpn8_linear.cu", "qpn2_linear" if wf is QPN2 else "qpn8_linear",
+        decode_macros(QPN2.key if wf is QPN2 else QPN8.key, nb, gated, wf is QPN8_BLOCK, moe=True,
+                      pipeline=MOE_PIPELINE.get((wf.key, nb, gated))),
+        archs=("sm_75",), max_stack_bytes=_FALLBACK_STACK_BYTES)
+    for wf in (QPN2, QPN8, QPN8_BLOCK) for gated in (False, True)
+    for nb in sorted({class_build(wf.key, gated, c)[0] for c in range(MAX_M // TOKENS_PER_BLOCK)})
+}
+KERNEL_VARIANTS = (ROUTE, COMBINE, *EXPERT_DECODE.values())
+
+
+def route_size(experts: int, slots: int) -> int:
+    """int32 elements of a call's route (qpn_moe.cuh, qpn_route_layout): offsets, slot tokens, choice
+    slots, class counts, class lists."""
+    return experts + 1 + 2 * slots + MOE_CLASSES * (1 + min(experts, slots))
+
+
+def class_blocks(cls: int, m: int, experts: int, slots: int) -> int:
+    """The grid's z extent for class `cls` (experts hit by 8 cls + 1 .. 8 cls + 8 tokens): the most such
+    experts M tokens with `slots` choices can make, never how many there are (0: the class cannot occur)."""
+    lowest = TOKENS_PER_BLOCK * cls + 1
+    return 0 if m < lowest else min(experts, slots // lowest)
+
+
+def _projections(family_format: str, slots: int, h: int, inter: int, experts: int
+                 ) -> tuple[tuple[int, int, bool, int, int, int], ...]:
+    """(N, K, gated, parts, partial sums, tickets) of gate/up and of down: the split of the dense decode
+    kernels (decode_split) and, where it splits K across blocks, the split-K state's sizes: fp32 partial
+    sums for every slot, one ticket per (expert, pass) and output tile (0, 0 for one part)."""
+    out = []
+    for n, k, gated in ((2 * inter, h, True), (h, inter, False)):
+        parts, cols = decode_split(family_format, n, k)[0], gated_rows(n, gated)
+        state = (parts * (2 if gated else 1) * slots * cols, experts * MAX_PASSES * cols // TILE_N)
+        out.append((n, k, gated, parts, *(state if parts > 1 else (0, 0))))
+    return tuple(out)
+
+
+def moe_workspace_size(family_format: str, m: int, top_k: int, h: int, inter: int, experts: int) -> int:
+    """fp32 elements of a call's split-K state: both projections' partial sums, then their tickets (the
+    route kernel zeroes them); 0 where neither splits K across blocks. Allocate it with the route (torch's
+    allocator under graph capture)."""
+    return sum(p + t for *_, p, t in _projections(family_format, m * top_k, h, inter, experts))
+
+
+def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, inter: int,
+               topk_weights: CupyArray, topk_ids: CupyArray, route: CupyArray, workspace: CupyArray | None,
+               hidden: CupyArray, y: CupyArray, out: CupyArray) -> None:
+    """Queue the fused MoE decode (module docstring). The caller validated the metadata (torch_bridge/
+    moe_ops.py): x fp16 [M, H] with M in [1, 32], w13 / w2 the layout's buffers stacked [E, ...] for
+    [2I, H] / [H, I] weights, topk_weights fp32 and topk_ids int32 / int64 [M, top_k], route int32
+    [route_size], workspace fp32 [moe_workspace_size] (None: allocated here), hidden fp16 [M * top_k, I],
+    y fp16 [M * top_k, H], out fp16 [M, H]."""
+    m, h = x.shape
+    top_k = int(topk_ids.shape[1])
+    slots, experts = m * top_k, int(w13[0].shape[0])
+    if not (1 <= m <= MAX_M and experts <= ROUTE_LIMIT and slots <= ROUTE_LIMIT):
+        raise ValueError(f"the fused MoE decode takes M in [1, {MAX_M}], E <= {ROUTE_LIMIT} and M * top_k <= "
+                         f"{ROUTE_LIMIT}, got M={m}, E={experts}, top_k={top_k}; larger calls take the "
+                         "grouped path (torch_bridge/moe_ops.py)")
+    require_x_aligned(x)
+    require_aligned("hidden", hidden, 8)
+    family = kernels.family
+    projections = _projections(family.format, slots, h, inter, experts)
+    partials, ticket_count = sum(p for *_, p, _ in projections), sum(t for *_, t in projections)
+    workspace = call_workspace(workspace, partials + ticket_count, "moe_workspace_size") if ticket_count else None
+    tickets = None if workspace is None else workspace[partials:partials + ticket_count].view(np.uint32)
+    kernel(ROUTE)((1,), (ROUTE_LIMIT,), (topk_ids, np.int32(topk_ids.dtype == np.int64), np.int32(slots),
+                                          np.int32(top_k), np.int32(experts), route,
+                                          np.uint64(0) if tickets is None else tickets,
+                                          np.int32(ticket_count)))
+    partial_at, ticket_at = 0, 0
+    for (n, k, gated, parts, p_size, t_size), (buffers, src, dst, map_x) in zip(
+            projections, ((w13, x, hidden, 1), (w2, hidden, y, 0)), strict=True):
+        wf, weights, scale_stride = kernels.expert_weights(buffers, n, k)
+        _, split, groups_per_warp = decode_split(family.format, n, k)
+        state: tuple[object, object] = (np.uint64(0), np.uint64(0))  # one part: no split-K state
+        if workspace is not None and tickets is not None and t_size:
+            state = (workspace[partial_at:partial_at + p_size], tickets[ticket_at:ticket_at + t_size])
+        partial_at, ticket_at = partial_at + p_size, ticket_at + t_size
+        for cls in range(MOE_CLASSES):
+            z = class_blocks(cls, m, experts, slots)
+            if z == 0:
+                continue
+            nb, passes = class_build(wf.key, gated, cls)
+            blocks = (gated_rows(n, gated) // TILE_N, parts, z * passes)
+            kernel(EXPERT_DECODE[wf.key, nb, gated])(blocks, (32 * split,), (
+                *weights, src, dst, np.int32(0), np.int32(n), np.int32(k), np.int32(groups_per_warp), *state,
+                route, np.int32(experts), np.int32(slots), np.int32(cls), np.int32(passes), np.int32(map_x),
+                np.int64(scale_stride)))
+    kernel(COMBINE)((-(-h // (2 * COMBINE_THREADS)), m), (COMBINE_THREADS,), (
+        y, topk_weights, route, np.int32(experts), np.int32(slots), np.int32(top_k), np.int32(h), out))

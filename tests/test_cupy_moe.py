@@ -1,0 +1,280 @@
+"""The fused MoE decode (qpn.cupy_kernels.moe; issue 22, part 3): the route the GPU builds from the ids,
+bit for bit against its definition; every slot's expert rows equal to the dense decode kernels' rows of
+that expert (the same split and order), so the op equals a loop of dense decode calls plus the reference
+combine, bit for bit, at every M (chunks of 32 tokens past 32) and top-k, with every expert hit, a single
+one hit, one hot expert taking all 32 tokens (the largest class; FP8 gated as two passes), and ids outside
+[0, E) adding no term; a CUDA graph replays it; memcheck and racecheck clean. The launch geometry's host
+rules run everywhere."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from qpn.cupy_kernels import moe as ck_moe
+
+FORMATS = ["nvfp4", "tensor", "channel", "block"]
+H, INTER = 256, 128  # 128x128 FP8 blocks need K % 128 on both projections
+
+
+# ----------------------------------------------------------------------------- host rules (CPU)
+
+
+def test_class_blocks_is_the_most_experts_a_class_can_have():
+    """For every (M, top_k, E) small enough to enumerate by construction: the number of class-c experts
+    never exceeds class_blocks, and some routing reaches it (the grid is the tightest fixed one)."""
+    for m in range(1, 33):
+        for top_k in (1, 2, 8):
+            for experts in (top_k, 8, 128):
+                slots = m * top_k
+                for cls in range(ck_moe.MOE_CLASSES):
+                    lowest = 8 * cls + 1
+                    most = 0 if m < lowest else min(experts, slots // lowest)
+                    # reachable: `most` experts with `lowest` tokens each needs most * lowest <= slots
+                    # choices, at most top_k distinct experts per token and at most m tokens per expert
+                    assert most * lowest <= slots and (most == 0 or lowest <= m)
+                    assert ck_moe.class_blocks(cls, m, experts, slots) == most
+
+
+def test_every_class_has_a_build_and_its_passes_cover_the_class():
+    for key in ("qpn2", "qpn8", "qpn8_block"):
+        for gated in (False, True):
+            for cls in range(ck_moe.MOE_CLASSES):
+                nb, passes = ck_moe.class_build(key, gated, cls)
+                assert (key, nb, gated) in ck_moe.EXPERT_DECODE, (key, gated, cls)
+                assert 8 * nb * passes >= 8 * (cls + 1) and 1 <= passes <= ck_moe.MAX_PASSES
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available here; the GPU tests run on the device")
+    return torch
+
+
+def packed_on_gpu(fmt: str, experts: int, seed: int):
+    from qpn import ref
+    from qpn.torch_bridge import PackedExperts
+
+    rng = np.random.default_rng(seed)
+
+    def linear(name: str, n: int, k: int, scale: float):
+        w = (rng.standard_normal((n, k)) * scale / np.sqrt(k)).astype(np.float32)
+        if fmt == "nvfp4":
+            q = ref.nvfp4_quantize(w)
+            return ref.NVFP4Linear(name, q.weight_packed, q.weight_scale, q.weight_scale_2)
+        q = ref.fp8_quantize(w, fmt)
+        return ref.FP8Linear(name, q.weight, q.weight_scale, fmt)
+
+    layers = [(linear(f"e{e}.gate", INTER, H, 1.0), linear(f"e{e}.up", INTER, H, 3.0),
+               linear(f"e{e}.down", H, INTER, 1.0)) for e in range(experts)]
+    return PackedExperts.from_checkpoint(layers).to("cuda")
+
+
+def routing(rng: np.random.Generator, m: int, experts: int, top_k: int):
+    from qpn.ref import moe as ref_moe
+
+    return ref_moe.route(rng.standard_normal((m, experts)).astype(np.float32), top_k, renormalize=True)
+
+
+def dense_loop(torch, packed, x, weights, ids):
+    """Each hit expert through the dense decode kernels (torch_bridge._cuda.linear_on("decode")), then
+    the reference combine: what the fused kernels must equal bit for bit."""
+    from qpn.ref import moe as ref_moe
+    from qpn.torch_bridge import _cuda
+
+    m, top_k = ids.shape
+    y = np.zeros((m, top_k, H), np.float16)
+    xt = torch.from_numpy(x).cuda()
+    for e in np.unique(ids[ids >= 0]):
+        rows, choices = np.nonzero(ids == e)
+        w13, w2 = packed.expert(int(e))
+        for i in range(0, len(rows), 32):  # the decode kernels' M range; rows never share a sum
+            r, c = rows[i:i + 32], choices[i:i + 32]
+            hidden = _cuda.linear_on("decode", w13.weight_format, xt[torch.from_numpy(r).cuda()].contiguous(),
+                                     tuple(w13.buffers.values()), 2 * INTER, H, INTER, True)
+            y[r, c] = _cuda.linear_on("decode", w2.weight_format, hidden, tuple(w2.buffers.values()), H, INTER, H,
+                                      False).cpu().numpy()
+    weights = np.where(ids >= 0, weights, 0).astype(np.float32)  # an id outside [0, E) adds nothing
+    return ref_moe.combine(y, weights)
+
+
+def fused(torch, packed, x, weights, ids):
+    return packed.forward(torch.from_numpy(x).cuda(), torch.from_numpy(weights).cuda(),
+                          torch.from_numpy(ids).cuda()).cpu().numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,top_k", [(1, 1), (1, 8), (5, 2), (8, 8), (9, 2), (17, 4), (32, 2), (32, 8), (41, 2),
+                                     (100, 8)])
+def test_the_fused_op_is_the_dense_decode_loop_bit_for_bit(fmt, m, top_k):
+    torch = gpu()
+    packed = packed_on_gpu(fmt, 8, seed=m * 10 + top_k)
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, H)).astype(np.float16)
+    weights, ids = routing(rng, m, 8, top_k)
+    want = dense_loop(torch, packed, x, weights, ids)
+    assert np.array_equal(fused(torch, packed, x, weights, ids).view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_hot_expert_every_expert_and_a_single_one(fmt):
+    """32 tokens on one expert (class 3: FP8 gated runs it as two passes of 16), every expert of 8 hit,
+    and a batch where every choice is one expert; int32 ids as vLLM passes them."""
+    torch = gpu()
+    packed = packed_on_gpu(fmt, 8, seed=1)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((32, H)).astype(np.float16)
+    weights, ids = routing(rng, 32, 8, 2)
+    hot = ids.copy()
+    hot[:, 0] = 3
+    hot[:, 1] = np.where(ids[:, 1] == 3, ids[:, 0], ids[:, 1])
+    hot[hot[:, 1] == 3, 1] = 4
+    every = np.stack([np.arange(32) % 8, (np.arange(32) + 1) % 8], axis=1)
+    single = np.full((32, 1), 6, np.int64)
+    for case_ids, case_weights in ((hot, weights), (every, weights), (single, weights[:, :1])):
+        case_ids = case_ids.astype(np.int32)
+        want = dense_loop(torch, packed, x, case_weights, case_ids)
+        assert np.array_equal(fused(torch, packed, x, case_weights, case_ids).view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_ids_outside_the_experts_add_no_term_and_unhit_experts_are_not_used():
+    """vLLM's expert maps mark experts held elsewhere -1: those choices add nothing. Experts nobody hits
+    are filled with NaN-decoding bytes: the output stays finite and equal to the loop's."""
+    torch = gpu()
+    packed = packed_on_gpu("channel", 8, seed=5)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, H)).astype(np.float16)
+    weights, ids = routing(rng, 4, 8, 2)
+    ids = np.where(ids % 2 == 0, ids, -1)  # odd experts held elsewhere
+    ids[0, 1] = 99
+    for e in range(1, 8, 2):  # e4m3 0x7F is NaN: any read-and-use of an odd expert shows
+        packed.w13["codes"][e].fill_(0x7F)
+        packed.w2["codes"][e].fill_(0x7F)
+    got = fused(torch, packed, x, weights, ids)
+    ids_for_loop = np.where((ids >= 0) & (ids < 8), ids, -1)
+    assert np.isfinite(got.astype(np.float32)).all()
+    assert np.array_equal(got.view(np.uint16), dense_loop(torch, packed, x, weights, ids_for_loop).view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_the_route_is_its_definition():
+    """The route of qpn_moe.cuh, read back: offsets, slots in ascending (token, choice) order per expert,
+    each choice's slot, the classes' expert lists."""
+    torch = gpu()
+    import cupy
+
+    from qpn.cupy_kernels.loader import kernel
+
+    rng = np.random.default_rng(7)
+    m, top_k, experts = 29, 4, 16
+    _, ids = routing(rng, m, experts, top_k)
+    ids[:20, 0] = 11  # expert 11: >= 20 tokens (class 2 or 3)
+    slots = m * top_k
+    route = cupy.full(ck_moe.route_size(experts, slots), -7, np.int32)
+    kernel(ck_moe.ROUTE)((1,), (ck_moe.ROUTE_LIMIT,), (cupy.asarray(ids), np.int32(1), np.int32(slots),
+                                                      np.int32(top_k), np.int32(experts), route, np.uint64(0),
+                                                      np.int32(0)))
+    got = route.get()
+    flat = ids.reshape(-1)
+    counts = np.bincount(flat, minlength=experts)
+    off = np.concatenate([[0], np.cumsum(counts)])
+    order = np.argsort(flat, kind="stable")  # slots: by expert, then (token, choice)
+    slot_of = np.empty(slots, np.int64)
+    slot_of[order] = np.arange(slots)
+    at = experts + 1
+    assert np.array_equal(got[:at], off)
+    assert np.array_equal(got[at:at + slots], order // top_k)
+    assert np.array_equal(got[at + slots:at + 2 * slots], slot_of)
+    classes = np.minimum((counts - 1) // 8, 3)
+    lists = got[at + 2 * slots + 4:].reshape(4, min(experts, slots))
+    for c in range(4):
+        members = np.nonzero((counts > 0) & (classes == c))[0]
+        assert got[at + 2 * slots + c] == len(members)
+        assert np.array_equal(lists[c, :len(members)], members)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 40])
+def test_a_cuda_graph_replays_the_fused_op(m):
+    torch = gpu()
+    packed = packed_on_gpu("nvfp4", 8, seed=8)
+    rng = np.random.default_rng(8)
+    x = torch.from_numpy(rng.standard_normal((m, H)).astype(np.float16)).cuda()
+    w, ids = (torch.from_numpy(a).cuda() for a in routing(rng, m, 8, 2))
+    packed.forward(x, w, ids)  # compile the kernels before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = packed.forward(x, w, ids)
+    for seed in (9, 10):
+        r = np.random.default_rng(seed)
+        x.copy_(torch.from_numpy(r.standard_normal((m, H)).astype(np.float16)))
+        new_w, new_ids = routing(r, m, 8, 2)
+        w.copy_(torch.from_numpy(new_w))
+        ids.copy_(torch.from_numpy(new_ids))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, packed.forward(x, w, ids))
+
+
+# ----------------------------------------------------------------------------- sanitizer
+
+
+def drive() -> None:
+    """Exact-size CuPy allocations (no pool): the fused MoE at the classes' edges, both layouts, K split
+    across blocks (Mixtral-like down: few tiles, long K) included."""
+    import cupy
+
+    from qpn.cupy_kernels.layouts import layout_kernels
+    from qpn.ref.formats import QPN2, QPN8
+
+    cupy.cuda.set_allocator(None)
+    rng = np.random.default_rng(0)
+
+    def buffers(wf, experts: int, n: int, k: int) -> tuple:
+        if wf is QPN2:
+            return (cupy.asarray(rng.integers(0, 256, (experts, n, k // 2), dtype=np.uint8)),
+                    cupy.asarray(rng.integers(0x28, 0x50, (experts, n, k // 16), dtype=np.uint8)),
+                    cupy.full((experts, n // 32), 1e-3, np.float32))
+        return (cupy.asarray(rng.integers(0, 0x70, (experts, n, k), dtype=np.uint8)),
+                cupy.full((experts, 1, n), 0.01, np.float16))
+
+    for wf, (h, inter, experts) in ((QPN2, (256, 128, 8)), (QPN8, (128, 2048, 4)), (QPN2, (128, 2048, 4))):
+        kernels = layout_kernels(wf)
+        w13, w2 = buffers(wf, experts, 2 * inter, h), buffers(wf, experts, h, inter)
+        for m, top_k in ((1, 1), (8, 2), (9, 4), (32, 2)):
+            slots = m * top_k
+            x = cupy.asarray(rng.standard_normal((m, h)).astype(np.float16))
+            ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(m)]).astype(np.int64)
+            if m == 32:
+                ids[:, 0] = 0  # one expert with all 32 tokens
+                ids[:, 1] = 1 + np.arange(m) % (experts - 1)
+            size = ck_moe.moe_workspace_size(wf.format, m, top_k, h, inter, experts)
+            out = cupy.empty((m, h), np.float16)
+            ck_moe.launch_moe(kernels, x, w13, w2, inter, cupy.full((m, top_k), 0.5, np.float32),
+                              cupy.asarray(ids), cupy.empty(ck_moe.route_size(experts, slots), np.int32),
+                              cupy.empty(size, np.float32) if size else None,
+                              cupy.empty((slots, inter), np.float16), cupy.empty((slots, h), np.float16), out)
+    cupy.cuda.runtime.deviceSynchronize()
+    print("driver done")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_sanitizer_clean(compute_sanitizer, tool):
+    compute_sanitizer(tool, __file__)
+
+
+if __name__ == "__main__" and "--drive" in sys.argv:
+    drive()
