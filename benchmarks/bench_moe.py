@@ -10,8 +10,8 @@ measured in the same run. Routing: random router logits, softmax top-k (renormal
 path.
 
 - qpn: the op (the fused MoE kernels, chunks of 32 tokens, no host sync) replayed from a CUDA graph of
-  GRAPH_CALLS calls, GPU time between CUDA events (as vLLM replays its graphs); qpn_eager: called from
-  Python, host included.
+  10 calls, GPU time between CUDA events (bench_dispatch.time_us; as vLLM replays its graphs);
+  qpn_eager: called from Python, host included.
 - fp16_bmm: fp16 experts, capturable: the chosen experts' weights gathered per (token, choice), two bmm,
   silu * up, the weighted sum; graph-replayed as qpn; only where the gathered weights fit in GATHER_BYTES.
 - fp16_loop: transformers 5's experts loop in fp16 (per hit expert: index the tokens, F.linear for gate_up,
@@ -39,10 +39,12 @@ import qpn.torch_bridge  # noqa: F401  (registers the ops)
 from qpn.ref.formats import QPN2, QPN8, WeightFormat
 from qpn.torch_bridge import PackedExperts, packed_weight_class
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_dispatch  # noqa: E402  (the graph timing of bench_dispatch's table)
+
 LAYERS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}  # experts, top-k, hidden, intermediate
 READ_CEILING_GBPS = 4566.0  # the H200's measured streaming-read ceiling (benchmarks/results/decode_h200.md)
 REPEATS, CALLS = 5, 3
-GRAPH_CALLS = 20  # calls captured in one graph: the replay's host cost spread over them
 GATHER_BYTES = 8e9  # fp16_bmm's gathered weights at most (Mixtral-shaped: M <= 11 at top-2)
 
 
@@ -77,23 +79,9 @@ def timed_us(fn) -> float:
 
 
 def graph_us(fn) -> float:
-    """GPU microseconds per call of `fn` replayed from a CUDA graph of GRAPH_CALLS calls (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    graph.replay()
-    samples = []
-    for _ in range(REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
-    return statistics.median(samples)
+    """GPU microseconds per call of `fn` replayed from a CUDA graph (bench_dispatch.time_us: CALLS calls per
+    graph, CUDA events, the median of its REPEATS)."""
+    return bench_dispatch.time_us(fn, "cuda")
 
 
 def fp16_bmm_moe(x, w13, w2, weights, ids):

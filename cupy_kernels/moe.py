@@ -1,15 +1,17 @@
-"""The fused mixture-of-experts decode, M <= 32 tokens (issue 22): E experts of one layout stacked along a
-leading dimension, routed tokens in, the weighted top-k sum out, in 2 + 2 * ceil(M / 8) launches on the
-current stream with no host sync (CUDA-graph capturable; docs/DESIGN.md, "Mixture of experts"):
+"""The fused mixture-of-experts decode (issue 22), in chunks of MAX_M = 32 tokens: E experts of one layout
+stacked along a leading dimension, routed tokens in, the weighted top-k sum out, in 2 + 2 * ceil(M / 8)
+launches per chunk of M <= 32 tokens on the current stream with no host sync (CUDA-graph capturable;
+docs/DESIGN.md, "Mixture of experts"):
 
 1. qpn_moe_route (moe_route.cu): the top-k ids -> the route (qpn_moe.cuh): the choices sorted by expert
    into slots, each expert's slot range, the hit experts by class (their count of 8-token blocks); it
    also zeroes the split-K tickets of the launches below.
 2. gate/up: the decode kernels' MoE build (QPN_MOE = 1), gated, one launch per class c < ceil(M / 8)
-   with the build of c + 1 token blocks, grid (output tiles, parts, class_blocks): a block finds its
-   expert in the route, reads that expert's weight tiles once for all of its tokens (x rows through the
-   route) and writes h = silu_and_mul(gate, up) to their slots. Blocks without an expert exit before
-   any load: the experts nobody hits are never read.
+   with the build of c + 1 token blocks (or passes of a smaller build: CLASS_PASSES), grid (output
+   tiles, parts, class_blocks x passes), fixed by (E, M, top_k): a block finds its expert in the route,
+   reads that expert's weight tiles once for all of its tokens (x rows through the route) and writes
+   h = silu_and_mul(gate, up) to their slots. Blocks without an expert exit before any load: the
+   experts nobody hits are never read.
 3. down: the same builds, not gated, on the slot-ordered h -> y per slot (fp16).
 4. qpn_moe_combine: y weighted and summed per token in top-k order, one RN16 (qpn.ref.moe.combine).
 
@@ -18,31 +20,29 @@ N, K and the SM count), so every slot's h and y equal, bit for bit, the dense de
 that expert and token (tests/test_cupy_moe.py), whatever the counts: a token's output never depends on
 the other tokens of the call or on the experts they hit.
 
-Limits: E <= ROUTE_LIMIT and M * top_k <= ROUTE_LIMIT (the route kernel is one block, a thread per
-expert and one per choice); ids outside [0, E) add no term (the convention of vLLM's expert maps, -1 for
-an expert not held here); a token's ids are a top-k, distinct (an expert chosen twice by one token could
-exceed 32 rows: the rows past 32 are not computed).
+Limits (require_routable): E <= ROUTE_LIMIT and MAX_M * top_k <= ROUTE_LIMIT (the route kernel is one
+block, a thread per expert and one per choice); ids outside [0, E) add no term (the convention of vLLM's
+expert maps, -1 for an expert not held here); a token's ids are a top-k, distinct (an expert chosen twice
+by one token could exceed 32 rows: the rows past 32 are not computed).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
 from ..ref.geometry import TILE_N
 from ._validate import CupyArray, require_aligned
 from .layouts import Buffers, LayoutKernels
-from .linear import MAX_M, decode_macros, decode_split, require_x_aligned
+from .linear import FALLBACK_STACK_BYTES, MAX_M, decode_macros, decode_split, require_x_aligned
 from .loader import kernel
 from .variants import KernelVariant
-from .workspace import TOKENS_PER_BLOCK, call_workspace, gated_rows
+from .workspace import TOKENS_PER_BLOCK, call_workspace, gated_rows, partial_elements
 
-MOE_CLASSES = MAX_M // TOKENS_PER_BLOCK  # qpn_moe.cuh QPN_MOE_CLASSES: 8-token blocks of the largest build
-ROUTE_LIMIT = 1024  # moe_route.cu QPN_ROUTE_THREADS: most experts, and most choices M * top_k, per call
+MOE_CLASSES = MAX_M // TOKENS_PER_BLOCK  # token classes: the 8-token blocks of the largest build
+ROUTE_LIMIT = 1024  # the route kernel's threads: most experts, and most choices M * top_k, per call
 COMBINE_THREADS = 256  # two columns each
 
-ROUTE = KernelVariant("moe_route.cu", "qpn_moe_route", archs=("sm_75",))
-COMBINE = KernelVariant("moe_route.cu", "qpn_moe_combine", archs=("sm_75",))
 # The decode builds over stacked experts, per (layout key, 8-token blocks, gated): the dense builds with x
 # read as rows through the route. Row pointers (2 registers per 8-token block) and the route's arguments
 # cost registers the fragment builds do not; where a dense pipeline then spills on sm_75 (compile_check),
@@ -60,8 +60,12 @@ MOE_PIPELINE = {
 # group per batch), the class runs as passes of a smaller build, each a block reading the expert's tiles
 # (per pass rows independent of each other: the same bits): {(layout key, gated): {class: (nb, passes)}}
 CLASS_PASSES = {(QPN8.key, True): {3: (2, 2)}, (QPN8_BLOCK.key, True): {3: (2, 2)}}
-MAX_PASSES = 2  # qpn_moe.cuh QPN_MOE_MAX_PASSES: the tickets' stride per expert
-_FALLBACK_STACK_BYTES = 16  # as linear.FALLBACK_STACK_BYTES: the shuffles' divergent-warp fallback
+MAX_PASSES = max(p for classes in CLASS_PASSES.values() for _, p in classes.values())  # the tickets' stride
+# the constants the kernels share with this module (qpn_moe.cuh, moe_route.cu), stated here only
+_ROUTE_MACROS = (("QPN_MOE_CLASSES", str(MOE_CLASSES)), ("QPN_MOE_MAX_PASSES", str(MAX_PASSES)),
+                 ("QPN_ROUTE_THREADS", str(ROUTE_LIMIT)))
+ROUTE = KernelVariant("moe_route.cu", "qpn_moe_route", _ROUTE_MACROS, archs=("sm_75",))
+COMBINE = KernelVariant("moe_route.cu", "qpn_moe_combine", _ROUTE_MACROS, archs=("sm_75",))
 
 
 def class_build(key: str, gated: bool, cls: int) -> tuple[int, int]:
@@ -69,16 +73,29 @@ def class_build(key: str, gated: bool, cls: int) -> tuple[int, int]:
     return CLASS_PASSES.get((key, gated), {}).get(cls, (cls + 1, 1))
 
 
+def _expert_decode(wf: WeightFormat, nb: int, gated: bool) -> KernelVariant:
+    family = QPN2 if wf is QPN2 else QPN8  # the kernel file: QPN8_BLOCK is a build of qpn8_linear.cu
+    macros = decode_macros(family.key, nb, gated, wf is QPN8_BLOCK, moe=True,
+                           pipeline=MOE_PIPELINE.get((wf.key, nb, gated)))
+    return KernelVariant(f"{family.key}_linear.cu", f"{family.key}_linear", tuple(sorted((*macros, *_ROUTE_MACROS))),
+                         archs=("sm_75",), max_stack_bytes=FALLBACK_STACK_BYTES)
+
+
 EXPERT_DECODE = {
-    (wf.key, nb, gated): KernelVariant(
-        "qpn2_linear.cu" if wf is QPN2 else "qpn8_linear.cu", "qpn2_linear" if wf is QPN2 else "qpn8_linear",
-        decode_macros(QPN2.key if wf is QPN2 else QPN8.key, nb, gated, wf is QPN8_BLOCK, moe=True,
-                      pipeline=MOE_PIPELINE.get((wf.key, nb, gated))),
-        archs=("sm_75",), max_stack_bytes=_FALLBACK_STACK_BYTES)
+    (wf.key, nb, gated): _expert_decode(wf, nb, gated)
     for wf in (QPN2, QPN8, QPN8_BLOCK) for gated in (False, True)
-    for nb in sorted({class_build(wf.key, gated, c)[0] for c in range(MAX_M // TOKENS_PER_BLOCK)})
+    for nb in sorted({class_build(wf.key, gated, c)[0] for c in range(MOE_CLASSES)})
 }
 KERNEL_VARIANTS = (ROUTE, COMBINE, *EXPERT_DECODE.values())
+
+
+def require_routable(experts: int, top_k: int) -> None:
+    """The route kernel's limits (per chunk of MAX_M tokens): one thread per expert and one per choice of
+    a block of ROUTE_LIMIT threads."""
+    if experts > ROUTE_LIMIT or MAX_M * top_k > ROUTE_LIMIT:
+        raise ValueError(f"the fused MoE kernels route at most {ROUTE_LIMIT} experts and {ROUTE_LIMIT} choices per "
+                         f"{MAX_M} tokens (top_k <= {ROUTE_LIMIT // MAX_M}), got E = {experts}, top_k = {top_k}; "
+                         "split the experts across devices (expert parallelism) or run this layer on the CPU")
 
 
 def route_size(experts: int, slots: int) -> int:
@@ -95,69 +112,80 @@ def class_blocks(cls: int, m: int, experts: int, slots: int) -> int:
 
 
 def _projections(family_format: str, slots: int, h: int, inter: int, experts: int
-                 ) -> tuple[tuple[int, int, bool, int, int, int], ...]:
-    """(N, K, gated, parts, partial sums, tickets) of gate/up and of down: the split of the dense decode
-    kernels (decode_split) and, where it splits K across blocks, the split-K state's sizes: fp32 partial
-    sums for every slot, one ticket per (expert, pass) and output tile (0, 0 for one part)."""
+                 ) -> tuple[tuple[int, int, bool, tuple[int, int, int], int, int], ...]:
+    """(N, K, gated, split, partial sums, tickets) of gate/up and of down: the dense decode kernels' split
+    (decode_split: parts, warps, groups per warp) and, where it splits K across blocks, the split-K state's
+    sizes: the partial sums of every slot (workspace.partial_elements), one ticket per (expert, pass) and
+    output tile (0, 0 for one part)."""
     out = []
     for n, k, gated in ((2 * inter, h, True), (h, inter, False)):
-        parts, cols = decode_split(family_format, n, k)[0], gated_rows(n, gated)
-        state = (parts * (2 if gated else 1) * slots * cols, experts * MAX_PASSES * cols // TILE_N)
-        out.append((n, k, gated, parts, *(state if parts > 1 else (0, 0))))
+        split = decode_split(family_format, n, k)
+        parts = split[0]
+        state = (partial_elements(parts, slots, n, gated), experts * MAX_PASSES * gated_rows(n, gated) // TILE_N)
+        out.append((n, k, gated, split, *(state if parts > 1 else (0, 0))))
     return tuple(out)
 
 
+def chunk_rows(m: int) -> int:
+    """Tokens per launch sequence of an M-token call: the route, hidden and y buffers hold this many."""
+    return min(m, MAX_M)
+
+
 def moe_workspace_size(family_format: str, m: int, top_k: int, h: int, inter: int, experts: int) -> int:
-    """fp32 elements of a call's split-K state: both projections' partial sums, then their tickets (the
-    route kernel zeroes them); 0 where neither splits K across blocks. Allocate it with the route (torch's
-    allocator under graph capture)."""
-    return sum(p + t for *_, p, t in _projections(family_format, m * top_k, h, inter, experts))
+    """fp32 elements of an M-token call's split-K state (one chunk's, reused by the next): both
+    projections' partial sums, then their tickets (the route kernel zeroes them); 0 where neither splits
+    K across blocks. Allocate it with the route (torch's allocator under graph capture)."""
+    return sum(p + t for *_, p, t in _projections(family_format, chunk_rows(m) * top_k, h, inter, experts))
 
 
 def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, inter: int,
                topk_weights: CupyArray, topk_ids: CupyArray, route: CupyArray, workspace: CupyArray | None,
                hidden: CupyArray, y: CupyArray, out: CupyArray) -> None:
-    """Queue the fused MoE decode (module docstring). The caller validated the metadata (torch_bridge/
-    moe_ops.py): x fp16 [M, H] with M in [1, 32], w13 / w2 the layout's buffers stacked [E, ...] for
-    [2I, H] / [H, I] weights, topk_weights fp32 and topk_ids int32 / int64 [M, top_k], route int32
-    [route_size], workspace fp32 [moe_workspace_size] (None: allocated here), hidden fp16 [M * top_k, I],
-    y fp16 [M * top_k, H], out fp16 [M, H]."""
+    """Queue the fused MoE decode (module docstring) over an M-token call in chunks of MAX_M tokens (a
+    token's bits do not depend on its chunk: rows never share a sum). The caller validated the metadata
+    (torch_bridge/moe_ops.py): x fp16 [M, H], M >= 1, w13 / w2 the layout's buffers stacked [E, ...] for
+    [2I, H] / [H, I] weights, topk_weights fp32 and topk_ids int32 / int64 [M, top_k], out fp16 [M, H];
+    one chunk's buffers, reused in stream order: route int32 [route_size(E, S)], hidden fp16 [S, I], y fp16
+    [S, H] with S = chunk_rows(M) * top_k, workspace fp32 [moe_workspace_size] (None: allocated here)."""
     m, h = x.shape
     top_k = int(topk_ids.shape[1])
-    slots, experts = m * top_k, int(w13[0].shape[0])
-    if not (1 <= m <= MAX_M and experts <= ROUTE_LIMIT and slots <= ROUTE_LIMIT):
-        raise ValueError(f"the fused MoE decode takes M in [1, {MAX_M}], E <= {ROUTE_LIMIT} and M * top_k <= "
-                         f"{ROUTE_LIMIT}, got M={m}, E={experts}, top_k={top_k}; larger calls take the "
-                         "grouped path (torch_bridge/moe_ops.py)")
+    slots_max, experts = chunk_rows(m) * top_k, int(w13[0].shape[0])
+    require_routable(experts, top_k)
     require_x_aligned(x)
     require_aligned("hidden", hidden, 8)
     family = kernels.family
-    projections = _projections(family.format, slots, h, inter, experts)
+    projections = _projections(family.format, slots_max, h, inter, experts)
     partials, ticket_count = sum(p for *_, p, _ in projections), sum(t for *_, t in projections)
     workspace = call_workspace(workspace, partials + ticket_count, "moe_workspace_size") if ticket_count else None
-    tickets = None if workspace is None else workspace[partials:partials + ticket_count].view(np.uint32)
-    kernel(ROUTE)((1,), (ROUTE_LIMIT,), (topk_ids, np.int32(topk_ids.dtype == np.int64), np.int32(slots),
-                                          np.int32(top_k), np.int32(experts), route,
-                                          np.uint64(0) if tickets is None else tickets,
-                                          np.int32(ticket_count)))
+    tickets = np.uint64(0) if workspace is None else workspace[partials:partials + ticket_count].view(np.uint32)
+    launches = []  # per projection: its build's leading arguments, x source, output, split-K state, ...
     partial_at, ticket_at = 0, 0
-    for (n, k, gated, parts, p_size, t_size), (buffers, src, dst, map_x) in zip(
+    for (n, k, gated, splits, p_size, t_size), (buffers, src, dst, map_x) in zip(
             projections, ((w13, x, hidden, 1), (w2, hidden, y, 0)), strict=True):
         wf, weights, scale_stride = kernels.expert_weights(buffers, n, k)
-        _, split, groups_per_warp = decode_split(family.format, n, k)
         state: tuple[object, object] = (np.uint64(0), np.uint64(0))  # one part: no split-K state
-        if workspace is not None and tickets is not None and t_size:
+        if workspace is not None and t_size:  # t_size > 0 only where ticket_count gave a workspace
             state = (workspace[partial_at:partial_at + p_size], tickets[ticket_at:ticket_at + t_size])
         partial_at, ticket_at = partial_at + p_size, ticket_at + t_size
-        for cls in range(MOE_CLASSES):
-            z = class_blocks(cls, m, experts, slots)
-            if z == 0:
-                continue
-            nb, passes = class_build(wf.key, gated, cls)
-            blocks = (gated_rows(n, gated) // TILE_N, parts, z * passes)
-            kernel(EXPERT_DECODE[wf.key, nb, gated])(blocks, (32 * split,), (
-                *weights, src, dst, np.int32(0), np.int32(n), np.int32(k), np.int32(groups_per_warp), *state,
-                route, np.int32(experts), np.int32(slots), np.int32(cls), np.int32(passes), np.int32(map_x),
-                np.int64(scale_stride)))
-    kernel(COMBINE)((-(-h // (2 * COMBINE_THREADS)), m), (COMBINE_THREADS,), (
-        y, topk_weights, route, np.int32(experts), np.int32(slots), np.int32(top_k), np.int32(h), out))
+        launches.append((wf, n, k, gated, splits, weights, src, dst, state, map_x, scale_stride))
+    for i in range(0, m, MAX_M):
+        rows = min(MAX_M, m - i)
+        slots = rows * top_k
+        kernel(ROUTE)((1,), (ROUTE_LIMIT,), (topk_ids[i:i + rows], np.int32(topk_ids.dtype == np.int64),
+                                              np.int32(slots), np.int32(top_k), np.int32(experts), route, tickets,
+                                              np.int32(ticket_count)))
+        for wf, n, k, gated, (parts, split, groups_per_warp), weights, src, dst, state, map_x, scale_stride in \
+                launches:
+            for cls in range(MOE_CLASSES):
+                z = class_blocks(cls, rows, experts, slots)
+                if z == 0:
+                    continue
+                nb, passes = class_build(wf.key, gated, cls)
+                blocks = (gated_rows(n, gated) // TILE_N, parts, z * passes)
+                kernel(EXPERT_DECODE[wf.key, nb, gated])(blocks, (32 * split,), (
+                    *weights, src[i:i + rows] if map_x else src, dst, np.int32(0), np.int32(n), np.int32(k),
+                    np.int32(groups_per_warp), *state, route, np.int32(experts), np.int32(slots), np.int32(cls),
+                    np.int32(passes), np.int32(map_x), np.int64(scale_stride)))
+        kernel(COMBINE)((-(-h // (2 * COMBINE_THREADS)), rows), (COMBINE_THREADS,), (
+            y, topk_weights[i:i + rows], route, np.int32(experts), np.int32(slots), np.int32(top_k), np.int32(h),
+            out[i:i + rows]))

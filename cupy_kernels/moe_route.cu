@@ -13,7 +13,7 @@
 #include "qpn_common.cuh"
 #include "qpn_moe.cuh"
 
-#define QPN_ROUTE_THREADS 1024  // the route's E and S limit (one thread per expert, one per choice)
+// QPN_ROUTE_THREADS: the route's E and S limit (one thread per expert, one per choice), moe.py's ROUTE_LIMIT
 
 // Inclusive scan of v over the block (QPN_ROUTE_THREADS threads, 32 warps); every thread gets its
 // prefix, `total` the block's sum.
@@ -43,6 +43,8 @@ __device__ __forceinline__ qpn_u64 qpn_block_scan(qpn_u64 v, qpn_u64* warp_sums,
 // Packed scan fields: the slot count in bits 0..15 (S <= 1024), one 12-bit hit-expert count per class
 // above it (E <= 1024): one scan gives the offsets and every class list's positions.
 #define QPN_SCAN_CLASS(c) (16 + 12 * (c))
+
+static_assert(QPN_ROUTE_THREADS == 1024, "qpn_block_scan takes 32 full warps");
 
 extern "C" __global__ void __launch_bounds__(QPN_ROUTE_THREADS) qpn_moe_route(
     const void* __restrict__ ids, int ids64, int slots, int top_k, int experts, int* __restrict__ route,

@@ -21,8 +21,14 @@
 #ifndef QPN_MOE
 #define QPN_MOE 0
 #endif
-#define QPN_MOE_CLASSES 4  // 8-token blocks of the largest decode build (M <= 32)
-#define QPN_MOE_MAX_PASSES 2  // most passes of one class (moe.py, CLASS_PASSES): the tickets' stride
+// The MoE builds and the route kernels (moe.py defines QPN_ROUTE_THREADS for them); the dense decode
+// builds include this file for an empty QPN_MOE_PARAMS only.
+#if QPN_MOE || defined(QPN_ROUTE_THREADS)
+// QPN_MOE_CLASSES (8-token blocks of the largest decode build) and QPN_MOE_MAX_PASSES (most passes of
+// one class: the tickets' stride) come from moe.py (MOE_CLASSES, MAX_PASSES) as defines, stated once.
+#if !defined(QPN_MOE_CLASSES) || !defined(QPN_MOE_MAX_PASSES)
+#error "build through cupy_kernels/moe.py: it defines QPN_MOE_CLASSES and QPN_MOE_MAX_PASSES"
+#endif
 
 struct QpnRoute {  // int offsets of the route's parts
     int off, slot_token, slot_of, class_count, class_list, list_len;
@@ -38,6 +44,7 @@ __host__ __device__ __forceinline__ QpnRoute qpn_route_layout(int experts, int s
     r.list_len = experts < slots ? experts : slots;
     return r;
 }
+#endif
 
 #if QPN_MOE
 #if QPN_X_FRAG || QPN_GEMM

@@ -8,12 +8,16 @@ rules run everywhere."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
 import pytest
 
 from qpn.cupy_kernels import moe as ck_moe
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_moe_ops import checkpoint_experts, hot_expert, routing  # noqa: E402  (the CPU op tests' experts)
 
 FORMATS = ["nvfp4", "tensor", "channel", "block"]
 H, INTER = 256, 128  # 128x128 FP8 blocks need K % 128 on both projections
@@ -22,20 +26,35 @@ H, INTER = 256, 128  # 128x128 FP8 blocks need K % 128 on both projections
 # ----------------------------------------------------------------------------- host rules (CPU)
 
 
-def test_class_blocks_is_the_most_experts_a_class_can_have():
-    """For every (M, top_k, E) small enough to enumerate by construction: the number of class-c experts
-    never exceeds class_blocks, and some routing reaches it (the grid is the tightest fixed one)."""
+def class_counts(ids: np.ndarray, experts: int) -> np.ndarray:
+    """Hit experts per class (8c + 1 .. 8c + 8 tokens) of a routing; -1 ids are no expert."""
+    counts = np.bincount(ids[ids >= 0], minlength=experts)
+    return np.bincount((counts[counts > 0] - 1) // 8, minlength=ck_moe.MOE_CLASSES)[:ck_moe.MOE_CLASSES]
+
+
+def test_class_blocks_bounds_every_routing_and_is_reached():
+    """The grid's z extent per class: no routing has more experts in a class (random top-k routings, and
+    routings packed onto few experts), and one routing reaches it (as many experts as fit, each with the
+    class's fewest tokens, placed token-major so no token chooses an expert twice; the slots left over
+    hold -1, no expert), so no smaller fixed grid would do."""
+    rng = np.random.default_rng(0)
     for m in range(1, 33):
         for top_k in (1, 2, 8):
             for experts in (top_k, 8, 128):
                 slots = m * top_k
+                bound = [ck_moe.class_blocks(c, m, experts, slots) for c in range(ck_moe.MOE_CLASSES)]
+                for few in (top_k, experts):  # random routings over `few` of the experts
+                    for _ in range(4):
+                        ids = np.stack([rng.permutation(few)[:top_k] for _ in range(m)])
+                        assert (class_counts(ids, experts) <= bound).all(), (m, top_k, experts, ids)
                 for cls in range(ck_moe.MOE_CLASSES):
-                    lowest = 8 * cls + 1
-                    most = 0 if m < lowest else min(experts, slots // lowest)
-                    # reachable: `most` experts with `lowest` tokens each needs most * lowest <= slots
-                    # choices, at most top_k distinct experts per token and at most m tokens per expert
-                    assert most * lowest <= slots and (most == 0 or lowest <= m)
-                    assert ck_moe.class_blocks(cls, m, experts, slots) == most
+                    lowest, ids = 8 * cls + 1, np.full(slots, -1)
+                    if lowest <= m:
+                        take = np.repeat(np.arange(min(experts, slots // lowest)), lowest)
+                        ids[:take.size] = take
+                    ids = ids.reshape(top_k, m).T  # slot i -> token i % m, choice i // m
+                    assert all(len(set(row[row >= 0])) == (row >= 0).sum() for row in ids)
+                    assert class_counts(ids, experts)[cls] == bound[cls], (m, top_k, experts, cls)
 
 
 def test_every_class_has_a_build_and_its_passes_cover_the_class():
@@ -51,35 +70,17 @@ def test_every_class_has_a_build_and_its_passes_cover_the_class():
 
 
 def gpu():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available here; the GPU tests run on the device")
+    import torch
+
+    assert torch.cuda.is_available(), "the gpu marker found a CUDA device (CuPy), torch must see it too"
     return torch
 
 
 def packed_on_gpu(fmt: str, experts: int, seed: int):
-    from qpn import ref
     from qpn.torch_bridge import PackedExperts
 
     rng = np.random.default_rng(seed)
-
-    def linear(name: str, n: int, k: int, scale: float):
-        w = (rng.standard_normal((n, k)) * scale / np.sqrt(k)).astype(np.float32)
-        if fmt == "nvfp4":
-            q = ref.nvfp4_quantize(w)
-            return ref.NVFP4Linear(name, q.weight_packed, q.weight_scale, q.weight_scale_2)
-        q = ref.fp8_quantize(w, fmt)
-        return ref.FP8Linear(name, q.weight, q.weight_scale, fmt)
-
-    layers = [(linear(f"e{e}.gate", INTER, H, 1.0), linear(f"e{e}.up", INTER, H, 3.0),
-               linear(f"e{e}.down", H, INTER, 1.0)) for e in range(experts)]
-    return PackedExperts.from_checkpoint(layers).to("cuda")
-
-
-def routing(rng: np.random.Generator, m: int, experts: int, top_k: int):
-    from qpn.ref import moe as ref_moe
-
-    return ref_moe.route(rng.standard_normal((m, experts)).astype(np.float32), top_k, renormalize=True)
+    return PackedExperts.from_checkpoint(checkpoint_experts(rng, experts, fmt, H, INTER)).to("cuda")
 
 
 def dense_loop(torch, packed, x, weights, ids):
@@ -133,10 +134,7 @@ def test_one_hot_expert_every_expert_and_a_single_one(fmt):
     rng = np.random.default_rng(2)
     x = rng.standard_normal((32, H)).astype(np.float16)
     weights, ids = routing(rng, 32, 8, 2)
-    hot = ids.copy()
-    hot[:, 0] = 3
-    hot[:, 1] = np.where(ids[:, 1] == 3, ids[:, 0], ids[:, 1])
-    hot[hot[:, 1] == 3, 1] = 4
+    hot = hot_expert(ids, 3)
     every = np.stack([np.arange(32) % 8, (np.arange(32) + 1) % 8], axis=1)
     single = np.full((32, 1), 6, np.int64)
     for case_ids, case_weights in ((hot, weights), (every, weights), (single, weights[:, :1])):
@@ -252,8 +250,8 @@ def drive() -> None:
     for wf, (h, inter, experts) in ((QPN2, (256, 128, 8)), (QPN8, (128, 2048, 4)), (QPN2, (128, 2048, 4))):
         kernels = layout_kernels(wf)
         w13, w2 = buffers(wf, experts, 2 * inter, h), buffers(wf, experts, h, inter)
-        for m, top_k in ((1, 1), (8, 2), (9, 4), (32, 2)):
-            slots = m * top_k
+        for m, top_k in ((1, 1), (8, 2), (9, 4), (32, 2), (45, 2)):
+            slots = ck_moe.chunk_rows(m) * top_k
             x = cupy.asarray(rng.standard_normal((m, h)).astype(np.float16))
             ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(m)]).astype(np.int64)
             if m == 32:

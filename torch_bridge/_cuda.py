@@ -129,7 +129,7 @@ def prepack(wf: WeightFormat, sources: tuple[Tensor, ...], granularity: str | No
 
 
 # ----------------------------------------------------------------------------- dequantize
-# No value check and no host sync (values were validated once at pack time, see module.py); a
+# No value check and no host sync (values were validated once at pack time, packed_weight.py); a
 # checked call would read a flag back and could not run under graph capture.
 
 
@@ -175,30 +175,25 @@ def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...
 
 def moe(wf: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...], inter: int,
         topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    """The fused MoE decode (qpn.cupy_kernels.moe) over the call's tokens in chunks of MAX_M: x fp16 [M, H],
-    the experts' stacked buffers, the routing -> fp16 [M, H]. Every token's bits are its bits in any other
-    call (rows never share a sum); the chunks are fixed by M, and the route, the slot-ordered h and y and
-    the split-K state come from torch's allocator (one set, reused by the chunks in stream order): no host
-    sync, capturable in a CUDA graph at every M."""
-    from ..cupy_kernels.linear import MAX_M  # noqa: PLC0415
-    from ..cupy_kernels.moe import launch_moe, moe_workspace_size, route_size  # noqa: PLC0415
+    """The fused MoE decode (qpn.cupy_kernels.moe, chunks of 32 tokens): x fp16 [M, H], the experts' stacked
+    buffers, the routing -> fp16 [M, H]. Every token's bits are its bits in any other call (rows never
+    share a sum); the route, the slot-ordered h and y and the split-K state come from torch's allocator
+    (one chunk's, reused in stream order): no host sync, capturable in a CUDA graph at every M."""
+    from ..cupy_kernels.moe import chunk_rows, launch_moe, moe_workspace_size, route_size  # noqa: PLC0415
 
     (m, h), top_k, experts = x.shape, int(topk_ids.shape[1]), int(w13[0].shape[0])
     out = torch.empty_like(x)
     if m == 0:
         return out
-    rows = min(m, MAX_M)
+    slots = chunk_rows(m) * top_k
     kernels = _layout_kernels(wf)
-    route = torch.empty(route_size(experts, rows * top_k), dtype=torch.int32, device=x.device)
-    hidden = torch.empty((rows * top_k, inter), dtype=torch.float16, device=x.device)
-    y = torch.empty((rows * top_k, h), dtype=torch.float16, device=x.device)
+    route = torch.empty(route_size(experts, slots), dtype=torch.int32, device=x.device)
+    hidden = torch.empty((slots, inter), dtype=torch.float16, device=x.device)
+    y = torch.empty((slots, h), dtype=torch.float16, device=x.device)
     with _on_torch_stream(x.device) as as_cupy:
-        size = moe_workspace_size(kernels.family.format, rows, top_k, h, inter, experts)  # x's device's split
+        size = moe_workspace_size(kernels.family.format, m, top_k, h, inter, experts)  # x's device's split
         workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
-        buffers = tuple(as_cupy(t) for t in w13), tuple(as_cupy(t) for t in w2)
-        for i in range(0, m, MAX_M):
-            j = min(i + MAX_M, m)
-            launch_moe(kernels, as_cupy(x[i:j]), *buffers, inter, as_cupy(topk_weights[i:j]),
-                       as_cupy(topk_ids[i:j]), as_cupy(route), workspace, as_cupy(hidden), as_cupy(y),
-                       as_cupy(out[i:j]))
+        launch_moe(kernels, as_cupy(x), tuple(as_cupy(t) for t in w13), tuple(as_cupy(t) for t in w2), inter,
+                   as_cupy(topk_weights), as_cupy(topk_ids), as_cupy(route), workspace, as_cupy(hidden),
+                   as_cupy(y), as_cupy(out))
     return out

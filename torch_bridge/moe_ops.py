@@ -15,8 +15,8 @@ I % 32 == 0 (the gated epilogue's halves are whole tiles) and the layouts' N / K
 
 Numerics: docs/DESIGN.md, "Mixture of experts" (qpn.ref.moe.moe is the reference). Each expert's
 linears run on a path whose summation order does not depend on how many tokens chose the expert, and
-the combine is one fp32 multiply and add per choice in top-k order: within a path, a token's output
-never depends on the rest of the batch.
+the combine is one fp32 multiply and add per choice in top-k order: a token's output never depends on
+the rest of the batch.
 - CUDA: the fused MoE kernels (qpn.cupy_kernels.moe) on chunks of 32 tokens: routing on the GPU, one
   launch per projection and token class, each hit expert's weights read once per chunk for its tokens,
   the dense decode kernels' split and order. Every token gets the same bits at every M (no path switch);
@@ -33,16 +33,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..cupy_kernels.linear import MAX_M  # constants: importing them imports no CuPy
-from ..cupy_kernels.moe import ROUTE_LIMIT
+from ..cupy_kernels.moe import require_routable  # host arithmetic: importing it imports no CuPy
 from ..ref.formats import QPN2, WeightFormat
 from ..ref.geometry import TILE_N
 from . import _cpu_ops
 from .epilogue import silu_and_mul
 from .ops import fp8_dims, fp8_layout, nvfp4_dims, require_same_device, require_tensor
-
-# linear(wf, x, buffers, n, gated) -> fp16 [M, n or n/2]: one expert's linear on a batch-invariant path
-ExpertLinear = Callable[[WeightFormat, Tensor, tuple[Tensor, ...], int, bool], Tensor]
 
 
 def _stacked(prefix: str, buffers: dict[str, Tensor]) -> int:
@@ -92,38 +88,28 @@ def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weight
     n2, k2 = dims(*(t[0] for t in w2.values()))
     inter = _dims(int(x.shape[1]), n13, k13, n2, k2)
     _routing(x, topk_weights, topk_ids)
-    top_k = int(topk_ids.shape[1])
-    if x.device.type == "cuda" and (experts > ROUTE_LIMIT or MAX_M * top_k > ROUTE_LIMIT):
-        raise ValueError(f"the fused MoE kernels route at most {ROUTE_LIMIT} experts and {ROUTE_LIMIT} choices per "
-                         f"{MAX_M} tokens (top_k <= {ROUTE_LIMIT // MAX_M}), got E = {experts}, top_k = {top_k}; "
-                         "split the experts across devices (expert parallelism) or run this layer on the CPU")
+    if x.device.type == "cuda":
+        require_routable(experts, int(topk_ids.shape[1]))
     return inter
 
 
-def moe(linear: ExpertLinear, wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...],
-        w2: tuple[Tensor, ...], topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    """The MoE block on any backend: each hit expert's gated up-projection and down-projection through
-    `linear` on its tokens, then the combine in top-k order (module docstring)."""
+def cpu_moe(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...],
+            topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+    """The MoE block on the CPU: each hit expert's gated up-projection and down-projection through the
+    fused numba kernels (every M: batch invariant) on its tokens, then the combine in top-k order."""
     m, top_k = topk_ids.shape
     h = x.shape[1]
     n13 = int(w13[0].shape[1])
-    y = torch.zeros((m, top_k, h), dtype=torch.float16, device=x.device)
-    for e in torch.unique(topk_ids).tolist():  # the host's view of which experts are hit (one sync)
+    y = torch.zeros((m, top_k, h), dtype=torch.float16)
+    for e in torch.unique(topk_ids).tolist():
         rows, choices = (topk_ids == e).nonzero(as_tuple=True)
-        hidden = linear(wf13, x[rows].contiguous(), tuple(t[e] for t in w13), n13, True)
-        y[rows, choices] = linear(wf2, hidden, tuple(t[e] for t in w2), h, False)
-    acc = torch.zeros((m, h), dtype=torch.float32, device=x.device)
+        hidden = silu_and_mul(_cpu_ops.linear_on("cpu_fused", wf13, x[rows].contiguous(), tuple(t[e] for t in w13),
+                                                 n13))
+        y[rows, choices] = _cpu_ops.linear_on("cpu_fused", wf2, hidden, tuple(t[e] for t in w2), h)
+    acc = torch.zeros((m, h), dtype=torch.float32)
     for j in range(top_k):  # RN32 product, RN32 add, in top-k order: qpn.ref.moe.combine
         acc += topk_weights[:, j:j + 1] * y[:, j].float()
     return acc.to(torch.float16)
-
-
-def cpu_expert_linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, gated: bool) -> Tensor:
-    """The fused numba kernels at every M (batch invariant), then the gated epilogue."""
-    if x.shape[0] == 0:
-        return x.new_empty((0, n // 2 if gated else n))
-    y = _cpu_ops.linear_on("cpu_fused", wf, x, buffers, n)
-    return silu_and_mul(y) if gated else y
 
 
 def _run(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...],
@@ -133,7 +119,7 @@ def _run(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ..
         from . import _cuda  # noqa: PLC0415  (imports no CuPy until a kernel launches)
 
         return _cuda.moe(wf13, x, w13, w2, inter, topk_weights, topk_ids)
-    return moe(cpu_expert_linear, wf13, wf2, x, w13, w2, topk_weights, topk_ids)
+    return cpu_moe(wf13, wf2, x, w13, w2, topk_weights, topk_ids)
 
 
 def _qpn8_layouts(w13_group_scales: Tensor, w2_group_scales: Tensor, h: int, inter: int
