@@ -18,6 +18,7 @@ from torch import Tensor
 from ..ref.formats import QPN2, QPN8, WeightFormat
 from ..ref.geometry import TILE_N
 from . import _cpu, dispatch
+from .epilogue import silu_and_mul
 
 # decode_rows(out, row0): W16 rows [row0, row0 + R) into out float32 [R, K] (the numba *_w16_rows kernels)
 DecodeRows = Callable[[np.ndarray, int], None]
@@ -29,9 +30,13 @@ def dequantize(wf: WeightFormat, buffers: tuple[Tensor, ...], n: int, k: int) ->
     return _w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
 
 
-def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int) -> Tensor:
-    """RN16(x @ W16^T) on the path dispatch.choose picks: the fused kernels or decode-then-matmul."""
-    return linear_on(dispatch.choose(x.device, wf, x.shape[0], n, x.shape[1], False), wf, x, buffers, n)
+def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, gated: bool) -> Tensor:
+    """RN16(x @ W16^T) -> fp16 [M, n] ([M, n/2] gated: the epilogue) on the path dispatch.choose picks: the
+    fused kernels or decode-then-matmul (the CUDA side's _cuda.linear)."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, n // 2 if gated else n))
+    y = linear_on(dispatch.choose(x.device, wf, x.shape[0], n, x.shape[1], False), wf, x, buffers, n)
+    return silu_and_mul(y) if gated else y
 
 
 def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int) -> Tensor:

@@ -34,7 +34,7 @@ from ..checkpoints import packed
 from ..ref.formats import FORMAT_NAMES
 from .experts import QPNExperts, is_experts_module, model_names, new_experts
 from .module import QPNLinear, format_of
-from .packed_weight import PackedWeight
+from .packed_weight import PackedWeight, replacement_device
 
 # what load_quantized reads: a folder, or a checkpoint already loaded by qpn.ref or qpn.checkpoints.packed
 Loaded: TypeAlias = checkpoints.Checkpoint | packed.PackedCheckpoint
@@ -150,15 +150,6 @@ def _packed_weight_of(layer: object) -> PackedWeight:
     return PackedWeight.from_checkpoint(layer)
 
 
-def _qpn_linear_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear | packed.PackedLayer,
-                   bias: Tensor | None) -> QPNLinear:
-    """QPNLinear from a qpn.ref NVFP4Linear / FP8Linear (prepacked here) or a
-    qpn.checkpoints.packed.PackedLayer (as packed)."""
-    if not isinstance(linear, packed.PackedLayer):
-        return QPNLinear.from_checkpoint(linear, bias=bias)
-    return QPNLinear.from_packed(PackedWeight.from_packed_layer(linear), bias)
-
-
 def _read_checkpoint(checkpoint: object) -> Loaded:
     if isinstance(checkpoint, (str, os.PathLike)):
         if packed.is_packed(checkpoint):
@@ -192,7 +183,6 @@ def _new_linears(model: nn.Module, checkpoint: Loaded, device: Device) -> tuple[
             raise ValueError(f"checkpoint layer {name!r} is [N, K] = [{linear.n}, {linear.k}] but the model's "
                              f"layer is [{old.out_features}, {old.in_features}]")
         old_device = old.codes.device if isinstance(old, QPNLinear) else old.weight.device
-        target = device if device is not None else (old_device if old_device.type != "meta" else torch.device("cpu"))
         bias_name = f"{name}.bias"
         if bias_name in checkpoint.tensors:
             bias = _stored_to_torch(checkpoint.tensors[bias_name]).float()
@@ -204,7 +194,7 @@ def _new_linears(model: nn.Module, checkpoint: Loaded, device: Device) -> tuple[
                              f"{bias_name!r}; its values exist nowhere - build the model off meta or add the bias")
         else:
             bias = old.bias.detach().float()
-        new[name] = _qpn_linear_of(linear, bias).to(target)
+        new[name] = QPNLinear.from_packed(_packed_weight_of(linear), bias).to(replacement_device(device, old_device))
     return new, consumed
 
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..ref.formats import WeightFormat
 from .packed_experts import PackedExperts
-from .packed_weight import PackedWeight, device_moves_only, packed_weight_class
+from .packed_weight import PackedWeight, device_moves_only, packed_weight_class, replacement_device
 
 # role of a per-expert linear on disk -> its place in the fused experts: gate, up (w13), down (w2)
 EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -97,18 +97,16 @@ def new_experts(model: nn.Module, layers: Mapping[str, object], packed_weight_of
         if not (is_experts_module(old) or isinstance(old, QPNExperts)):
             raise ValueError(f"checkpoint experts {disk_path!r} are quantized but the model's {path} is a "
                              f"{type(old).__name__}, not a transformers experts module (gate_up_proj, down_proj)")
-        packed = PackedExperts.stack([
-            (PackedWeight.stack_rows([packed_weight_of(layers[gate]), packed_weight_of(layers[up])]),
-             packed_weight_of(layers[down])) for gate, up, down in complete_experts(disk_path, experts)])
+        packed = PackedExperts.from_checkpoint(
+            [(layers[gate], layers[up], layers[down]) for gate, up, down in complete_experts(disk_path, experts)],
+            packed_weight_of)
         shape = (packed.num_experts, packed.hidden_size, packed.intermediate_size)
         old_shape = _experts_shape(old)
         if shape != old_shape:
             raise ValueError(f"checkpoint experts {disk_path!r} are (E, H, I) = {shape} but the model's {path} is "
                              f"{old_shape}")
         old_device = next(iter(old.buffers() if isinstance(old, QPNExperts) else old.parameters())).device
-        target = torch.device(device) if device is not None else \
-            (old_device if old_device.type != "meta" else torch.device("cpu"))
-        new[path] = QPNExperts(packed.to(target))
+        new[path] = QPNExperts(packed.to(replacement_device(device, old_device)))
     return new, taken
 
 
@@ -143,8 +141,9 @@ class QPNExperts(nn.Module):
     def packed_experts(self) -> PackedExperts:
         """The experts over this module's buffers (no copy)."""
         names = [b.name for b in self.weight_format.buffers]
-        return PackedExperts(packed_weight_class(self.weight_format), {n: getattr(self, f"w13_{n}") for n in names},
-                             {n: getattr(self, f"w2_{n}") for n in names}, self.hidden_size, self.intermediate_size)
+        w13, w2 = ({n: getattr(self, f"{stem}_{n}") for n in names} for stem in ("w13", "w2"))
+        return PackedExperts.over(packed_weight_class(self.weight_format), w13, w2, self.hidden_size,
+                                  self.intermediate_size)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QPNExperts:
         """Device moves apply to the buffers, dtype casts do not (packed_weight.device_moves_only)."""

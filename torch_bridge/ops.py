@@ -26,15 +26,16 @@ linear result.
 
 Dispatch. Each op has a CPU side (`_cpu_ops.py` over the numba kernels of `_cpu.py`) and a CUDA
 side (CuPy over DLPack, `_cuda.py`; CuPy is imported only when a CUDA tensor arrives, so the package imports on
-machines without it). The linear ops choose between the decode kernel and
-dequantize-then-matmul INSIDE the op, from M at run time: torch.compile sees one opaque op
+machines without it). The linear ops choose their path (CUDA: decode, GEMM or dense; CPU: fused or
+decode-then-BLAS) INSIDE the op, from M and the shape at run time (dispatch.choose, the measured table
+of the device family): torch.compile sees one opaque op
 whose output shape does not depend on the branch, so a graph traced at one M is correct at
 every M (a Python branch in forward would be baked into the graph at the warm-up M).
 
 Validation (ValueError naming the argument, the rule, the value and the fix) runs on metadata
 only - dtype, shape, device, contiguity - so it never synchronizes a GPU. Values (NaN scale
-bytes, fp16 overflow, global scales <= 0) are checked once, at prepack time and in the
-QPNLinear constructors, not on every call.
+bytes, fp16 overflow, global scales <= 0) are checked once, at prepack time and by the packers
+(packed_weight.py: pack_nvfp4, pack_fp8), not on every call.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from ..ref.checks import require_multiple
 from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ..ref.geometry import GROUP_K, TILE_N
 from . import _cpu_ops
-from .epilogue import silu_and_mul
 
 _E4M3_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 
@@ -303,11 +303,8 @@ def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor,
     """
     require_same_device(x=x, codes=codes, scales=scales, global_scale=global_scale)
     n, k = nvfp4_dims(codes, scales, global_scale)
-    n_out = _linear_out_features(x, n, k, gated)
-    if x.shape[0] == 0:
-        return x.new_empty((0, n_out))
-    y = _cpu_ops.linear(QPN2, x, (codes, scales, global_scale), n)
-    return silu_and_mul(y) if gated else y
+    _linear_out_features(x, n, k, gated)
+    return _cpu_ops.linear(QPN2, x, (codes, scales, global_scale), n, gated)
 
 
 @nvfp4_linear.register_kernel("cuda")
@@ -330,11 +327,8 @@ def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = Fal
     """x float16 [M, K] times the QPN8 weight -> float16 [M, N] (or [M, N/2] gated)."""
     require_same_device(x=x, codes=codes, group_scales=group_scales)
     n, k = fp8_dims(codes, group_scales)
-    n_out = _linear_out_features(x, n, k, gated)
-    if x.shape[0] == 0:
-        return x.new_empty((0, n_out))
-    y = _cpu_ops.linear(fp8_layout(group_scales, n, k), x, (codes, group_scales), n)
-    return silu_and_mul(y) if gated else y
+    _linear_out_features(x, n, k, gated)
+    return _cpu_ops.linear(fp8_layout(group_scales, n, k), x, (codes, group_scales), n, gated)
 
 
 @fp8_linear.register_kernel("cuda")

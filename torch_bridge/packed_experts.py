@@ -8,12 +8,13 @@ packed weight does (dequantize, reference_dequantize, the layout's rules) holds 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import moe_ops  # noqa: F401  (registers torch.ops.qpn.*_moe)
-from .packed_weight import CheckpointLinear, PackedWeight
+from .packed_weight import PackedWeight
 
 
 class PackedExperts:
@@ -31,6 +32,17 @@ class PackedExperts:
         if len(counts) != 1:
             raise ValueError(f"every stacked buffer must hold the same experts, got leading sizes {sorted(counts)}")
 
+    @classmethod
+    def over(cls, weight_class: type[PackedWeight], w13: Mapping[str, Tensor], w2: Mapping[str, Tensor],
+             hidden_size: int, intermediate_size: int) -> PackedExperts:
+        """Experts over buffers a module already holds, without the constructor's checks (QPNExperts builds
+        one per forward, as QPNLinear does with PackedWeight.over); the MoE op checks the same metadata at
+        every call."""
+        packed = cls.__new__(cls)
+        packed.weight_class, packed.w13, packed.w2 = weight_class, dict(w13), dict(w2)
+        packed.hidden_size, packed.intermediate_size = hidden_size, intermediate_size
+        return packed
+
     @property
     def num_experts(self) -> int:
         return int(self.w13["codes"].shape[0])
@@ -47,7 +59,7 @@ class PackedExperts:
 
     def forward(self, x: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
         """x float16 [M, H], routing float32 [M, k] / int [M, k] -> float16 [M, H] (the layout's MoE op)."""
-        op: Callable[..., Tensor] = getattr(torch.ops.qpn, f"{self.weight_class._op_prefix}_moe")
+        op: Callable[..., Tensor] = getattr(torch.ops.qpn, f"{self.weight_class.weight_format.format}_moe")
         return op(x, *self.w13.values(), *self.w2.values(), topk_weights, topk_ids)
 
     def to(self, device: torch.device | str) -> PackedExperts:
@@ -71,10 +83,12 @@ class PackedExperts:
         return cls(weight_class, w13, w2, w13_0.in_features, w2_0.in_features)
 
     @classmethod
-    def from_checkpoint(cls, experts: Sequence[tuple[CheckpointLinear, CheckpointLinear, CheckpointLinear]]
+    def from_checkpoint(cls, experts: Sequence[tuple[Any, Any, Any]],
+                        packed_weight_of: Callable[[Any], PackedWeight] = PackedWeight.from_checkpoint
                         ) -> PackedExperts:
-        """Experts as checkpoint linears (gate, up, down) each, e.g. ModelOpt's per-expert tensors: gate and
-        up stacked into w13 with their own scales (per-tile global scales for NVFP4)."""
-        packed = PackedWeight.from_checkpoint
+        """Experts as checkpoint layers (gate, up, down) each, e.g. ModelOpt's per-expert linears
+        (CheckpointLinear, packed by `packed_weight_of`; convert passes one that also takes a packed folder's
+        layers): gate and up stacked into w13 with their own scales (per-tile global scales for NVFP4)."""
+        packed = packed_weight_of
         return cls.stack([(PackedWeight.stack_rows([packed(gate), packed(up)]), packed(down))
                           for gate, up, down in experts])

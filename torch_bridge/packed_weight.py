@@ -44,13 +44,12 @@ from torch import Tensor
 
 from .. import checkpoints, ref
 from ..checkpoints.packed import PackedLayer
+from ..checkpoints.packed.layers import NVFP4_PAD_SCALE_BYTE
 from ..ref.checks import require_nvfp4_block_scales
 from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ..ref.fp8 import fp8_block_grid
 from ..ref.geometry import GROUP_K, TILE_N
 from .ops import PAD_INPUT_FEATURES_FIX  # importing ops registers the torch.ops.qpn.* ops
-
-_NVFP4_PAD_SCALE_BYTE = int(ref.encode_e4m3(QPN2.pad_scale))  # QPN2.pad_scale is e4m3 +0, byte 0x00
 
 # What the packers take: a checkpoint tensor as torch or numpy (qpn.ref's carriers); scales may be a
 # Python float too (read as fp32, _float32).
@@ -69,7 +68,6 @@ class PackedWeight:
     layout's `prepack` / `from_checkpoint` / `quantize`, or from buffers a packed file or module holds."""
 
     weight_format: ClassVar[WeightFormat]
-    _op_prefix: ClassVar[str]  # the layout's ops: torch.ops.qpn.<prefix>_linear / _dequantize
 
     __slots__ = ("buffers", "in_features", "out_features")
 
@@ -114,7 +112,7 @@ class PackedWeight:
 
     @property
     def format(self) -> str:
-        """The public format name ("nvfp4" | "fp8")."""
+        """The public format name ("nvfp4" | "fp8"), also the prefix of its ops (torch.ops.qpn.<format>_linear)."""
         return self.weight_format.format
 
     @property
@@ -141,12 +139,12 @@ class PackedWeight:
 
     def linear(self, x: Tensor, gated: bool = False) -> Tensor:
         """x fp16 [M, K] -> fp16 [M, N_pad] ([M, N_pad/2] gated): the layout's op (CPU: numba; CUDA: CuPy)."""
-        op: Callable[..., Tensor] = getattr(torch.ops.qpn, f"{self._op_prefix}_linear")
+        op: Callable[..., Tensor] = getattr(torch.ops.qpn, f"{self.format}_linear")
         return op(x, *self.tensors(), gated)
 
     def dequantize(self) -> Tensor:
         """float16 [N, K]: the W16 every path computes with, pad rows cropped (the op's backends)."""
-        op: Callable[..., Tensor] = getattr(torch.ops.qpn, f"{self._op_prefix}_dequantize")
+        op: Callable[..., Tensor] = getattr(torch.ops.qpn, f"{self.format}_dequantize")
         return op(*self.tensors())[: self.out_features]
 
     def reference_dequantize(self) -> np.ndarray:
@@ -213,7 +211,6 @@ class QPN2Weight(PackedWeight):
     """NVFP4 in the QPN2 layout: codes u8 [N_pad, K/2], scales u8 [N_pad, K/16], global_scale f32 [N_pad/32]."""
 
     weight_format = QPN2
-    _op_prefix = "nvfp4"
     __slots__ = ()
 
     def reference_dequantize(self) -> np.ndarray:
@@ -235,7 +232,6 @@ class QPN8Weight(PackedWeight):
     """FP8 in the QPN8 layout with tensor / channel scales: codes u8 [N_pad, K], group_scales f16 [1, N_pad]."""
 
     weight_format = QPN8
-    _op_prefix = "fp8"
     __slots__ = ()
 
     def reference_dequantize(self) -> np.ndarray:
@@ -271,6 +267,14 @@ _CLASSES: dict[str, type[PackedWeight]] = {c.weight_format.key: c for c in (QPN2
 def packed_weight_class(wf: WeightFormat) -> type[PackedWeight]:
     """The class of layout `wf` (the one table of layouts)."""
     return _CLASSES[wf.key]
+
+
+def replacement_device(device: torch.device | str | None, old_device: torch.device) -> torch.device:
+    """Where a module that replaces one on `old_device` goes (convert, load_quantized): the caller's
+    `device`, else the old module's, else the CPU for a module on the meta device (no values there)."""
+    if device is not None:
+        return torch.device(device)
+    return old_device if old_device.type != "meta" else torch.device("cpu")
 
 
 def device_moves_only(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
@@ -365,7 +369,7 @@ def pack_nvfp4(weight_packed: ArrayIn, weight_scale: ArrayIn, global_scale: Scal
     tiles = QPN2.buffer("global_scale").shape(n_pad, k)
     g_tiles = g.reshape(1).expand(tiles) if g.numel() == 1 else g.reshape(-1)
     codes, scales = torch.ops.qpn.nvfp4_prepack(_pad_rows(wp, n_pad, QPN2.pad_code),
-                                                _pad_rows(ws, n_pad, _NVFP4_PAD_SCALE_BYTE))
+                                                _pad_rows(ws, n_pad, NVFP4_PAD_SCALE_BYTE))
     return QPN2Weight({"codes": codes, "scales": scales, "global_scale": g_tiles.contiguous().clone()}, k, n)
 
 
@@ -397,5 +401,6 @@ def pack_fp8(weight: ArrayIn, weight_scale: ScaleIn, granularity: str | None = N
         # One block: the op reads a (1, 1) grid by its shape, per tensor ([1, N_pad]); the codes do not
         # depend on the granularity, and the block layout holds that same S16 in each of its cells.
         group_scales = group_scales[:, :1].expand(block_shape).contiguous()
-    weight_class = QPN8BlockWeight if wf is QPN8_BLOCK else QPN8Weight
-    return weight_class({"codes": codes, "group_scales": group_scales}, k, n)
+    packed = packed_weight_class(wf)({"codes": codes, "group_scales": group_scales}, k, n)
+    assert isinstance(packed, QPN8Weight)  # the table's FP8 classes (QPN8BlockWeight is one)
+    return packed

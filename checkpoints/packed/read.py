@@ -226,16 +226,13 @@ class _PackedTensors:
                 raise PackError(where, name, f"tensor {tensor_name!r} must be {tag} {list(shape)}, got {tensor.dtype} "
                                              f"{list(tensor.shape)}")
             arrays[suffix] = tensor.array
-        input_scale = None
         if f"{name}.{INPUT_SCALE}" in self.stored or "input_scale" in entry:
             tensor = self.in_file(f"{name}.{INPUT_SCALE}", file, name)
             if tensor.dtype != "F32" or tensor.shape != () or "input_scale" not in entry:
                 raise PackError(where, name,
                                 f"tensor {name + '.' + INPUT_SCALE!r} must be F32 [] and recorded in the manifest, "
                                 f"got {tensor.dtype} {list(tensor.shape)}, manifest {entry.get('input_scale')!r}")
-            input_scale = tensor.array
-        if input_scale is not None:
-            arrays[INPUT_SCALE] = input_scale
+            arrays[INPUT_SCALE] = tensor.array
         layer = PackedLayer(name, fmt, n, k, arrays, entry)
         if check_values:
             try:

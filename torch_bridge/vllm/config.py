@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ...checkpoints.checkpoint import FP8_GRANULARITY_OF_ALGO, NVFP4_ALGOS
-from ...ref.formats import QPN2, QPN8, weight_format
+from ...ref.formats import QPN2, QPN8
 from ._compat import VLLM_AVAILABLE, QuantizationConfig, QuantizeMethod, _VllmLinearBase
 from .methods import (
     NVFP4_GROUP_SIZE,
@@ -275,8 +275,7 @@ class QPNConfig(QuantizationConfig):
                              "importable here; in PyTorch, load the checkpoint with qpn.torch_bridge.load_quantized")
         from .moe_method import QPNFusedMoEMethod  # noqa: PLC0415  (subclasses vLLM's MoE base: vLLM only)
 
-        wf = weight_format(QPN2.format) if granularity is None else weight_format(QPN8.format, granularity)
-        return QPNFusedMoEMethod(self, layer.moe_config, wf, granularity)
+        return QPNFusedMoEMethod(self, layer.moe_config, granularity)
 
     def experts_algo(self, layer: torch.nn.Module, prefix: str) -> str | None:
         """The ModelOpt algorithm of a FusedMoE layer's experts: that of its per-expert linears
@@ -315,9 +314,6 @@ class QPNConfig(QuantizationConfig):
         if self.quant_algo != "MIXED_PRECISION":
             return self.quant_algo
         return self._listed_algo(name)
-
-    def _has_quantized_descendant(self, prefix: str) -> bool:
-        return any(name.startswith(prefix + ".") and self._algo_of(name) is not None for name in self.quantized_layers)
 
     def layer_algo(self, prefix: str, fused: bool = True) -> str | None:
         """The ModelOpt algorithm of the vLLM layer `prefix` (None: unquantized).

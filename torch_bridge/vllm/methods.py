@@ -128,15 +128,23 @@ def _packed_named(geom: ShardGeometry, pack: Callable[[], PackedWeight]) -> Pack
         raise ValueError(f"vLLM layer {geom.prefix!r}: {exc}") from exc
 
 
-def _finish(layer: QPNLayer, packed: PackedWeight, deleted: tuple[str, ...]) -> None:
-    """Replace the checkpoint Parameters by the packed buffers (frozen Parameters qpn_<buffer name>) and
-    the packed weight over them, `layer.qpn_weight`, which apply runs."""
+def replace_parameters(layer: object, deleted: Sequence[str], buffers: dict[str, Tensor],
+                       prefix: str = "") -> dict[str, Parameter]:
+    """Delete the checkpoint Parameters `deleted` (those the layer has) and register `buffers` as frozen
+    Parameters qpn_<prefix><name> (vLLM moves and shards Parameters, not plain tensors); returns them."""
     for name in deleted:
         if hasattr(layer, name):
             delattr(layer, name)
-    params = {name: Parameter(t, requires_grad=False) for name, t in packed.buffers.items()}
+    params = {name: Parameter(t, requires_grad=False) for name, t in buffers.items()}
     for name, param in params.items():
-        setattr(layer, f"qpn_{name}", param)
+        setattr(layer, f"qpn_{prefix}{name}", param)
+    return params
+
+
+def _finish(layer: QPNLayer, packed: PackedWeight, deleted: tuple[str, ...]) -> None:
+    """Replace the checkpoint Parameters by the packed buffers (qpn_<buffer name>) and the packed weight
+    over them, `layer.qpn_weight`, which apply runs."""
+    params = replace_parameters(layer, deleted, packed.buffers)
     layer.qpn_weight = type(packed)(params, packed.in_features, packed.out_features)
 
 

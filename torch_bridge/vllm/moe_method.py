@@ -30,11 +30,11 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.utils import set_weight_attrs
 
-from ...ref.formats import QPN2, WeightFormat
+from ...ref.formats import QPN2, QPN8, WeightFormat, weight_format
 from ...ref.geometry import TILE_N
 from ..packed_experts import PackedExperts
-from ..packed_weight import PackedWeight, pack_fp8, pack_nvfp4, packed_weight_class
-from .methods import NVFP4_GROUP_SIZE
+from ..packed_weight import PackedWeight, pack_fp8, pack_nvfp4
+from .methods import NVFP4_GROUP_SIZE, replace_parameters
 
 
 def _data(layer: torch.nn.Module, name: str) -> Tensor:
@@ -47,11 +47,12 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
     """ModelOpt NVFP4 / FP8 experts through qpn's MoE op (module docstring). `granularity`: the FP8
     scale granularity ("tensor" | "channel"), None for NVFP4."""
 
-    def __init__(self, quant_config: Any, moe_config: Any, weight_format: WeightFormat,
-                 granularity: str | None) -> None:
+    def __init__(self, quant_config: Any, moe_config: Any, granularity: str | None) -> None:
         super().__init__(moe_config)
         self.quant_config = quant_config
-        self.weight_format, self.granularity = weight_format, granularity
+        self.granularity = granularity
+        self.weight_format: WeightFormat = weight_format(QPN2.format) if granularity is None else \
+            weight_format(QPN8.format, granularity)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None  # no vLLM modular kernel: apply runs qpn's op
@@ -129,18 +130,11 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
                                           for e in range(_data(layer, "w13_weight").shape[0])])
         except ValueError as exc:
             raise ValueError(f"vLLM MoE layer {prefix!r}: {exc}") from exc
-        for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_weight_scale_2",
-                     "w2_weight_scale_2", "w13_input_scale", "w2_input_scale"):
-            if hasattr(layer, name):
-                delattr(layer, name)
-        params: dict[str, dict[str, Tensor]] = {"w13": {}, "w2": {}}
-        for stem, buffers in (("w13", packed.w13), ("w2", packed.w2)):
-            for name, tensor in buffers.items():
-                param = Parameter(tensor, requires_grad=False)
-                setattr(layer, f"qpn_{stem}_{name}", param)
-                params[stem][name] = param
-        experts = PackedExperts(packed_weight_class(packed.weight_class.weight_format), params["w13"], params["w2"],
-                                packed.hidden_size, packed.intermediate_size)
+        checkpoint = [f"{stem}_{name}" for stem in ("w13", "w2")
+                      for name in ("weight", "weight_scale", "weight_scale_2", "input_scale")]
+        w13 = replace_parameters(layer, checkpoint, packed.w13, "w13_")
+        w2 = replace_parameters(layer, (), packed.w2, "w2_")
+        experts = PackedExperts(packed.weight_class, w13, w2, packed.hidden_size, packed.intermediate_size)
         setattr(layer, "qpn_experts", experts)  # noqa: B010 (a plain attribute: no Module, no Parameter)
 
     def apply(self, layer: torch.nn.Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor,
