@@ -13,11 +13,13 @@ Public functions (CuPy arrays in and out, launched on the current CuPy stream):
 - `qpn8_dense_linear(x, codes, group_scales, out=None, workspace=None, check=False)`
 - `qpn2_linear(x, codes, scales, global_scale, out=None, gated=False, workspace=None)`,
   `qpn8_linear(...)`: the decode kernels, M in [1, 32]; `decode_threshold(format, n, k)`: the largest
-  M they should serve; `decode_workspace_size(format, m, n, k, gated)`: fp32 elements of the split-K
-  workspace a call needs (0: none), for callers that allocate it themselves
+  M they take (which path serves an M is torch_bridge/dispatch.py's); `decode_workspace_size(format, m,
+  n, k, gated)`: fp32 elements of the split-K workspace a call needs (0: none), for callers that
+  allocate it themselves
 - `qpn2_gemm_linear(...)`, `qpn8_gemm_linear(...)`: the fused-dequantize GEMM (the decode kernels'
-  GEMM build), any M, built for 33-512; `gemm_threshold(format, n, k)`: the largest M it should serve
-  on the current device; `gemm_workspace_size(format, m, n, k, gated)` (format: "nvfp4" | "fp8", as everywhere)
+  GEMM build), any M, built for 33-512; `gemm_threshold(format, n, k)`: the largest M it serves on the
+  current device where no measured dispatch table covers the shape; `gemm_workspace_size(format, m, n,
+  k, gated)` (format: "nvfp4" | "fp8", as everywhere)
 """
 
 from .dense import qpn2_dense_linear, qpn8_dense_linear

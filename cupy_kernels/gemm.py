@@ -238,5 +238,3 @@ def launch_qpn8_gemm(x: CupyArray, codes: CupyArray, group_scales: CupyArray, wf
                      y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     weights = (codes, group_scales, np.int32(qpn8_strides(wf, n)[0]))
     _launch(QPN8, QPN8_GEMM[bool(gated), wf is QPN8_BLOCK], weights, x, y, n, gated, workspace)
-
-

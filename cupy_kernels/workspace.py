@@ -1,5 +1,5 @@
-"""A decode or GEMM call's workspace (cupy_kernels/linear.py, gemm.py share it): the x fragments, the
-split-K partial sums and arrival tickets, and the rules of their sizes. One fp32 array per call, from
+"""A decode, GEMM or MoE call's workspace (cupy_kernels/linear.py, gemm.py, moe.py share it): the x
+fragments, the split-K partial sums and arrival tickets, and the rules of their sizes. One fp32 array per call, from
 the caller (torch's allocator under CUDA-graph capture: decode_workspace_size / gemm_workspace_size
 give its size) or allocated here.
 """
@@ -44,12 +44,12 @@ def gated_rows(n: int, gated: bool) -> int:
 
 
 # Split-K state lives in the call's workspace, nothing outlives a call: the fp32 partial sums
-# [parts][gated ? 2 : 1][M][columns], then one uint32 arrival counter ("ticket") per output tile,
-# zeroed by a memset on the call's stream just before the launch. Stream order makes a workspace
-# safe to reuse as soon as the launch is queued (the caching allocator hands it out again only in
-# stream order), so any number of streams, concurrent or not, and CUDA-graph capture (the memset
-# becomes a graph node) need no shared table. Cost: one memset of N/32 * 4 bytes per split-K call,
-# measured on the H200 at +2 us on 5120x17408 (M=1: QPN2 33.8 -> 35.8 us, QPN8 34.0 -> 35.8 us;
+# [parts][gated ? 2 : 1][M][columns], then one uint32 arrival counter ("ticket") per output tile, zeroed
+# by a memset on the call's stream just before the launch (the MoE call: by its route kernel). Stream
+# order makes a workspace safe to reuse as soon as the launch is queued (the caching allocator hands it
+# out again only in stream order), so any number of streams, concurrent or not, and CUDA-graph capture
+# (the memset becomes a graph node) need no shared table. Cost: one memset of N/32 * 4 bytes per split-K
+# call, measured on the H200 at +2 us on 5120x17408 (M=1: QPN2 33.8 -> 35.8 us, QPN8 34.0 -> 35.8 us;
 # benchmarks/results/splitk_streams_h200.md), +0.1 us on 4096x14336; split-K itself saved 7-11 us.
 
 

@@ -30,7 +30,8 @@ on the contract's W16, and the weighted top-k sum (docs/DESIGN.md, "Numerics con
               the h box (float64, exact products), d = (gamma_I(u) + gamma64_I) * sum max|h| |w|
               (ref.linear's derivation with the box's largest |h|);
     out       in [RN16(Cmin - e), RN16(Cmax + e)], C = sum_j weights[m, j] * y_j over the y box
-              (weights >= 0), e = gamma_{k+1}(u) * sum_j weights |y|max (k products and k adds).
+              (weights >= 0), e = gamma_k(u) * sum_j weights |y|max (k products and k - 1 adds: a dot
+              product of length k, in any order).
   Overflow and NaN reach inf: an interval that admits inf admits it.
 """
 
@@ -130,12 +131,6 @@ def moe(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, topk_weights: np.ndarray
     return combine(expert_outputs(x, w13, w2, ids), weights)
 
 
-def _widened(lo16: np.ndarray, hi16: np.ndarray, ulps: int) -> tuple[np.ndarray, np.ndarray]:
-    for _ in range(ulps):
-        lo16, hi16 = np.nextafter(lo16, np.float16(-np.inf)), np.nextafter(hi16, np.float16(np.inf))
-    return lo16, hi16
-
-
 def _silu64(v: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         return v / (1.0 + np.exp(-v))
@@ -147,17 +142,15 @@ def _silu_bounds(g_lo: np.ndarray, g_hi: np.ndarray) -> tuple[np.ndarray, np.nda
     low = np.where((lo64 <= SILU_ARGMIN) & (SILU_ARGMIN <= hi64), _silu64(np.float64(SILU_ARGMIN)),
                    np.minimum(ends_lo, ends_hi))
     high = np.maximum(ends_lo, ends_hi)
-    return _widened(*outward_fp16(low, high), ulps=1)
+    lo16, hi16 = outward_fp16(low, high)
+    return np.nextafter(lo16, np.float16(-np.inf)), np.nextafter(hi16, np.float16(np.inf))  # one fp16 ulp: expf
 
 
 def _product_bounds(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray,
                     b_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(invalid="ignore", over="ignore"):
         corners = np.stack([a.astype(np.float64) * b.astype(np.float64) for a in (a_lo, a_hi) for b in (b_lo, b_hi)])
-        lo, hi = np.nanmin(corners, axis=0), np.nanmax(corners, axis=0)
-        lo = np.where(np.isnan(corners).any(axis=0), -np.inf, lo)
-        hi = np.where(np.isnan(corners).any(axis=0), np.inf, hi)
-    return outward_fp16(lo, hi)
+    return outward_fp16(corners.min(axis=0), corners.max(axis=0))  # a NaN corner (0 * inf): the whole line
 
 
 def _box_linear_bounds(h_lo: np.ndarray, h_hi: np.ndarray, w16: np.ndarray,
@@ -194,6 +187,6 @@ def moe_bounds(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, topk_weights: np.
         c_lo = (w64 * y_lo.astype(np.float64)).sum(axis=1)
         c_hi = (w64 * y_hi.astype(np.float64)).sum(axis=1)
         a = (w64 * np.maximum(np.abs(y_lo.astype(np.float64)), np.abs(y_hi.astype(np.float64)))).sum(axis=1)
-        # k fp32 products and k fp32 adds (gamma_{k+1}), against float64 sums of k exact-enough terms
-        slack = (gamma(top_k + 1, unit_roundoff) + gamma(top_k, FP64_UNIT_ROUNDOFF)) * (1.0 + 2.0**-50) * a
+        # k fp32 products and k - 1 fp32 adds (gamma_k), against float64 sums of k exact-enough terms
+        slack = (gamma(top_k, unit_roundoff) + gamma(top_k, FP64_UNIT_ROUNDOFF)) * (1.0 + 2.0**-50) * a
         return outward_fp16(c_lo - slack, c_hi + slack)

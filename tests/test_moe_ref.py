@@ -189,4 +189,7 @@ def test_moe_computes_what_the_hf_block_computes(family):
         hf = block(torch.from_numpy(x).float()[None])[0].numpy()
         logits = torch.nn.functional.linear(torch.from_numpy(x).float(), block.gate.weight).numpy()
     ours = moe.moe(x, w13, w2, *moe.route(logits, TOP_K, renormalize=True)).astype(np.float32)
-    np.testing.assert_allclose(ours, hf, rtol=1e-2, atol=1e-2 * float(np.abs(hf).max()))
+    # the reference rounds gate / up, h, y and the sum to fp16 where HF keeps fp32: 4 RN16 of 2^-11 relative,
+    # x 2 for the SiLU / product gains (tests/test_modelopt_exports.py's rule): 8 * 2^-11 of max|out|;
+    # measured 1.4 * 2^-11
+    assert float(np.abs(ours - hf).max()) <= 8 * 2.0**-11 * float(np.abs(hf).max())

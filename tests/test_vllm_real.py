@@ -279,7 +279,9 @@ def _vllm_run(folder, out, *extra, env=None) -> dict:
         return json.load(f)
 
 
-def _compare_with_dense(got: dict, dense: dict) -> None:
+def _assert_logprobs_close(got: dict, dense: dict, bound: float) -> None:
+    """Both runs' prompt counts and lengths match, and every teacher-forced log-prob is finite and within
+    `bound` of the dense run's."""
     # Lengths first, each mismatch with its own message; the strict zips below then cannot pass one unseen.
     for key in ("prompt_logprobs", "tokens"):
         assert len(got[key]) == len(dense[key]) == len(dense["top2"]), f"{key}: prompt counts differ"
@@ -290,7 +292,11 @@ def _compare_with_dense(got: dict, dense: dict) -> None:
         for a, b in zip(lp_q[1:], lp_d[1:], strict=True):
             assert math.isfinite(a) and math.isfinite(b)
             worst = max(worst, abs(a - b))
-    assert worst <= LOGPROB_BOUND, f"teacher-forced log-probs differ by {worst} > {LOGPROB_BOUND}"
+    assert worst <= bound, f"teacher-forced log-probs differ by {worst} > {bound}"
+
+
+def _compare_with_dense(got: dict, dense: dict) -> None:
+    _assert_logprobs_close(got, dense, LOGPROB_BOUND)
     # Greedy tokens agree while the dense model's choice is clear: a top-2 gap under 2 x the bound is a
     # near tie that either model may break either way; past the first such step the sequences may part.
     compared = 0
@@ -478,15 +484,9 @@ def test_llm_moe_equals_its_dense_twin(tmp_path, name):
     got, ids, logits = _serve_fixture(tmp_path, name)
     _write_moe_dense_twin(name, tmp_path / "dense")
     dense = _vllm_run(tmp_path / "dense", tmp_path / "dense.json", "--prompts", json.dumps([ids]))
-    worst = max(abs(a - b) for a, b in zip(got["prompt_logprobs"][0][1:], dense["prompt_logprobs"][0][1:], strict=True))
-    bound = MOE_TWIN_FACTOR * float(np.abs(logits).max())
-    assert worst <= bound, f"{name}: teacher-forced log-probs differ from the dense twin's by {worst} > {bound}"
-    for a, b, ((_, lp1), (_, lp2)) in zip(got["tokens"][0], dense["tokens"][0], dense["top2"][0], strict=True):
-        if lp1 - lp2 < 2 * bound:
-            break  # a near tie either run may break either way: the sequences may part from here
-        assert a == b, f"{name}: greedy tokens differ where the dense twin's top-2 gap is {lp1 - lp2}"
-    print(f"{name}: max |qpn - dense twin| log-prob {worst:.3g} (bound {bound:.3g}); tokens {got['tokens'][0]} "
-          f"vs {dense['tokens'][0]}")
+    # Log-probs only: the tiny random MoE fixtures have no greedy step whose top-2 gap clears 2x this bound
+    # (counted 0 on both, 2026-12-01), so comparing their greedy tokens could not fail.
+    _assert_logprobs_close(got, dense, MOE_TWIN_FACTOR * float(np.abs(logits).max()))
 
 
 def test_llm_serves_a_mixed_precision_moe(tmp_path):
