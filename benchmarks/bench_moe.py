@@ -9,7 +9,7 @@ hit (the packed buffers qpn reads, their share of the read ceiling at the measur
 measured in the same run. Routing: random router logits, softmax top-k (renormalized), the same for every
 path.
 
-- qpn: the op (the fused MoE kernels, chunks of 32 tokens, no host sync) replayed from a CUDA graph of
+- qpn: the op (the fused MoE kernels, chunks of 1024 // top_k tokens, no host sync) replayed from a CUDA graph of
   10 calls, GPU time between CUDA events (bench_dispatch.time_us; as vLLM replays its graphs);
   qpn_eager: called from Python, host included.
 - fp16_bmm: fp16 experts, capturable: the chosen experts' weights gathered per (token, choice), two bmm,
@@ -18,6 +18,8 @@ path.
   silu * up, F.linear for down, index_add_ of the weighted result), eager (it syncs on the hit experts).
 - fp16: the faster of the two, the baseline of the targets. loop: the same loop over qpn's dense ops
   (torch.ops.qpn.*_linear, gated, then down), eager, each call's path chosen by the dispatch policy.
+- kernels (M <= KERNEL_MS): the op's kernels one by one, GPU microseconds per call from torch.profiler
+  (CUPTI) over PROFILED_CALLS eager calls; their sum against the graph time shows the launch gaps.
 Eager timings: the median of REPEATS timings of CALLS calls, a sync at the end of each.
 Weights: random packed bytes (valid in any order: QPN2 codes, e4m3 scales 0x28..0x7D with g = 1e-3;
 QPN8 codes without the NaN bytes, S16 in [2^-6, 2^2]); fp16 experts random. Values move no time.
@@ -46,6 +48,8 @@ LAYERS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}  # exper
 READ_CEILING_GBPS = 4566.0  # the H200's measured streaming-read ceiling (benchmarks/results/decode_h200.md)
 REPEATS, CALLS = 5, 3
 GATHER_BYTES = 8e9  # fp16_bmm's gathered weights at most (Mixtral-shaped: M <= 11 at top-2)
+KERNEL_MS = 8  # per-kernel times for M up to this
+PROFILED_CALLS = 20
 
 
 def random_buffers(wf: WeightFormat, e: int, n: int, k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -114,6 +118,23 @@ def loop_moe(packed: PackedExperts, x, weights, ids):
     return acc.half()
 
 
+def kernel_us(fn) -> dict[str, float]:
+    """{kernel name: GPU microseconds per call} of `fn`'s kernels (torch.profiler, CUPTI), in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_CALLS):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            out[event.name] = out.get(event.name, 0.0) + event.device_time / PROFILED_CALLS
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def hit_bytes(packed: PackedExperts, ids: torch.Tensor) -> int:
     per_expert = sum(t[0].numel() * t.element_size() for t in (*packed.w13.values(), *packed.w2.values()))
     return per_expert * int(torch.unique(ids).numel())
@@ -147,6 +168,10 @@ def bench_layer(name: str, ms: list[int], gen: torch.Generator) -> list[dict]:
                    "pct_read_ceiling": round(100 * nbytes / (us["qpn"] * 1e-6) / (READ_CEILING_GBPS * 1e9), 2),
                    "fp16_over_qpn": round(us["fp16"] / us["qpn"], 3),
                    "loop_over_qpn": round(us["loop"] / us["qpn"], 3)}
+            if m <= KERNEL_MS:
+                row["kernels_us"] = kernel_us(qpn)
+                print(f"  kernels (GPU us per call, sum {sum(row['kernels_us'].values()):.1f}): "
+                      + "; ".join(f"{k[:60]} {v:.1f}" for k, v in row["kernels_us"].items()), flush=True)
             rows.append(row)
             show = {k: "-" if v is None else f"{v:.1f}" for k, v in us.items()}
             print(f"{name:8s} {wf.format:5s} M={m:<5d} hit {row['experts_hit']:3d} ({row['hit_mb']:.0f} MB): qpn "

@@ -1,32 +1,35 @@
-"""The fused mixture-of-experts decode (issue 22), in chunks of MAX_M = 32 tokens: E experts of one layout
-stacked along a leading dimension, routed tokens in, the weighted top-k sum out, in 2 + 2 * ceil(M / 8)
-launches per chunk of M <= 32 tokens on the current stream with no host sync (CUDA-graph capturable;
-docs/DESIGN.md, "Mixture of experts"):
+"""The fused mixture-of-experts decode (issue 22): E experts of one layout stacked along a leading dimension,
+routed tokens in, the weighted top-k sum out, in chunks of ROUTE_LIMIT // top_k tokens (one route each),
+2 + 2 * (classes present) launches per chunk on the current stream with no host sync (CUDA-graph
+capturable; docs/DESIGN.md, "Mixture of experts"):
 
 1. qpn_moe_route (moe_route.cu): the top-k ids -> the route (qpn_moe.cuh): the choices sorted by expert
-   into slots, each expert's slot range, the hit experts by class (their count of 8-token blocks); it
-   also zeroes the split-K tickets of the launches below.
-2. gate/up: the decode kernels' MoE build (QPN_MOE = 1), gated, one launch per class c < ceil(M / 8)
-   with the build of c + 1 token blocks (or passes of a smaller build: CLASS_PASSES), grid (output
-   tiles, parts, class_blocks x passes), fixed by (E, M, top_k): a block finds its expert in the route,
-   reads that expert's weight tiles once for all of its tokens (x rows through the route) and writes
-   h = silu_and_mul(gate, up) to their slots. Blocks without an expert exit before any load: the
-   experts nobody hits are never read.
+   into slots, each expert's slot range cut into pieces of MAX_M = 32 rows, the pieces by class (their
+   count of 8-token blocks: full pieces are class 3); it also zeroes the split-K tickets of the launches
+   below.
+2. gate/up: the decode kernels' MoE build (QPN_MOE = 1), gated, one launch per class c that the chunk can
+   hold, with the build of c + 1 token blocks (or passes of a smaller build: CLASS_PASSES), grid
+   (class_blocks x passes, parts, output tiles), fixed by (E, M, top_k): a block finds its expert and
+   piece in the route, reads that expert's weight tiles once for the piece's tokens (x rows through the
+   route) and writes h = silu_and_mul(gate, up) to their slots; the pieces of one expert are neighbours
+   in the grid, so they read each tile at the same time (from DRAM once). Blocks without a piece exit
+   before any load: the experts nobody hits are never read.
 3. down: the same builds, not gated, on the slot-ordered h -> y per slot (fp16).
 4. qpn_moe_combine: y weighted and summed per token in top-k order, one RN16 (qpn.ref.moe.combine).
 
 Numerics: each expert's two linears run the dense decode kernels' own code and split (decode_split: from
 N, K and the SM count), so every slot's h and y equal, bit for bit, the dense decode kernels' rows for
-that expert and token (tests/test_cupy_moe.py), whatever the counts: a token's output never depends on
-the other tokens of the call or on the experts they hit.
+that expert and token (tests/test_cupy_moe.py), whatever the counts, the piece or the chunk: a token's
+output never depends on the other tokens of the call or on the experts they hit.
 
 Limits (require_routable): E <= ROUTE_LIMIT and MAX_M * top_k <= ROUTE_LIMIT (the route kernel is one
 block, a thread per expert and one per choice); ids outside [0, E) add no term (the convention of vLLM's
-expert maps, -1 for an expert not held here); a token's ids are a top-k, distinct (an expert chosen twice
-by one token could exceed 32 rows: the rows past 32 are not computed).
+expert maps, -1 for an expert not held here); a token's ids are a top-k, distinct.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -40,7 +43,8 @@ from .variants import KernelVariant
 from .workspace import TOKENS_PER_BLOCK, call_workspace, gated_rows, partial_elements
 
 MOE_CLASSES = MAX_M // TOKENS_PER_BLOCK  # token classes: the 8-token blocks of the largest build
-ROUTE_LIMIT = 1024  # the route kernel's threads: most experts, and most choices M * top_k, per call
+PIECE_ROWS = MAX_M  # an expert's slots are cut into pieces of the largest build's rows
+ROUTE_LIMIT = 1024  # the route kernel's threads: most experts, and most choices M * top_k, per chunk
 COMBINE_THREADS = 256  # two columns each
 
 # The decode builds over stacked experts, per (layout key, 8-token blocks, gated): the dense builds with x
@@ -60,10 +64,8 @@ MOE_PIPELINE = {
 # group per batch), the class runs as passes of a smaller build, each a block reading the expert's tiles
 # (per pass rows independent of each other: the same bits): {(layout key, gated): {class: (nb, passes)}}
 CLASS_PASSES = {(QPN8.key, True): {3: (2, 2)}, (QPN8_BLOCK.key, True): {3: (2, 2)}}
-MAX_PASSES = max(p for classes in CLASS_PASSES.values() for _, p in classes.values())  # the tickets' stride
 # the constants the kernels share with this module (qpn_moe.cuh, moe_route.cu), stated here only
-_ROUTE_MACROS = (("QPN_MOE_CLASSES", str(MOE_CLASSES)), ("QPN_MOE_MAX_PASSES", str(MAX_PASSES)),
-                 ("QPN_ROUTE_THREADS", str(ROUTE_LIMIT)))
+_ROUTE_MACROS = (("QPN_MOE_CLASSES", str(MOE_CLASSES)), ("QPN_ROUTE_THREADS", str(ROUTE_LIMIT)))
 ROUTE = KernelVariant("moe_route.cu", "qpn_moe_route", _ROUTE_MACROS, archs=("sm_75",))
 COMBINE = KernelVariant("moe_route.cu", "qpn_moe_combine", _ROUTE_MACROS, archs=("sm_75",))
 
@@ -90,8 +92,8 @@ KERNEL_VARIANTS = (ROUTE, COMBINE, *EXPERT_DECODE.values())
 
 
 def require_routable(experts: int, top_k: int) -> None:
-    """The route kernel's limits (per chunk of MAX_M tokens): one thread per expert and one per choice of
-    a block of ROUTE_LIMIT threads."""
+    """The route kernel's limits: one thread per expert and one per choice of a block of ROUTE_LIMIT
+    threads, for chunks of at least MAX_M tokens."""
     if experts > ROUTE_LIMIT or MAX_M * top_k > ROUTE_LIMIT:
         raise ValueError(f"the fused MoE kernels route at most {ROUTE_LIMIT} experts and {ROUTE_LIMIT} choices per "
                          f"{MAX_M} tokens (top_k <= {ROUTE_LIMIT // MAX_M}), got E = {experts}, top_k = {top_k}; "
@@ -99,49 +101,63 @@ def require_routable(experts: int, top_k: int) -> None:
 
 
 def route_size(experts: int, slots: int) -> int:
-    """int32 elements of a call's route (qpn_moe.cuh, qpn_route_layout): offsets, slot tokens, choice
-    slots, class counts, class lists."""
-    return experts + 1 + 2 * slots + MOE_CLASSES * (1 + min(experts, slots))
+    """int32 elements of a chunk's route (qpn_moe.cuh, qpn_route_layout): offsets, slot tokens, choice
+    slots, class counts, class lists (each: a remainder piece per expert, and the full pieces)."""
+    return experts + 1 + 2 * slots + MOE_CLASSES * (1 + min(experts, slots) + slots // PIECE_ROWS)
 
 
+@functools.lru_cache(maxsize=1024)
 def class_blocks(cls: int, m: int, experts: int, slots: int) -> int:
-    """The grid's z extent for class `cls` (experts hit by 8 cls + 1 .. 8 cls + 8 tokens): the most such
-    experts M tokens with `slots` choices can make, never how many there are (0: the class cannot occur)."""
+    """The grid's piece extent for class `cls` (pieces of 8 cls + 1 .. 8 cls + 8 rows): the most such pieces
+    M tokens with `slots` choices can make, never how many there are (0: the class cannot occur). An expert
+    (at most M of the slots: a top-k never repeats an expert) has one remainder piece, so the classes below
+    the top hold at most one piece per expert; the top class also holds the full pieces: with r experts
+    holding a remainder (>= `lowest` slots each), the rest of the slots and each expert's M bound the full
+    pieces."""
     lowest = TOKENS_PER_BLOCK * cls + 1
-    return 0 if m < lowest else min(experts, slots // lowest)
+    if m < lowest:
+        return 0
+    remainders = min(experts, slots // lowest)
+    if cls < MOE_CLASSES - 1:
+        return remainders
+    with_rest, without = (m - lowest) // PIECE_ROWS, m // PIECE_ROWS  # full pieces an expert can hold
+    return max(r + min(r * with_rest + (experts - r) * without, (slots - lowest * r) // PIECE_ROWS)
+               for r in range(remainders + 1))
 
 
 def _projections(family_format: str, slots: int, h: int, inter: int, experts: int
                  ) -> tuple[tuple[int, int, bool, tuple[int, int, int], int, int], ...]:
     """(N, K, gated, split, partial sums, tickets) of gate/up and of down: the dense decode kernels' split
     (decode_split: parts, warps, groups per warp) and, where it splits K across blocks, the split-K state's
-    sizes: the partial sums of every slot (workspace.partial_elements), one ticket per (expert, pass) and
-    output tile (0, 0 for one part)."""
+    sizes: the partial sums of every slot (workspace.partial_elements), one ticket per slot (a pass's first)
+    and output tile (0, 0 for one part)."""
     out = []
     for n, k, gated in ((2 * inter, h, True), (h, inter, False)):
         split = decode_split(family_format, n, k)
         parts = split[0]
-        state = (partial_elements(parts, slots, n, gated), experts * MAX_PASSES * gated_rows(n, gated) // TILE_N)
+        state = (partial_elements(parts, slots, n, gated), slots * gated_rows(n, gated) // TILE_N)
         out.append((n, k, gated, split, *(state if parts > 1 else (0, 0))))
     return tuple(out)
 
 
-def chunk_rows(m: int) -> int:
-    """Tokens per launch sequence of an M-token call: the route, hidden and y buffers hold this many."""
-    return min(m, MAX_M)
+def chunk_rows(m: int, top_k: int) -> int:
+    """Tokens per route (launch sequence) of an M-token call: the most whose choices fill the route kernel's
+    ROUTE_LIMIT threads; the route, hidden and y buffers hold this many tokens' choices. Larger chunks read
+    each hit expert's weights fewer times (once per piece per chunk)."""
+    return min(m, ROUTE_LIMIT // top_k)
 
 
 def moe_workspace_size(family_format: str, m: int, top_k: int, h: int, inter: int, experts: int) -> int:
     """fp32 elements of an M-token call's split-K state (one chunk's, reused by the next): both
     projections' partial sums, then their tickets (the route kernel zeroes them); 0 where neither splits
     K across blocks. Allocate it with the route (torch's allocator under graph capture)."""
-    return sum(p + t for *_, p, t in _projections(family_format, chunk_rows(m) * top_k, h, inter, experts))
+    return sum(p + t for *_, p, t in _projections(family_format, chunk_rows(m, top_k) * top_k, h, inter, experts))
 
 
 def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, inter: int,
                topk_weights: CupyArray, topk_ids: CupyArray, route: CupyArray, workspace: CupyArray | None,
                hidden: CupyArray, y: CupyArray, out: CupyArray) -> None:
-    """Queue the fused MoE decode (module docstring) over an M-token call in chunks of MAX_M tokens (a
+    """Queue the fused MoE decode (module docstring) over an M-token call in chunks of chunk_rows tokens (a
     token's bits do not depend on its chunk: rows never share a sum). The caller validated the metadata
     (torch_bridge/moe_ops.py): x fp16 [M, H], M >= 1, w13 / w2 the layout's buffers stacked [E, ...] for
     [2I, H] / [H, I] weights, topk_weights fp32 and topk_ids int32 / int64 [M, top_k], out fp16 [M, H];
@@ -149,7 +165,8 @@ def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, 
     [S, H] with S = chunk_rows(M) * top_k, workspace fp32 [moe_workspace_size] (None: allocated here)."""
     m, h = x.shape
     top_k = int(topk_ids.shape[1])
-    slots_max, experts = chunk_rows(m) * top_k, int(w13[0].shape[0])
+    chunk = chunk_rows(m, top_k)
+    slots_max, experts = chunk * top_k, int(w13[0].shape[0])
     require_routable(experts, top_k)
     require_x_aligned(x)
     require_aligned("hidden", hidden, 8)
@@ -168,8 +185,8 @@ def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, 
             state = (workspace[partial_at:partial_at + p_size], tickets[ticket_at:ticket_at + t_size])
         partial_at, ticket_at = partial_at + p_size, ticket_at + t_size
         launches.append((wf, n, k, gated, splits, weights, src, dst, state, map_x, scale_stride))
-    for i in range(0, m, MAX_M):
-        rows = min(MAX_M, m - i)
+    for i in range(0, m, chunk):
+        rows = min(chunk, m - i)
         slots = rows * top_k
         kernel(ROUTE)((1,), (ROUTE_LIMIT,), (topk_ids[i:i + rows], np.int32(topk_ids.dtype == np.int64),
                                               np.int32(slots), np.int32(top_k), np.int32(experts), route, tickets,
@@ -181,7 +198,7 @@ def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, 
                 if z == 0:
                     continue
                 nb, passes = class_build(wf.key, gated, cls)
-                blocks = (gated_rows(n, gated) // TILE_N, parts, z * passes)
+                blocks = (z * passes, parts, gated_rows(n, gated) // TILE_N)
                 kernel(EXPERT_DECODE[wf.key, nb, gated])(blocks, (32 * split,), (
                     *weights, src[i:i + rows] if map_x else src, dst, np.int32(0), np.int32(n), np.int32(k),
                     np.int32(groups_per_warp), *state, route, np.int32(experts), np.int32(slots), np.int32(cls),

@@ -40,11 +40,13 @@ __device__ __forceinline__ qpn_u64 qpn_block_scan(qpn_u64 v, qpn_u64* warp_sums,
     return v + (warp ? warp_sums[warp - 1] : 0);
 }
 
-// Packed scan fields: the slot count in bits 0..15 (S <= 1024), one 12-bit hit-expert count per class
-// above it (E <= 1024): one scan gives the offsets and every class list's positions.
+// Packed scan fields: the slot count in bits 0..15 (S <= 1024), one 12-bit piece count per class above it
+// (class 3 <= S / 25 <= 40 pieces, the others <= E <= 1024): one scan gives the offsets and every class
+// list's positions.
 #define QPN_SCAN_CLASS(c) (16 + 12 * (c))
 
 static_assert(QPN_ROUTE_THREADS == 1024, "qpn_block_scan takes 32 full warps");
+static_assert(QPN_MOE_CLASSES == 4, "the packed scan holds four class counts");
 
 extern "C" __global__ void __launch_bounds__(QPN_ROUTE_THREADS) qpn_moe_route(
     const void* __restrict__ ids, int ids64, int slots, int top_k, int experts, int* __restrict__ route,
@@ -67,15 +69,25 @@ extern "C" __global__ void __launch_bounds__(QPN_ROUTE_THREADS) qpn_moe_route(
     if (t < slots && sid[t] >= 0) atomicAdd(&count[sid[t]], 1);
     __syncthreads();
 
+    // expert t's pieces: `full` of QPN_PIECE_ROWS (class 3), then a remainder of `rest` rows (class rc)
     const int cnt = t < experts ? count[t] : 0;
-    const int cls = cnt ? min((cnt - 1) >> 3, QPN_MOE_CLASSES - 1) : 0;
-    const qpn_u64 own = cnt ? (qpn_u64)cnt | (1ull << QPN_SCAN_CLASS(cls)) : 0ull;
+    const int full = cnt / QPN_PIECE_ROWS, rest = cnt % QPN_PIECE_ROWS;
+    const int rc = rest ? (rest - 1) >> 3 : 0;
+    const qpn_u64 own = (qpn_u64)cnt + ((qpn_u64)full << QPN_SCAN_CLASS(QPN_MOE_CLASSES - 1)) +
+                        (rest ? 1ull << QPN_SCAN_CLASS(rc) : 0ull);  // + (a class-3 remainder adds to full)
     qpn_u64 total;
     const qpn_u64 before = qpn_block_scan(own, warp_sums, total) - own;  // exclusive
     if (t < experts) {
         first[t] = (int)(before & 0xFFFF);
         route[r.off + t] = (int)(before & 0xFFFF);
-        if (cnt) route[r.class_list + cls * r.list_len + (int)((before >> QPN_SCAN_CLASS(cls)) & 0xFFF)] = t;
+        const int top = QPN_MOE_CLASSES - 1;
+        const int at_top = (int)((before >> QPN_SCAN_CLASS(top)) & 0xFFF);
+        int* const lists = route + r.class_list;
+        for (int p = 0; p < full; ++p) lists[top * r.list_len + at_top + p] = t | (p << QPN_PIECE_SHIFT);
+        if (rest) {
+            const int at = rc == top ? at_top + full : (int)((before >> QPN_SCAN_CLASS(rc)) & 0xFFF);
+            lists[rc * r.list_len + at] = t | (full << QPN_PIECE_SHIFT);
+        }
     }
     if (t == 0) route[r.off + experts] = (int)(total & 0xFFFF);
     if (t < QPN_MOE_CLASSES) route[r.class_count + t] = (int)((total >> QPN_SCAN_CLASS(t)) & 0xFFF);

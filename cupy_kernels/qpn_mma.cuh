@@ -63,6 +63,18 @@
 #else
 #define QPN_WARP_TILES 1  // every warp of a block works on the block's one slot
 #endif
+// The block's tile slot and the launch's count of them: grid x in the dense builds; z in the MoE builds,
+// whose x are the pieces of the hit experts (qpn_moe.cuh: one expert's pieces run side by side).
+#ifndef QPN_MOE
+#define QPN_MOE 0
+#endif
+#if QPN_MOE
+#define QPN_BLOCK_TILE ((int)blockIdx.z)
+#define QPN_BLOCK_TILES ((int)gridDim.z)
+#else
+#define QPN_BLOCK_TILE ((int)blockIdx.x)
+#define QPN_BLOCK_TILES ((int)gridDim.x)
+#endif
 
 // The fragments of one lane (the register map above), per group-tile (16 k x 32 columns):
 //   QpnFragA  the weights, two rowblocks of the quad's columns: [rb][0] = a0 and [rb][1] = a1 of
@@ -141,7 +153,7 @@ __device__ __forceinline__ int qpn_slot_of_warp(int n, int w) {
     return min((int)blockIdx.x * QPN_WARPS + w, n / QPN_TILE_N / QPN_HT - 1);
 #else
     (void)n, (void)w;
-    return blockIdx.x;
+    return QPN_BLOCK_TILE;
 #endif
 }
 
@@ -417,8 +429,8 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT]) {
 }
 
 // Every warp's acc[h][j][rb][i] (the block's QPN_HT tiles) -> y.
-//   non-gated: y [M][N], tile = blockIdx.x      gated: gate tile, up tile -> y [M][N/2]
-// y_cols = row length of y; the block's outputs are y columns [32 b, 32 b + 32), b = blockIdx.x.
+//   non-gated: y [M][N], tile = QPN_BLOCK_TILE      gated: gate tile, up tile -> y [M][N/2]
+// y_cols = row length of y; the block's outputs are y columns [32 b, 32 b + 32), b = QPN_BLOCK_TILE.
 //
 // Split-K across blocks (gridDim.y = parts > 1, for layers with too few tiles to fill the GPU):
 // block (b, part) holds the K-slices [part * split, (part + 1) * split) and writes its block
@@ -436,7 +448,7 @@ __device__ __forceinline__ void qpn_reduce_store(
     const int warp = threadIdx.x >> 5;
     const int split = blockDim.x >> 5;
     const int parts = gridDim.y, part = blockIdx.y;
-    const int col0 = 32 * blockIdx.x;
+    const int col0 = 32 * QPN_BLOCK_TILE;
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j) {
         if (8 * j >= m_rows) break;  // uniform
@@ -491,7 +503,7 @@ __device__ __forceinline__ void qpn_reduce_store(
     __threadfence();  // this block's partials are visible device-wide before its ticket
     __syncthreads();
     if (threadIdx.x == 0) {
-        last_part = atomicAdd(&tickets[blockIdx.x], 1u) == (unsigned)(parts - 1);
+        last_part = atomicAdd(&tickets[QPN_BLOCK_TILE], 1u) == (unsigned)(parts - 1);
     }
     __syncthreads();
     if (!last_part) return;

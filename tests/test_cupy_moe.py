@@ -1,10 +1,10 @@
 """The fused MoE decode (qpn.cupy_kernels.moe; issue 22, part 3): the route the GPU builds from the ids,
 bit for bit against its definition; every slot's expert rows equal to the dense decode kernels' rows of
 that expert (the same split and order), so the op equals a loop of dense decode calls plus the reference
-combine, bit for bit, at every M (chunks of 32 tokens past 32) and top-k, with every expert hit, a single
-one hit, one hot expert taking all 32 tokens (the largest class; FP8 gated as two passes), and ids outside
-[0, E) adding no term; a CUDA graph replays it; memcheck and racecheck clean. The launch geometry's host
-rules run everywhere."""
+combine, bit for bit, at every M (chunks of 1024 // top_k tokens, experts cut into 32-row pieces) and
+top-k, with every expert hit, a single one hit, one hot expert taking every token (full pieces and a
+class-3 remainder; FP8 gated as two passes), and ids outside [0, E) adding no term; a CUDA graph replays
+it; memcheck and racecheck clean. The launch geometry's host rules run everywhere."""
 
 from __future__ import annotations
 
@@ -27,19 +27,50 @@ H, INTER = 256, 128  # 128x128 FP8 blocks need K % 128 on both projections
 
 
 def class_counts(ids: np.ndarray, experts: int) -> np.ndarray:
-    """Hit experts per class (8c + 1 .. 8c + 8 tokens) of a routing; -1 ids are no expert."""
+    """Pieces per class of a routing (qpn_moe.cuh): each hit expert's full 32-row pieces are the top class,
+    its remainder of r rows class (r - 1) // 8; -1 ids are no expert."""
     counts = np.bincount(ids[ids >= 0], minlength=experts)
-    return np.bincount((counts[counts > 0] - 1) // 8, minlength=ck_moe.MOE_CLASSES)[:ck_moe.MOE_CLASSES]
+    rest = counts % ck_moe.PIECE_ROWS
+    out = np.bincount((rest[rest > 0] - 1) // 8, minlength=ck_moe.MOE_CLASSES)[:ck_moe.MOE_CLASSES]
+    out[-1] += (counts // ck_moe.PIECE_ROWS).sum()
+    return out
+
+
+def reaching(cls: int, m: int, top_k: int, experts: int) -> np.ndarray:
+    """A routing with class_blocks(cls) pieces in class `cls`: as many remainders as the best trade allows,
+    each with the class's fewest rows, and (top class) as many full pieces as the slots and each expert's M
+    allow; each expert's choices one run of slots placed token-major (slot i -> token i % m, choice
+    i // m), so no token chooses an expert twice; the slots left over hold -1."""
+    slots, lowest, piece = m * top_k, 8 * cls + 1, ck_moe.PIECE_ROWS
+    counts = np.zeros(experts, np.int64)
+    if lowest <= m:
+        best = ck_moe.class_blocks(cls, m, experts, slots)
+        for r in range(min(experts, slots // lowest) + 1):
+            caps = np.where(np.arange(experts) < r, (m - lowest) // piece, m // piece)
+            if cls < ck_moe.MOE_CLASSES - 1:
+                caps[:] = 0
+            full = min(caps.sum(), (slots - lowest * r) // piece)
+            if r + full == best:
+                counts[:r] = lowest
+                for e in range(experts):
+                    take = min(caps[e], full)
+                    counts[e], full = counts[e] + piece * take, full - take
+                break
+    assert counts.max(initial=0) <= m and counts.sum() <= slots
+    ids = np.full(slots, -1)
+    ids[:counts.sum()] = np.repeat(np.arange(experts), counts)
+    ids = ids.reshape(top_k, m).T
+    assert all(len(set(row[row >= 0])) == (row >= 0).sum() for row in ids)
+    return ids
 
 
 def test_class_blocks_bounds_every_routing_and_is_reached():
-    """The grid's z extent per class: no routing has more experts in a class (random top-k routings, and
-    routings packed onto few experts), and one routing reaches it (as many experts as fit, each with the
-    class's fewest tokens, placed token-major so no token chooses an expert twice; the slots left over
-    hold -1, no expert), so no smaller fixed grid would do."""
+    """The grid's piece extent per class: no routing has more pieces in a class (random top-k routings,
+    and routings packed onto few experts), and one routing reaches it, so no smaller fixed grid would do.
+    M runs past 32 up to a whole chunk (full pieces)."""
     rng = np.random.default_rng(0)
-    for m in range(1, 33):
-        for top_k in (1, 2, 8):
+    for top_k in (1, 2, 8):
+        for m in (*range(1, 33), 40, 64, 100, ck_moe.chunk_rows(10 ** 6, top_k)):
             for experts in (top_k, 8, 128):
                 slots = m * top_k
                 bound = [ck_moe.class_blocks(c, m, experts, slots) for c in range(ck_moe.MOE_CLASSES)]
@@ -48,12 +79,7 @@ def test_class_blocks_bounds_every_routing_and_is_reached():
                         ids = np.stack([rng.permutation(few)[:top_k] for _ in range(m)])
                         assert (class_counts(ids, experts) <= bound).all(), (m, top_k, experts, ids)
                 for cls in range(ck_moe.MOE_CLASSES):
-                    lowest, ids = 8 * cls + 1, np.full(slots, -1)
-                    if lowest <= m:
-                        take = np.repeat(np.arange(min(experts, slots // lowest)), lowest)
-                        ids[:take.size] = take
-                    ids = ids.reshape(top_k, m).T  # slot i -> token i % m, choice i // m
-                    assert all(len(set(row[row >= 0])) == (row >= 0).sum() for row in ids)
+                    ids = reaching(cls, m, top_k, experts)
                     assert class_counts(ids, experts)[cls] == bound[cls], (m, top_k, experts, cls)
 
 
@@ -63,7 +89,7 @@ def test_every_class_has_a_build_and_its_passes_cover_the_class():
             for cls in range(ck_moe.MOE_CLASSES):
                 nb, passes = ck_moe.class_build(key, gated, cls)
                 assert (key, nb, gated) in ck_moe.EXPERT_DECODE, (key, gated, cls)
-                assert 8 * nb * passes >= 8 * (cls + 1) and 1 <= passes <= ck_moe.MAX_PASSES
+                assert 8 * nb * passes >= 8 * (cls + 1) and passes >= 1
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -113,7 +139,7 @@ def fused(torch, packed, x, weights, ids):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,top_k", [(1, 1), (1, 8), (5, 2), (8, 8), (9, 2), (17, 4), (32, 2), (32, 8), (41, 2),
-                                     (100, 8)])
+                                     (100, 8), (200, 8), (300, 2), (1100, 1)])
 def test_the_fused_op_is_the_dense_decode_loop_bit_for_bit(fmt, m, top_k):
     torch = gpu()
     packed = packed_on_gpu(fmt, 8, seed=m * 10 + top_k)
@@ -127,16 +153,18 @@ def test_the_fused_op_is_the_dense_decode_loop_bit_for_bit(fmt, m, top_k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_one_hot_expert_every_expert_and_a_single_one(fmt):
-    """32 tokens on one expert (class 3: FP8 gated runs it as two passes of 16), every expert of 8 hit,
-    and a batch where every choice is one expert; int32 ids as vLLM passes them."""
+    """90 tokens on one expert (two full pieces and a remainder of 26, all class 3: FP8 gated runs them as
+    two passes of 16), every expert of 8 hit, and a batch where every choice is one expert; int32 ids as
+    vLLM passes them."""
     torch = gpu()
     packed = packed_on_gpu(fmt, 8, seed=1)
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((32, H)).astype(np.float16)
-    weights, ids = routing(rng, 32, 8, 2)
+    m = 90
+    x = rng.standard_normal((m, H)).astype(np.float16)
+    weights, ids = routing(rng, m, 8, 2)
     hot = hot_expert(ids, 3)
-    every = np.stack([np.arange(32) % 8, (np.arange(32) + 1) % 8], axis=1)
-    single = np.full((32, 1), 6, np.int64)
+    every = np.stack([np.arange(m) % 8, (np.arange(m) + 1) % 8], axis=1)
+    single = np.full((m, 1), 6, np.int64)
     for case_ids, case_weights in ((hot, weights), (every, weights), (single, weights[:, :1])):
         case_ids = case_ids.astype(np.int32)
         want = dense_loop(torch, packed, x, case_weights, case_ids)
@@ -173,9 +201,11 @@ def test_the_route_is_its_definition():
     from qpn.cupy_kernels.loader import kernel
 
     rng = np.random.default_rng(7)
-    m, top_k, experts = 29, 4, 16
+    m, top_k, experts = 230, 4, 16  # one chunk of 256 tokens
     _, ids = routing(rng, m, experts, top_k)
-    ids[:20, 0] = 11  # expert 11: >= 20 tokens (class 2 or 3)
+    hot = ids[:, 0].copy()
+    ids[:150] = np.where(ids[:150] == 11, hot[:150, None], ids[:150])  # expert 11: >= 150 tokens, 4 full
+    ids[:150, 0] = 11                                                    # pieces and a remainder
     slots = m * top_k
     route = cupy.full(ck_moe.route_size(experts, slots), -7, np.int32)
     kernel(ck_moe.ROUTE)((1,), (ck_moe.ROUTE_LIMIT,), (cupy.asarray(ids), np.int32(1), np.int32(slots),
@@ -184,6 +214,7 @@ def test_the_route_is_its_definition():
     got = route.get()
     flat = ids.reshape(-1)
     counts = np.bincount(flat, minlength=experts)
+    assert counts[11] >= 150
     off = np.concatenate([[0], np.cumsum(counts)])
     order = np.argsort(flat, kind="stable")  # slots: by expert, then (token, choice)
     slot_of = np.empty(slots, np.int64)
@@ -192,12 +223,16 @@ def test_the_route_is_its_definition():
     assert np.array_equal(got[:at], off)
     assert np.array_equal(got[at:at + slots], order // top_k)
     assert np.array_equal(got[at + slots:at + 2 * slots], slot_of)
-    classes = np.minimum((counts - 1) // 8, 3)
-    lists = got[at + 2 * slots + 4:].reshape(4, min(experts, slots))
+    pieces: list[list[int]] = [[] for _ in range(4)]  # by expert, then piece: e | p << 16
+    for e in range(experts):
+        for p in range(-(-counts[e] // 32)):
+            rows = min(32, counts[e] - 32 * p)
+            pieces[(rows - 1) // 8].append(e | p << 16)
+    list_len = min(experts, slots) + slots // 32
+    lists = got[at + 2 * slots + 4:].reshape(4, list_len)
     for c in range(4):
-        members = np.nonzero((counts > 0) & (classes == c))[0]
-        assert got[at + 2 * slots + c] == len(members)
-        assert np.array_equal(lists[c, :len(members)], members)
+        assert got[at + 2 * slots + c] == len(pieces[c])
+        assert np.array_equal(lists[c, :len(pieces[c])], pieces[c])
     torch.cuda.synchronize()
 
 
@@ -250,12 +285,12 @@ def drive() -> None:
     for wf, (h, inter, experts) in ((QPN2, (256, 128, 8)), (QPN8, (128, 2048, 4)), (QPN2, (128, 2048, 4))):
         kernels = layout_kernels(wf)
         w13, w2 = buffers(wf, experts, 2 * inter, h), buffers(wf, experts, h, inter)
-        for m, top_k in ((1, 1), (8, 2), (9, 4), (32, 2), (45, 2)):
-            slots = ck_moe.chunk_rows(m) * top_k
+        for m, top_k in ((1, 1), (8, 2), (9, 4), (32, 2), (45, 2), (150, 2), (300, 4)):
+            slots = ck_moe.chunk_rows(m, top_k) * top_k
             x = cupy.asarray(rng.standard_normal((m, h)).astype(np.float16))
             ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(m)]).astype(np.int64)
-            if m == 32:
-                ids[:, 0] = 0  # one expert with all 32 tokens
+            if top_k == 2 and m in (32, 150):
+                ids[:, 0] = 0  # one expert with every token (150: 4 full pieces and a remainder)
                 ids[:, 1] = 1 + np.arange(m) % (experts - 1)
             size = ck_moe.moe_workspace_size(wf.format, m, top_k, h, inter, experts)
             out = cupy.empty((m, h), np.float16)

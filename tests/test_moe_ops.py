@@ -87,7 +87,7 @@ def test_the_op_lies_inside_the_reference_bound(device, fmt, top_k):
 @pytest.mark.parametrize("m", [32, 40])
 def test_a_tokens_output_does_not_depend_on_the_batch(device, fmt, m):
     """Bit for bit: a permuted batch, each token alone, and a batch where every token picks one hot expert
-    (32 or 40 tokens on it: past one 32-token chunk of the CUDA kernels at 40)."""
+    (32 or 40 tokens on it: past one 32-row piece of the CUDA kernels at 40)."""
     device_or_skip(device)
     packed, x, weights, ids = case(fmt, 8, m, 2, seed=3, device=device)
 

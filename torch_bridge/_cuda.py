@@ -175,7 +175,7 @@ def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...
 
 def moe(wf: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...], inter: int,
         topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    """The fused MoE decode (qpn.cupy_kernels.moe, chunks of 32 tokens): x fp16 [M, H], the experts' stacked
+    """The fused MoE decode (qpn.cupy_kernels.moe, chunks of 1024 // top_k tokens): x fp16 [M, H], the experts' stacked
     buffers, the routing -> fp16 [M, H]. Every token's bits are its bits in any other call (rows never
     share a sum); the route, the slot-ordered h and y and the split-K state come from torch's allocator
     (one chunk's, reused in stream order): no host sync, capturable in a CUDA graph at every M."""
@@ -185,7 +185,7 @@ def moe(wf: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, 
     out = torch.empty_like(x)
     if m == 0:
         return out
-    slots = chunk_rows(m) * top_k
+    slots = chunk_rows(m, top_k) * top_k
     kernels = _layout_kernels(wf)
     route = torch.empty(route_size(experts, slots), dtype=torch.int32, device=x.device)
     hidden = torch.empty((slots, inter), dtype=torch.float16, device=x.device)

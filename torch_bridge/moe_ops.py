@@ -17,9 +17,10 @@ Numerics: docs/DESIGN.md, "Mixture of experts" (qpn.ref.moe.moe is the reference
 linears run on a path whose summation order does not depend on how many tokens chose the expert, and
 the combine is one fp32 multiply and add per choice in top-k order: a token's output never depends on
 the rest of the batch.
-- CUDA: the fused MoE kernels (qpn.cupy_kernels.moe) on chunks of 32 tokens: routing on the GPU, one
-  launch per projection and token class, each hit expert's weights read once per chunk for its tokens,
-  the dense decode kernels' split and order. Every token gets the same bits at every M (no path switch);
+- CUDA: the fused MoE kernels (qpn.cupy_kernels.moe): routing on the GPU in chunks of 1024 // top_k
+  tokens, each hit expert's slots cut into pieces of <= 32 rows, one launch per projection and piece
+  class, each piece reading its expert's weight tiles (side by side with the expert's other pieces), the
+  dense decode kernels' split and order. Every token gets the same bits at every M (no path switch);
   no host sync, capturable in a CUDA graph at every M. Limits: E <= 1024 and top_k <= 32.
 - CPU: grouped on the host, the fused numba kernels at every M. They cost speed where many tokens
   share an expert: at M = 32 they take 8.6x the decode-then-BLAS time (4096 x 4096,
