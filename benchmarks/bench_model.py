@@ -1,23 +1,32 @@
-"""Model-level decode benchmark: a Llama-3.1-8B-shaped decoder in fp16, NVFP4 and FP8 (a GPU script).
+"""Model-level decode benchmark: a Llama-3.1-8B-shaped or Qwen3-30B-A3B-shaped decoder in fp16, NVFP4 and FP8
+(a GPU script).
 
-    python benchmarks/bench_model.py [--layers 32] [--batches 1,8,32] [--graphs manual,compile]
-                                     [--tiny] [--out benchmarks/results] [--name model_h200]
+    python benchmarks/bench_model.py [--model llama8b|qwen3moe] [--layers N] [--batches 1,8,32]
+                                     [--graphs manual,compile] [--tiny] [--out benchmarks/results] [--name NAME]
 
-What it measures: greedy decoding tokens per second of transformers' `LlamaForCausalLM` with
-Llama-3.1-8B's dims (LLAMA_8B: hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads,
-vocabulary 128256), random weights (no download), a static KV cache (transformers StaticCache),
-one CUDA graph per decode step, at each batch size, for the same model three ways:
-- fp16: the model as built (torch's cuBLAS for every linear);
-- nvfp4 / fp8: every decoder linear (q, k, v, o, gate, up, down) replaced by a QPNLinear made by
-  `qpn.torch_bridge.convert(..., "nvfp4" | "fp8")` (FP8 with per-channel scales); the embedding,
-  the norms and lm_head stay fp16, as in ModelOpt exports (lm_head is excluded there).
+What it measures: greedy decoding tokens per second, and the model's resident bytes, of transformers'
+`LlamaForCausalLM` with Llama-3.1-8B's dims (LLAMA_8B: hidden 4096, intermediate 14336, 32 layers, 32
+heads, 8 KV heads, vocabulary 128256) or `Qwen3MoeForCausalLM` with Qwen3-30B-A3B's (QWEN3_30B_A3B: hidden
+2048, 48 layers, 32 heads, 4 KV heads, every layer a mixture of 128 experts, top-8, expert intermediate
+768, vocabulary 151936), random weights (no download), a static KV cache (transformers StaticCache), one
+CUDA graph per decode step, at each batch size, for the same model three ways:
+- fp16: the model as built (torch's cuBLAS for every linear; the experts through transformers'
+  `batched_mm` experts implementation where it has one: each (token, choice) gathers its expert's weights
+  and two bmm run, no host sync, so the step is captured in a CUDA graph; transformers' `grouped_mm`
+  copies to the host inside (capture fails: 139-326 ms/step eager at batch 1-32 on the H200) and its
+  eager loop syncs per expert);
+- nvfp4 / fp8: every decoder linear (q, k, v, o, and Llama's gate, up, down) replaced by a QPNLinear
+  made by `qpn.torch_bridge.convert(..., "nvfp4" | "fp8")` (FP8 with per-channel scales), every experts
+  module by a QPNExperts (the fused MoE op); the embedding, the norms, the MoE router and lm_head stay
+  fp16, as in ModelOpt exports.
 Ratios ("x fp16") divide times of the same run, method and batch.
 
-Quantizing 7e9 random weights with the numpy reference would take minutes, and decode speed
-depends on shapes, not values: ONE decoder layer's linears are converted and every layer gets its
-own copy of those packed buffers (copies, not shared tensors: each layer streams its own bytes
-from DRAM, as a real checkpoint would). The fp16 model is built directly on the GPU in fp16 with
-transformers' own (cheap, on-device) random init.
+Quantizing billions of random weights with the numpy reference would take minutes, and decode speed
+depends on shapes, not values: ONE decoder layer's linears are converted (of a mixture, expert 0, its
+packed buffers copied to every expert) and every layer gets its own copy of those packed buffers (copies,
+not shared tensors: each layer and expert streams its own bytes from DRAM, as a real checkpoint would).
+The fp16 model gets the same weights (layer 0's, expert 0's everywhere): the three are one function. The
+fp16 model is built directly on the GPU in fp16 with transformers' own (cheap, on-device) random init.
 
 Graph methods (--graphs, each a separate set of rows; the row's "graphs" column says what ran):
 - manual: the eager decode step (forward + greedy argmax + position increments) captured by hand
@@ -43,6 +52,7 @@ without a GPU (tests/test_bench_model.py); there, no CUDA graphs exist and the e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import inspect
@@ -51,6 +61,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -62,8 +73,34 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5)
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, vocab_size=512, rope_theta=500000.0, rms_norm_eps=1e-5)
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6)
+TINY_MOE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, vocab_size=512, rope_theta=1000000.0, rms_norm_eps=1e-6)
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+LINEARS = (*ATTENTION, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # Llama's
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder family: transformers' model class, its full and tiny dims, its per-layer linears and (a
+    mixture of experts) its experts module."""
+
+    model_class: str
+    dims: dict
+    tiny: dict
+    linears: tuple
+    experts: str | None = None
+
+    @property
+    def modules(self) -> tuple:
+        return (*self.linears, *((self.experts,) if self.experts else ()))
+
+
+MODELS = {"llama8b": Shape("LlamaForCausalLM", LLAMA_8B, TINY, LINEARS),
+          "qwen3moe": Shape("Qwen3MoeForCausalLM", QWEN3_30B_A3B, TINY_MOE, ATTENTION, "mlp.experts")}
 FORMATS = ("fp16", "nvfp4", "fp8")
 BATCHES = (1, 8, 32)
 GRAPH_METHODS = ("manual", "compile")
@@ -78,67 +115,131 @@ SEED = 0
 # ----------------------------------------------------------------------------- the model
 
 
-def build_model(dims: dict, layers: int, device):
-    """fp16 LlamaForCausalLM with `dims` and `layers` decoder layers, built on `device` (random init)."""
+def build_model(dims: dict, layers: int, device, shape: Shape = MODELS["llama8b"]):
+    """fp16 `shape.model_class` with `dims` and `layers` decoder layers, built on `device` (random init); a
+    mixture's experts run transformers' batched_mm implementation where this transformers has it."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(**{**dims, "num_hidden_layers": layers}, tie_word_embeddings=False,
-                         max_position_embeddings=4096, attn_implementation="sdpa")
+    model_class = getattr(transformers, shape.model_class)
+    config = model_class.config_class(**{**dims, "num_hidden_layers": layers}, tie_word_embeddings=False,
+                                      max_position_embeddings=4096, attn_implementation="sdpa")
     torch.manual_seed(SEED)
     saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)  # parameters born fp16 on the device: no fp32 copy of 8B weights
+    torch.set_default_dtype(torch.float16)  # parameters born fp16 on the device: no fp32 copy of the weights
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = model_class(config)
     finally:
         torch.set_default_dtype(saved)
     if any(p.dtype != torch.float16 for p in model.parameters()):  # a transformers that ignored the default dtype
         model = model.half()
+    if shape.experts and device.type == "cuda" and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("batched_mm")
     return model.eval()
 
 
-def quantized_layer(layer, fmt: str) -> dict:
-    """{linear name: QPNLinear} of one decoder layer, converted with qpn.torch_bridge.convert."""
+@contextlib.contextmanager
+def prefill_experts(model):
+    """The prefill's fp16 experts through grouped_mm (eager: batched_mm would gather a copy of the chosen
+    experts' weights per (token, choice), 48 GB at 1024 prompt tokens); the decode steps keep batched_mm."""
+    if experts_label(model) != "batched_mm":
+        yield
+        return
+    model.set_experts_implementation("grouped_mm")
+    try:
+        yield
+    finally:
+        model.set_experts_implementation("batched_mm")
+
+
+def experts_label(model) -> str:
+    """What runs the fp16 experts (the config's experts implementation; '' without experts)."""
+    return str(getattr(model.config, "_experts_implementation", None) or "eager")
+
+
+def quantized_layer(layer, fmt: str, shape: Shape = MODELS["llama8b"]) -> dict:
+    """{module name: QPNLinear / QPNExperts} of one decoder layer: its linears converted with
+    qpn.torch_bridge.convert; its experts module (if any) expert 0 quantized, copied to every expert."""
     from qpn.torch_bridge import QPNLinear, convert
 
     twin = copy.deepcopy(layer)
-    skipped = convert(twin, fmt, fp8_granularity="channel")
-    converted = {name: twin.get_submodule(name) for name in LINEARS}
+    parents = sorted({name.rpartition(".")[0] for name in shape.linears})
+    skipped = [(f"{parent}.{name}", why) for parent in parents
+               for name, why in convert(twin.get_submodule(parent), fmt, fp8_granularity="channel")]
+    converted = {name: twin.get_submodule(name) for name in shape.linears}
     wrong = [name for name, module in converted.items() if not isinstance(module, QPNLinear)]
     if skipped or wrong:
         raise RuntimeError(f"convert(layer, {fmt!r}) left linears unconverted: {skipped or wrong}")
+    if shape.experts:
+        converted[shape.experts] = replicated_experts(layer.get_submodule(shape.experts), fmt)
     return converted
 
 
-def variants(model) -> dict:
-    """{format: [per layer {linear name: module}]}: fp16 = the model's own nn.Linear modules, each
-    layer's weights overwritten with layer 0's; nvfp4 / fp8 = layer 0 converted once, every other
-    layer a deep copy of those packed buffers. So the three models differ only by quantization
+def replicated_experts(module, fmt: str):
+    """A QPNExperts of `module`'s shape whose every expert holds its own copy of expert 0 quantized (FP8: per
+    channel): QPNExperts.from_module on a one-expert view, then each stacked buffer repeated E times."""
+    import torch
+
+    from qpn.torch_bridge import PackedExperts
+    from qpn.torch_bridge.experts import QPNExperts
+    from qpn.torch_bridge.module import format_of
+
+    one = torch.nn.Module()
+    one.gate_up_proj = torch.nn.Parameter(module.gate_up_proj[:1].detach(), requires_grad=False)
+    one.down_proj = torch.nn.Parameter(module.down_proj[:1].detach(), requires_grad=False)
+    wf = format_of(fmt, "channel")
+    first = QPNExperts.from_module(one, wf, "channel" if wf.granularities else None).packed_experts
+    experts = int(module.gate_up_proj.shape[0])
+    w13, w2 = ({name: t.repeat(experts, *(1,) * (t.dim() - 1)) for name, t in b.items()} for b in (first.w13, first.w2))
+    return QPNExperts(PackedExperts(first.weight_class, w13, w2, first.hidden_size, first.intermediate_size))
+
+
+def variants(model, shape: Shape = MODELS["llama8b"]) -> dict:
+    """{format: [per layer {module name: module}]}: fp16 = the model's own modules, each layer's weights
+    overwritten with layer 0's (each expert's with layer 0's expert 0); nvfp4 / fp8 = layer 0 converted once,
+    every other layer a deep copy of those packed buffers. So the three models differ only by quantization
     (the logits cosine measures that), and every layer still reads its own bytes."""
     import torch
 
     layers = model.model.layers
-    out = {"fp16": [{name: layer.get_submodule(name) for name in LINEARS} for layer in layers]}
+    out = {"fp16": [{name: layer.get_submodule(name) for name in shape.modules} for layer in layers]}
     with torch.no_grad():  # fp16 gets layer 0's weights everywhere too: the three models are one function
+        if shape.experts:  # expert 0 of layer 0 in every expert of every layer
+            first = out["fp16"][0][shape.experts]
+            gate_up, down = first.gate_up_proj[:1].clone(), first.down_proj[:1].clone()
+            for modules in out["fp16"]:
+                modules[shape.experts].gate_up_proj.copy_(gate_up.expand_as(first.gate_up_proj))
+                modules[shape.experts].down_proj.copy_(down.expand_as(first.down_proj))
         for modules in out["fp16"][1:]:
-            for name, module in modules.items():
-                module.weight.copy_(out["fp16"][0][name].weight)
+            for name in shape.linears:
+                modules[name].weight.copy_(out["fp16"][0][name].weight)
     for fmt in FORMATS[1:]:
         t0 = time.perf_counter()
-        first = quantized_layer(layers[0], fmt)
+        first = quantized_layer(layers[0], fmt, shape)
         out[fmt] = [first] + [{name: copy.deepcopy(m) for name, m in first.items()} for _ in layers[1:]]
         print(f"{fmt}: layer 0 quantized in {time.perf_counter() - t0:.1f} s, copied to {len(layers) - 1} more",
               flush=True)
     return out
 
 
-def install(model, linears: list) -> None:
-    """Put one variant's linears into the model (module swaps: no copies)."""
-    for layer, modules in zip(model.model.layers, linears, strict=True):
-        for name, module in modules.items():
+def install(model, modules: list) -> None:
+    """Put one variant's modules into the model (module swaps: no copies)."""
+    for layer, named in zip(model.model.layers, modules, strict=True):
+        for name, module in named.items():
             parent, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(parent), attr, module)
+
+
+def resident_bytes(model) -> int:
+    """Bytes of every parameter and buffer of the model as installed (each storage once)."""
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
 
 
 def streamed_bytes(model) -> int:
@@ -284,7 +385,8 @@ def measure(model, forward, batch: int, device, steps: int, repeats: int, refere
     max_len = PROMPT_LEN + WARMUP_STEPS + steps * repeats + 8  # every step of the session fits
     session = Session(model, forward, batch, max_len, device)
     t0 = time.perf_counter()
-    prefill = session.prefill()
+    with prefill_experts(model):
+        prefill = session.prefill()
     if not torch.isfinite(prefill).all():
         raise AssertionError(f"batch {batch}: prefill logits are not finite; refusing to time a broken model")
     run, logits, label = replayable(session, device)
@@ -299,17 +401,20 @@ def measure(model, forward, batch: int, device, steps: int, repeats: int, refere
     return row, prefill
 
 
-def run_method(method: str, model, linears: dict, batches, device, args, sec, budget) -> None:
+def run_method(method: str, model, linears: dict, batches, device, args, sec, budget, shape: Shape) -> None:
     """Rows of one graph method: for each batch, each format (so a batch's ratios come from
     neighbouring measurements)."""
     import torch
 
     steps, repeats = (TINY_STEPS, TINY_REPEATS) if args.tiny else (STEPS, REPEATS)
     for batch in batches:
-        reference, base = None, None
+        reference, base, base_bytes = None, None, None
         for fmt in FORMATS:
             install(model, linears[fmt])
-            row = {"method": method, "batch": batch, "format": fmt, "gb": streamed_bytes(model) / 1e9}
+            resident = resident_bytes(model)
+            base_bytes = resident if fmt == "fp16" else base_bytes
+            row = {"method": method, "batch": batch, "format": fmt, "gb": streamed_bytes(model) / 1e9,
+                   "resident_gb": resident / 1e9, "mem_x_fp16": resident / base_bytes}
             if method == "compile" and time.perf_counter() > budget:
                 row["graphs"] = f"skipped: past --compile-budget-s {args.compile_budget_s:g}"
                 sec.rows.append(row)
@@ -329,7 +434,9 @@ def run_method(method: str, model, linears: dict, batches, device, args, sec, bu
             if method == "compile":
                 measured["graphs"] = f"torch.compile + {measured['graphs']}"
             row.update(measured)
-            row["gbps"] = row["gb"] / (row["ms"] / 1e3)
+            if fmt == "fp16" and shape.experts:
+                row["graphs"] = f"{row['graphs']}; experts: transformers {experts_label(model)}"
+            row["gbps"] = "" if shape.experts else row["gb"] / (row["ms"] / 1e3)  # a mixture reads the hit experts
             if fmt == "fp16":
                 reference, base = prefill, row["ms"]
             row["x_fp16"] = base / row["ms"] if base else ""
@@ -339,7 +446,7 @@ def run_method(method: str, model, linears: dict, batches, device, args, sec, bu
                   f"cos {row['cos']:.4f}  [{row['graphs']}]", flush=True)
 
 
-def environment(device, dims: dict, layers: int) -> dict:
+def environment(device, dims: dict, layers: int, shape: Shape) -> dict:
     """What render_markdown's header reads, plus torch / transformers and the model."""
     import numpy as np
     import torch
@@ -350,7 +457,8 @@ def environment(device, dims: dict, layers: int) -> dict:
            "torch": torch.__version__, "transformers": transformers.__version__, "numpy": np.__version__,
            "python": platform.python_version(), "repeats": REPEATS, "l2_defeat_factor": "",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "model": {**dims, "num_hidden_layers": layers}, "prompt_len": PROMPT_LEN, "steps": STEPS}
+           "model": {**dims, "num_hidden_layers": layers}, "model_class": shape.model_class, "prompt_len": PROMPT_LEN,
+           "steps": STEPS}
     if device.type == "cuda":
         import cupy
 
@@ -363,13 +471,15 @@ def environment(device, dims: dict, layers: int) -> dict:
     return env
 
 
-def new_section(tiny: bool) -> bk.Section:
-    shapes = "tiny Llama shapes (--tiny)" if tiny else "Llama-3.1-8B shapes"
+def new_section(tiny: bool, shape: Shape) -> bk.Section:
+    family = "Qwen3-30B-A3B" if shape.experts else "Llama-3.1-8B"
+    shapes = f"tiny {family.split('-')[0]} shapes (--tiny)" if tiny else f"{family} shapes"
     return bk.Section("model", f"Decode tokens per second, {shapes} (random weights), static KV cache", [
         bk.Column("method", "method"), bk.Column("batch", "batch"), bk.Column("format", "format"),
         bk.Column("ms", "ms / step", "{:.3f}"), bk.Column("tok_s", "tokens / s", "{:.1f}"),
         bk.Column("x_fp16", "x fp16", "{:.2f}"), bk.Column("gb", "weights GB / step", "{:.2f}"),
-        bk.Column("gbps", "weight GB/s", "{:.0f}"), bk.Column("cos", "logits cos vs fp16", "{:.4f}"),
+        bk.Column("gbps", "weight GB/s", "{:.0f}"), bk.Column("resident_gb", "resident GB", "{:.2f}"),
+        bk.Column("mem_x_fp16", "memory x fp16", "{:.3f}"), bk.Column("cos", "logits cos vs fp16", "{:.4f}"),
         bk.Column("setup_s", "set-up s", "{:.1f}"), bk.Column("graphs", "graphs"),
     ])
 
@@ -382,8 +492,11 @@ def write(env: dict, sec: bk.Section, out: Path, name: str) -> tuple:
         f"# qpn model benchmark: {env['gpu']}",
         "",
         f"{env['date']}; torch {env['torch']}, transformers {env['transformers']}, CuPy {env['cupy'] or '-'}; "
-        f"kernels built as {env['kernel_build']['built_as']}. LlamaForCausalLM, hidden {model['hidden_size']}, "
-        f"intermediate {model['intermediate_size']}, {model['num_hidden_layers']} layers, "
+        f"kernels built as {env['kernel_build']['built_as']}. {env['model_class']}, hidden {model['hidden_size']}, "
+        + (f"{model['num_experts']} experts, top-{model['num_experts_per_tok']}, expert intermediate "
+           f"{model['moe_intermediate_size']}, " if "num_experts" in model else
+           f"intermediate {model['intermediate_size']}, ")
+        + f"{model['num_hidden_layers']} layers, "
         f"{model['num_attention_heads']} / {model['num_key_value_heads']} heads, vocabulary {model['vocab_size']}; "
         f"prompt {env['prompt_len']} tokens, then greedy decode steps (median of {env['repeats']} runs of "
         f"{env['steps']} steps).",
@@ -398,9 +511,11 @@ def write(env: dict, sec: bk.Section, out: Path, name: str) -> tuple:
 NOTES = (
     "Weights are random: ONE decoder layer's linears are quantized with qpn (convert) and every layer gets its "
     "own copy of those packed buffers; speed depends on shapes, not values.",
-    "nvfp4 / fp8 = every decoder linear a QPNLinear (FP8 per-channel scales); embedding, norms and lm_head fp16 "
-    "(ModelOpt excludes lm_head). weights GB / step = decoder layers + lm_head as stored; weight GB/s = that / "
-    "step time (attention and activations not counted).",
+    "nvfp4 / fp8 = every decoder linear a QPNLinear (FP8 per-channel scales), every experts module a QPNExperts; "
+    "embedding, norms, MoE routers and lm_head fp16 (ModelOpt excludes lm_head and the routers). weights GB / "
+    "step = decoder layers + lm_head as stored; weight GB/s = that / step time (attention and activations not "
+    "counted; not given for a mixture, whose step reads the hit experts only). resident GB = every parameter and "
+    "buffer of the model as loaded (embedding included); memory x fp16 = that over fp16's.",
     "x fp16 = fp16's ms / step over this row's, same method, batch and run. logits cos = cosine of the prefill's "
     "last logits with fp16's (same prompt): quantization error, not a kernel check against a reference. "
     "set-up s = prefill + warm-up steps (torch.compile's compile included) + capture.",
@@ -410,9 +525,10 @@ NOTES = (
 def build_parser() -> argparse.ArgumentParser:
     """The arguments (`qpn bench model` checks them before it looks for a GPU: a typo exits 2, not 3)."""
     parser = argparse.ArgumentParser(prog="bench_model.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama8b",
+                        help="llama8b (Llama-3.1-8B shapes, default) or qwen3moe (Qwen3-30B-A3B shapes)")
     parser.add_argument("--layers", type=_positive, default=None,
-                        help=f"decoder layers (default {LLAMA_8B['num_hidden_layers']}; "
-                             f"--tiny: {TINY['num_hidden_layers']})")
+                        help="decoder layers (default: the model's, 32 / 48; --tiny: 2)")
     parser.add_argument("--batches", type=_batches, default=BATCHES,
                         help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--graphs", type=_methods, default=GRAPH_METHODS, help="comma-separated: manual,compile")
@@ -449,21 +565,22 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dims = TINY if args.tiny else LLAMA_8B
+    shape = MODELS[args.model]
+    dims = shape.tiny if args.tiny else shape.dims
     layers = args.layers or dims["num_hidden_layers"]
-    env = environment(device, dims, layers)
+    env = environment(device, dims, layers, shape)
     print(f"{env['gpu']}: torch {env['torch']}, transformers {env['transformers']}; {layers} layers", flush=True)
 
     t0 = time.perf_counter()
-    model = build_model(dims, layers, device)
+    model = build_model(dims, layers, device, shape)
     print(f"fp16 model built on {device} in {time.perf_counter() - t0:.1f} s", flush=True)
-    linears = variants(model)
-    sec = new_section(args.tiny)
+    linears = variants(model, shape)
+    sec = new_section(args.tiny, shape)
     sec.notes.extend(NOTES)
     json_path = md_path = None
     for method in args.graphs:
         budget = time.perf_counter() + args.compile_budget_s
-        run_method(method, model, linears, args.batches, device, args, sec, budget)
+        run_method(method, model, linears, args.batches, device, args, sec, budget, shape)
         json_path, md_path = write(env, sec, args.out, args.name)  # after every method: a timeout keeps the rest
     print(bk.render_markdown(env, [sec]).split("\n", 3)[-1], flush=True)
     print(f"wrote {json_path} and {md_path}")

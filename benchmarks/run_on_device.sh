@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session: install, every gpu-marked test, compute-sanitizer, the benchmarks.
 #   bash benchmarks/run_on_device.sh OUT_DIR [stages]
-#   stages: any of tests,sanitizer,bench,decode,dispatch,model (default: all); budgets: TESTS_S, SAN_S, BENCH_S, MODEL_S
+#   stages: any of tests,sanitizer,bench,decode,dispatch,moe,model,moemodel (default: all); budgets: TESTS_S, SAN_S,
+#   BENCH_S, MODEL_S
+#   (moe: benchmarks/bench_moe.py, the Qwen3-30B / Mixtral MoE layers; moemodel: bench_model.py --model qwen3moe)
 #   (dispatch: benchmarks/bench_dispatch.py, every linear path timed; its table lands in OUT_DIR)
 #   (model: benchmarks/bench_model.py, Llama-3.1-8B-shaped decode tokens/s vs fp16; MODEL_ARGS passes arguments)
 # Every stage logs to OUT_DIR and runs even if an earlier one failed; the last lines summarise.
@@ -9,7 +11,7 @@
 # notebooks need the [test] extra (nbclient), which the device image lacks, so they are left out.
 set -u
 out=${1:?usage: run_on_device.sh OUT_DIR [stages]}
-stages=${2:-tests,sanitizer,bench,decode,dispatch,model}
+stages=${2:-tests,sanitizer,bench,decode,dispatch,moe,model,moemodel}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -52,9 +54,18 @@ if [[ $stages == *dispatch* ]]; then
   timeout "${BENCH_S:-240}" python3 benchmarks/bench_dispatch.py --device cuda --out "$out" >"$out/bench_dispatch.log" 2>&1
   summary+=("bench_dispatch: rc=$? $(grep -c ' -> ' "$out/bench_dispatch.log") rows")
 fi
-if [[ $stages == *model* ]]; then  # ~5 min: build 8B fp16 on the GPU, quantize one layer, 3 formats x 3 batches
+if [[ $stages =~ (^|,)moe(,|$) ]]; then
+  timeout "${BENCH_S:-240}" python3 benchmarks/bench_moe.py --out "$out" >"$out/bench_moe.log" 2>&1
+  summary+=("bench_moe: rc=$? $(grep -c ' us (graph' "$out/bench_moe.log") rows")
+fi
+if [[ $stages =~ (^|,)model(,|$) ]]; then  # ~5 min: build 8B fp16 on the GPU, quantize one layer, 3 formats x 3 batches
   timeout "${MODEL_S:-540}" python3 benchmarks/bench_model.py --out "$out" --name model_h200 ${MODEL_ARGS:-} \
     >"$out/bench_model.log" 2>&1
   summary+=("bench_model: rc=$? $(grep -E '^(manual|compile) +batch +[0-9]+ nvfp4' "$out/bench_model.log" | awk '{printf "%s b%s %sx; ", $1, $3, $11}')")
+fi
+if [[ $stages =~ (^|,)moemodel(,|$) ]]; then  # Qwen3-30B-A3B shapes: 61 GB of fp16 built on the GPU
+  timeout "${MODEL_S:-540}" python3 benchmarks/bench_model.py --model qwen3moe --graphs manual --out "$out" \
+    --name moe_model_h200 ${MODEL_ARGS:-} >"$out/bench_moe_model.log" 2>&1
+  summary+=("bench_moe_model: rc=$? $(grep -E '^manual +batch +[0-9]+ nvfp4' "$out/bench_moe_model.log" | awk '{printf "b%s %sx; ", $3, $11}')")
 fi
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

@@ -6,8 +6,9 @@ NVRTC from the `nvidia-cuda-nvrtc` wheel as for the compile check, `nvdisasm` fr
 
 Method (every step reads the compiled code, nothing about the loop is hard-coded):
 
-1. Build: every decode variant the `linear` wrapper registers (`linear.DECODE_VARIANTS`) and every
-   GEMM build (`gemm.KERNEL_VARIANTS`) is compiled for sm_75 with `loader.compile_text`, the compile
+1. Build: every decode variant the `linear` wrapper registers (`linear.DECODE_VARIANTS`), every
+   GEMM build (`gemm.KERNEL_VARIANTS`) and every MoE expert build (`moe.EXPERT_DECODE`: the decode
+   kernels with x rows through the route) is compiled for sm_75 with `loader.compile_text`, the compile
    check's path and options (with the ptxas report: registers, shared memory), and the cubin is
    disassembled with `nvdisasm -c`.
 2. The K loop (`find_loop`): the backward branch, reachable from the entry, whose body holds HMMA and
@@ -71,7 +72,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from qpn.cupy_kernels import compile_check, gemm, loader
+from qpn.cupy_kernels import compile_check, gemm, loader, moe
 from qpn.cupy_kernels.variants import KernelVariant
 
 # ----------------------------------------------------------------------------- the machines
@@ -1004,13 +1005,14 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
         raise FileNotFoundError(
             "nvdisasm not found: pip install 'nvidia-cuda-nvdisasm>=13,<14' (in qpn's [test] extra)")
     fams = _families(variants)
-    gemm_builds = list(gemm.KERNEL_VARIANTS)
-    jobs = [(v, "sm_75") for v in (*variants, *gemm_builds)] + [(v, "sm_90") for v in variants]
+    gemm_builds, moe_builds = list(gemm.KERNEL_VARIANTS), list(moe.EXPERT_DECODE.values())
+    jobs = [(v, "sm_75") for v in (*variants, *gemm_builds, *moe_builds)] + [(v, "sm_90") for v in variants]
     stats = measure_all(jobs, nvrtc, nvdisasm)
     h200_pct, h200_ceiling = _h200_measured(h200_results)
     gemm_stats = {v: stats["sm_75"].pop(v) for v in gemm_builds}
+    moe_stats = {v: stats["sm_75"].pop(v) for v in moe_builds}
     return {"nvrtc": nvrtc.version, "nvdisasm": str(nvdisasm), "sm75": stats["sm_75"], "sm90": stats["sm_90"],
-            "families": fams, "h200_measured": h200_pct, "gemm": gemm_stats,
+            "families": fams, "h200_measured": h200_pct, "gemm": gemm_stats, "moe": moe_stats,
             "h200": replace(H200, dram_gbps=h200_ceiling), "l2rate": _l2rates(l2rate_results)}
 
 
@@ -1131,6 +1133,7 @@ def report(res: dict, command: str) -> str:
         out += ["", f"- opcodes not classified (issue only): {', '.join(unknown)}"]
     out += _bounds_section(res) + _estimates_section(res) + _targets_section(res)
     out += _gemm_section(res)
+    out += _moe_section(res)
     out += _h200_section(res)
     return "\n".join(out) + "\n"
 
@@ -1296,6 +1299,34 @@ def _gemm_section(res: dict) -> list[str]:
     return out
 
 
+def _moe_section(res: dict) -> list[str]:
+    """The MoE expert builds against the dense decode build of the same kernel and M (nb)."""
+    sm75, fams = res["sm75"], res["families"]
+    card = replace(T4_SUSTAINED, fp16_on_tensor=True)
+    out = [
+        "",
+        "## MoE expert builds (QPN_MOE) on the Tesla T4: bounds",
+        "",
+        "The decode kernels over stacked experts (cupy_kernels/moe.py): the block's expert and piece from the "
+        "route, x read as rows through it (the dense builds read x fragments), the pipeline of moe.MOE_PIPELINE "
+        "where the dense one would spill. Loops as they run, against the dense build of the same kernel and "
+        f"8-token blocks; the bound is the T4 at {T4_SUSTAINED_GHZ} GHz with fp16 on the tensor port, at M = 8 nb "
+        "tokens on one expert (limit in brackets).",
+        "",
+        "| build | M | instr/gt | dense instr/gt | hmma/gt | regs | warps/SM (16-warp blocks) | T4 bound | "
+        "dense T4 bound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v, s in res.get("moe", {}).items():
+        m = 8 * s.nb
+        dense = fams.get(_gemm_name(v), {}).get(s.nb)
+        d = sm75.get(dense) if dense is not None else None
+        out.append(f"| {_gemm_name(v)} | {m} | {_fmt(s.per_gt())} | {_fmt(d.per_gt()) if d else '-'} | "
+                   f"{_fmt(s.per_gt('hmma'))} | {s.registers} | {_warps(s, 16)} | {_pct(project(s, card, m))} | "
+                   f"{_pct(project(d, card, m)) if d else '-'} |")
+    return out
+
+
 def _gemm_name(v: KernelVariant) -> str:
     d = dict(v.defines)
     return v.kernel + (" gated" if d.get("QPN_GATED") == "1" else "") + (
@@ -1342,12 +1373,12 @@ def _h200_section(res: dict) -> list[str]:
 
 def record(res: dict) -> dict:
     """The counts the CI test pins: sm_75 loop instructions per iteration (mean over the block's warps)
-    per variant label, decode and GEMM builds."""
+    per variant label, decode, GEMM and MoE builds."""
     return {
         "date": datetime.date.today().isoformat(),
         "nvrtc": ".".join(map(str, res["nvrtc"])),
         "loops": {s.label: {"instructions": _number(s.instructions), "group_tiles": s.group_tiles}
-                  for s in (*res["sm75"].values(), *res.get("gemm", {}).values())},
+                  for s in (*res["sm75"].values(), *res.get("gemm", {}).values(), *res.get("moe", {}).values())},
     }
 
 

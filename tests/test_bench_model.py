@@ -73,6 +73,30 @@ def test_tiny_run_writes_a_row_per_batch_and_format(bench, tmp_path, capsys):
     assert "| manual | 2 | nvfp4 |" in capsys.readouterr().out
 
 
+def test_the_moe_model_gives_every_layer_and_expert_its_own_copy_of_expert_0(bench):
+    """Qwen3-MoE shapes: the experts module of every quantized layer is a QPNExperts whose every expert
+    holds layer 0's expert 0 in separate memory; the fp16 model holds expert 0's weights in every expert."""
+    from qpn.torch_bridge.experts import QPNExperts
+
+    shape = bench.MODELS["qwen3moe"]
+    model = bench.build_model(shape.tiny, 2, torch.device("cpu"), shape)
+    modules = bench.variants(model, shape)
+    fp16 = [layer[shape.experts] for layer in modules["fp16"]]
+    assert all(torch.equal(e.gate_up_proj, e.gate_up_proj[:1].expand_as(e.gate_up_proj)) for e in fp16)
+    assert torch.equal(fp16[0].down_proj, fp16[1].down_proj)
+    for fmt in ("nvfp4", "fp8"):
+        first, second = (layer[shape.experts] for layer in modules[fmt])
+        assert isinstance(first, QPNExperts) and first.num_experts == shape.tiny["num_experts"], fmt
+        for key, tensor in first.state_dict().items():
+            assert torch.equal(tensor, tensor[:1].expand_as(tensor)), (fmt, key)  # expert 0 everywhere
+            other = second.state_dict()[key]
+            assert torch.equal(other, tensor) and other.data_ptr() != tensor.data_ptr(), (fmt, key)
+    bench.install(model, modules["nvfp4"])
+    quantized = bench.resident_bytes(model)
+    bench.install(model, modules["fp16"])
+    assert quantized < 0.5 * bench.resident_bytes(model)
+
+
 def test_bench_model_rejects_a_bad_argument_with_exit_2(capsys):
     assert cli.main(["bench", "model", "--batches", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err

@@ -6,7 +6,8 @@
 - The projections: a bound of a known loop, the fp16x2-on-tensor option, an estimate capped by GDDR6.
 - The GEMM loops as they run (x staging included): QPN2 131 and QPN8 129.5 sm_75 instructions per
   group-tile, the independent recount of issue 25.
-- CI guard: no registered decode kernel's or GEMM build's sm_75 K loop may grow past the counts recorded in
+- CI guard: no registered decode kernel's, GEMM build's or MoE expert build's sm_75 K loop may grow past the
+  counts recorded in
   tests/fixtures/turing_loop_counts.json, nor shrink below them or outlive its variant (a stale record;
   `python benchmarks/turing_model.py --record tests/fixtures/turing_loop_counts.json` after a
   deliberate change). Skips, with the reason, only
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from qpn.cupy_kernels import gemm, linear
+from qpn.cupy_kernels import gemm, linear, moe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # a tool, not the runtime package
 import turing_model as tm  # noqa: E402
@@ -316,11 +317,11 @@ def toolchain(nvrtc):
 @pytest.fixture(scope="module")
 def sm75_loops(toolchain):
     nvrtc, nvdisasm = toolchain
-    jobs = [(v, "sm_75") for v in (*linear.DECODE_VARIANTS, *gemm.KERNEL_VARIANTS)]
+    jobs = [(v, "sm_75") for v in (*linear.DECODE_VARIANTS, *gemm.KERNEL_VARIANTS, *moe.EXPERT_DECODE.values())]
     return tm.measure_all(jobs, nvrtc, nvdisasm)["sm_75"]
 
 
-def test_no_decode_or_gemm_loop_grew(sm75_loops):
+def test_no_decode_gemm_or_moe_loop_grew(sm75_loops):
     recorded = json.loads(RECORD.read_text())["loops"]
     measured = {v.label: s.instructions for v, s in sm75_loops.items()}
     assert not grown_loops(recorded, measured), "\n".join(grown_loops(recorded, measured))
