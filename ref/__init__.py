@@ -1,4 +1,4 @@
-"""qpn.ref: the pure-numpy, bit-exact reference of NVFP4/FP8 decoding and the QPN2/QPN8 layouts.
+"""qpn.ref: the pure-numpy, bit-exact reference of NVFP4/FP8/MXFP4 decoding and the QPN2/QPN8/QPNMX layouts.
 
 This package is the executable specification -- codecs, quantizers, the QPN2/QPN8 layouts and
 their exact inverses, the linear contract with its error bounds -- that the CUDA kernels and the
@@ -25,6 +25,7 @@ from .linear import (
     linear_gated,
     silu_and_mul,
 )
+from .mxfp4 import MXFP4Weight, mxfp4_dequantize, mxfp4_quantize
 from .nvfp4 import (
     NVFP4Weight,
     nvfp4_block_overflows,

@@ -1,4 +1,4 @@
-"""Element codecs: e2m1 (FP4) and e4m3fn (FP8), vectorized and exact.
+"""Element codecs: e2m1 (FP4), e4m3fn (FP8) and e8m0 (the MX scale), vectorized and exact.
 
 e2m1 (4-bit): bit 3 = sign, bits 0..2 index the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 - Decode: table lookup; code 8 decodes to -0.0 (sign kept). No inf, no NaN codes.
@@ -14,6 +14,9 @@ e4m3fn (8-bit): sign, 4 exponent bits (bias 7), 3 mantissa bits.
   to the e4m3 range before the cast); sign from np.signbit (so -0.0 -> 0x80). NaN input is
   rejected. Subnormals round on the fixed 2^-9 grid.
 
+e8m0 (8-bit, the OCP MX block scale): an unsigned biased exponent, value 2^(bits - 127); 0xFF is
+NaN; no zero, no sign. Every value 2^-127 .. 2^127 is exact in float32 (2^-127 as a subnormal).
+
 Values travel as uint8 bit patterns; decoded values as float32 (every code is exact there).
 All arithmetic is exact: decoding is a table, encoding scales by powers of two (exact in
 float64) and rounds once with np.rint (round half to even).
@@ -28,6 +31,8 @@ E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.fl
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_NAN_CODES = (0x7F, 0xFF)
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
 
 # code -> value, 16 entries; code 8 is -0.0
 _E2M1_TABLE = np.concatenate([E2M1_MAGNITUDES, -E2M1_MAGNITUDES]).astype(np.float32)
@@ -53,6 +58,8 @@ def _build_e4m3_table() -> np.ndarray:
 
 
 _E4M3_TABLE = _build_e4m3_table()
+# 2^-127 .. 2^127 (exact: float64 ldexp, then a cast that keeps every power of two in range), then NaN
+_E8M0_TABLE = np.append(np.ldexp(1.0, np.arange(E8M0_NAN) - E8M0_BIAS), np.nan).astype(np.float32)
 
 
 def decode_e2m1(codes: npt.ArrayLike) -> np.ndarray:
@@ -91,6 +98,14 @@ def decode_e4m3(bits: npt.ArrayLike) -> np.ndarray:
             f"bits must be uint8 e4m3 bit patterns, got dtype {bits.dtype}; view float8 data as uint8"
         )
     return _E4M3_TABLE[bits]
+
+
+def decode_e8m0(bits: npt.ArrayLike) -> np.ndarray:
+    """uint8 e8m0 bit patterns (any shape) -> float32 2^(bits - 127); 0xFF -> NaN."""
+    bits = np.asarray(bits)
+    if bits.dtype != np.uint8:
+        raise ValueError(f"bits must be uint8 e8m0 bit patterns, got dtype {bits.dtype}; view the scales as uint8")
+    return _E8M0_TABLE[bits]
 
 
 def encode_e4m3(x: npt.ArrayLike) -> np.ndarray:

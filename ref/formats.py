@@ -1,13 +1,15 @@
 """One description per weight format, asked by every layer instead of restating its rules.
 
 A format pairs a checkpoint encoding (NVFP4; FP8 at a scale granularity) with the QPN byte layout
-the kernels read (docs/QPN2.md, docs/QPN8.md). Three exist:
+the kernels read (docs/QPN2.md, docs/QPN8.md, docs/QPNMX.md). Four exist:
 
     format  granularity      layout  N multiple  K multiple  packed buffers (N, K: the padded weight)
     nvfp4   -                QPN2    32          64          codes u8 [N, K/2], scales u8 [N, K/16],
                                                              global_scale f32 [N/32]
     fp8     tensor, channel  QPN8    32          16          codes u8 [N, K], group_scales f16 [1, N]
     fp8     block            QPN8    128         128         codes u8 [N, K], group_scales f16 [K/128, N/32]
+    mxfp4   -                QPNMX   32          64          codes u8 [N, K/2], scales u8 [N, K/32],
+                                                             tile_scale f32 [N/32]
 
 Why the multiples: a tile is 32 output columns (one warp lane per column) and a group 16 k (one
 NVFP4 block scale, one QPN8 packet); QPN2's split-K slices are whole batches of 4 groups (K % 64);
@@ -15,7 +17,8 @@ a 128x128 FP8 scale block cannot be split (N % 128, K % 128).
 
 `key` names the kernel family that serves a format (cupy_kernels builds and tunes per key);
 `format` / `granularity` are the public names (QPNLinear, the packed manifest, the qpn command).
-Adding a format (MXFP4 is the obvious next one) means one new description here plus its kernels.
+Adding a format means one new description here plus its kernels. MXFP4 (QPNMX) is described and has its
+reference (ref/mxfp4.py); it joins WEIGHT_FORMATS, the formats every layer serves, with its kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .checks import require_int, require_multiple
 from .geometry import GROUP_K, TILE_N
 
 FP8_BLOCK = 128  # DeepSeek / Qwen-FP8 block scales cover 128 x 128 weights
+MX_BLOCK = 32  # OCP microscaling: one e8m0 scale per 32 consecutive k
 FP8_GRANULARITIES = ("tensor", "channel", "block")
 PAD_N_FIX = "pad the output features N to a multiple of 32 (QPNLinear pads and crops)"
 PAD_K16_FIX = "pad K with zero columns to a multiple of 16"
@@ -137,9 +141,21 @@ QPN8_BLOCK = WeightFormat(
     pad_code=0x00, pad_scale=1.0,
 )
 
-WEIGHT_FORMATS = (QPN2, QPN8, QPN8_BLOCK)
+QPNMX = WeightFormat(
+    key="qpnmx", format="mxfp4", granularities=(), layout="QPNMX", label="QPNMX",
+    n_multiple=TILE_N, k_multiple=4 * GROUP_K, n_fix=PAD_N_FIX, k_fix=PAD_K64_FIX, code_bits=4,
+    buffers=(
+        Buffer("codes", _U8, "U8", lambda n, k: (n, k // 2)),  # QPN2's code bytes
+        Buffer("scales", _U8, "U8", lambda n, k: (n, k // MX_BLOCK)),  # e8m0
+        Buffer("tile_scale", _F32, "F32", lambda n, k: (n // TILE_N,)),  # 2^T per 32-row tile
+    ),
+    source_tags={"blocks": "U8", "scales": "U8"},
+    pad_code=0x00, pad_scale=2.0**-127,  # e8m0 has no zero: byte 0 (2^-127) under +0 codes
+)
+
+WEIGHT_FORMATS = (QPN2, QPN8, QPN8_BLOCK)  # served by every layer (QPNMX joins with its kernels)
 FORMAT_NAMES = ("nvfp4", "fp8")  # the public format names, in the order messages list them
-BY_KEY = {f.key: f for f in WEIGHT_FORMATS}
+BY_KEY = {f.key: f for f in (*WEIGHT_FORMATS, QPNMX)}
 
 
 def _by_key(key: str) -> WeightFormat:
