@@ -21,16 +21,16 @@ W16 (what the kernels multiply; docs/DESIGN.md, "MXFP4 weight"). fp16 cannot hol
 before the output's one RN16:
 
     T(t)     = max over the tile's scale bytes s of (s - 127) - W16_TOP_EXP       W16_TOP_EXP = 13
-    F        = s - 127 - T(t)                    (<= 13)
-    S16      = 2^F if F >= -24 else 0            (fp16's powers of two: 2^-24 .. 2^15)
-    W16[n,k] = RN16(e2m1(code) * S16)            (one fp16 multiply: how the kernels decode)
+    W16[n,k] = RN16(value / 2^T(t)) = RN16(e2m1(code) * 2^F),  F = s - 127 - T(t) <= 13
     y[m,n]   = RN16(2^T(t) * sum_k x[m,k] * W16[n,k])
 
 No overflow ever: |W16| <= 6 * 2^13 = 49152 < 65504 (and 6 * 2^14 would not fit). Exact, 2^T * W16 =
-value, wherever F >= -23: every block whose scale is within 36 binades of its tile's largest. Below, a
-weight moves by at most 2^T * 6 * 2^-25 < 2^(T - 22): F = -24 rounds 0.5 * 2^-24 and 1.5 * 2^-24 to the
-even neighbour, F < -24 gives 0. NaN scale bytes have no W16 (ValueError). `mxfp4_linear` is the
-reference linear over (W16, 2^T).
+value, wherever F >= -23 (0.5 * 2^F and 1.5 * 2^F are then fp16 numbers): every block whose scale is
+within 36 binades of its tile's largest. Below, one correct rounding into fp16's subnormals: a weight
+moves by at most 2^T * 2^-25. The kernels get these bits from QPN2's decode with the block constant
+{X, Y} = {2^F, 0} (fma(e, 2^F, 0) rounds once) where F >= -24, and QPN2's exact fp32 path below (2^F is
+no fp16 there). NaN scale bytes have no W16 (ValueError). `mxfp4_linear` is the reference linear over
+(W16, 2^T).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from .qpn2 import _lanes_to_rows, _require_buffer, _rows_to_lanes, qpn2_prepack,
 E2M1_EMAX = 2  # e2m1's largest exponent: 6 = 1.5 * 2^2
 E8M0_MIN_EXP, E8M0_MAX_EXP = -E8M0_BIAS, E8M0_NAN - 1 - E8M0_BIAS  # -127 .. 127
 W16_TOP_EXP = 13  # the largest F with 6 * 2^F <= 65504 (fp16's max)
-W16_MIN_EXP = -24  # fp16's smallest power of two (a subnormal)
-W16_EXACT_SPAN = W16_TOP_EXP - (W16_MIN_EXP + 1)  # 36 binades below the tile's largest scale stay exact
+W16_EXACT_EXP = -23  # the smallest F with 0.5 * 2^F and 1.5 * 2^F fp16 numbers (2^-24 is fp16's least)
+W16_EXACT_SPAN = W16_TOP_EXP - W16_EXACT_EXP  # 36 binades below the tile's largest scale stay exact
 
 
 class MXFP4Weight(NamedTuple):
@@ -141,10 +141,9 @@ def mxfp4_w16(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.nd
     float32 [..., N/32] = 2^T): the contract's weight (module docstring). N % 32 == 0; NaN bytes rejected."""
     blocks, scales = _require_mxfp4(blocks, scales)
     t = mxfp4_tile_exponents(scales)
-    f = scales.astype(np.int64) - E8M0_BIAS - np.repeat(t, TILE_N, axis=-1)[..., None]  # [..., N, K/32]
-    s16 = np.where(f >= W16_MIN_EXP, np.ldexp(1.0, np.maximum(f, W16_MIN_EXP)), 0.0)  # exact powers of two
+    f = scales.astype(np.int64) - E8M0_BIAS - np.repeat(t, TILE_N, axis=-1)[..., None]  # [..., N, K/32], >= -241
     e2m1 = decode_e2m1(unpack_nibbles(blocks)).astype(np.float64)
-    w16 = (e2m1 * s16[..., None]).astype(np.float16)  # the product is exact in float64: one RN16
+    w16 = np.ldexp(e2m1, f[..., None]).astype(np.float16)  # exact in float64, then one RN16
     return w16.reshape(*blocks.shape[:-2], -1), _tile_scale(t)
 
 
