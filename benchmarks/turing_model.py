@@ -6,7 +6,8 @@ NVRTC from the `nvidia-cuda-nvrtc` wheel as for the compile check, `nvdisasm` fr
 
 Method (every step reads the compiled code, nothing about the loop is hard-coded):
 
-1. Build: every decode variant the `linear` wrapper registers (`linear.DECODE_VARIANTS`), every
+1. Build: every decode variant the `linear` and `mxfp4` wrappers register (`linear.DECODE_VARIANTS`,
+   `mxfp4.KERNEL_VARIANTS`), every
    GEMM build (`gemm.KERNEL_VARIANTS`) and every MoE expert build (`moe.EXPERT_DECODE`: the decode
    kernels with x rows through the route) is compiled for sm_75 with `loader.compile_text`, the compile
    check's path and options (with the ptxas report: registers, shared memory), and the cubin is
@@ -977,9 +978,7 @@ def _families(variants: Iterable[KernelVariant]) -> dict[str, dict[int, KernelVa
     fams: dict[str, dict[int, KernelVariant]] = {}
     for v in variants:
         d = dict(v.defines)
-        name = v.kernel + (" gated" if d.get("QPN_GATED") == "1" else "") + (
-            " block-scales" if d.get("QPN8_BLOCK_SCALES") == "1" else "")
-        fams.setdefault(name, {})[int(d.get("QPN_NB", 1))] = v
+        fams.setdefault(_gemm_name(v), {})[int(d.get("QPN_NB", 1))] = v
     return fams
 
 
@@ -996,9 +995,9 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
               l2rate_results: Path | None = None) -> dict:
     """Measure every decode variant and GEMM build on sm_75 (and the decode variants on sm_90 for the
     H200 check and the estimates); returns everything the report and the record need."""
-    from qpn.cupy_kernels import linear  # the wrapper module registers the decode variants
+    from qpn.cupy_kernels import linear, mxfp4  # the wrapper modules register the decode variants
 
-    variants = linear.DECODE_VARIANTS if variants is None else variants
+    variants = (*linear.DECODE_VARIANTS, *mxfp4.KERNEL_VARIANTS) if variants is None else variants
     nvrtc = nvrtc or loader.CudaBindingsNVRTC()
     nvdisasm = nvdisasm or find_nvdisasm()
     if nvdisasm is None:
@@ -1328,9 +1327,10 @@ def _moe_section(res: dict) -> list[str]:
 
 
 def _gemm_name(v: KernelVariant) -> str:
+    """The family name of a build: its kernel, gated, FP8 block scales, MXFP4 (QPN_MX)."""
     d = dict(v.defines)
     return v.kernel + (" gated" if d.get("QPN_GATED") == "1" else "") + (
-        " block-scales" if d.get("QPN8_BLOCK_SCALES") == "1" else "")
+        " block-scales" if d.get("QPN8_BLOCK_SCALES") == "1" else "") + (" mx" if d.get("QPN_MX") == "1" else "")
 
 
 def _h200_section(res: dict) -> list[str]:

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from ..ref.checks import require_multiple
-from ..ref.formats import FORMAT_NAMES, QPN2, QPN8, QPN8_BLOCK, WeightFormat
+from ..ref.formats import FORMAT_NAMES, QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat
 from ..ref.geometry import GROUP_K, TILE_N
 from ._validate import CupyArray, output_array, require_aligned, require_cupy
 from .dequantize import (
@@ -100,15 +100,19 @@ X_FRAG = {(wf.key, nb): nb >= 2 for wf in (QPN2, QPN8) for nb in (1, 2, 3, 4)}
 
 def decode_macros(key: str, nb: int, gated: bool, block_scales: bool = False, moe: bool = False,
                   pipeline: tuple[int, int] | None = None) -> tuple[tuple[str, str], ...]:
-    """The build of a decode kernel of family `key` (QPN2.key | QPN8.key), 8 * nb tokens, gated or not;
-    moe: the stacked-experts build (moe.py), which reads x rows through the route (no fragments);
-    pipeline: (groups per batch, blocks per SM) in place of PIPELINE's (the order of the sums is the same)."""
+    """The build of a decode kernel of layout `key` (QPN2.key | QPN8.key | QPNMX.key: QPN2's kernel with
+    e8m0 scales), 8 * nb tokens, gated or not; moe: the stacked-experts build (moe.py), which reads x rows
+    through the route (no fragments); pipeline: (groups per batch, blocks per SM) in place of PIPELINE's
+    (the order of the sums is the same)."""
+    mx = key == QPNMX.key
+    key = QPN2.key if mx else key  # the kernel family: its pipelines and x source
     family = QPN8_BLOCK.key if block_scales else key
     return tuple(sorted((
         *pipeline_macros(*(pipeline or PIPELINE[family, nb, gated])),
         ("QPN_X_BATCH", str(X_BATCH[key])),
         ("QPN_X_FRAG", str(int(X_FRAG[key, nb] and not moe))),
         *((("QPN_MOE", "1"),) if moe else ()),
+        *((("QPN_MX", "1"),) if mx else ()),
         ("QPN_GATED", str(int(gated))),
         ("QPN_NB", str(nb)),
         ("QPN_WARPS", str(MAX_WARPS)),
@@ -234,8 +238,9 @@ def decode_workspace_size(format: str, m: int, n: int, k: int, gated: bool = Fal
 
 
 def require_family(format: str) -> WeightFormat:
-    """The kernel family (QPN2 or QPN8: its split and x source) of the public format name "nvfp4" | "fp8"."""
-    family = {QPN2.format: QPN2, QPN8.format: QPN8}.get(format)
+    """The kernel family (QPN2 or QPN8: its split and x source) of the public format name "nvfp4" | "fp8" |
+    "mxfp4" (QPN2's kernel with e8m0 scales)."""
+    family = {QPN2.format: QPN2, QPN8.format: QPN8, QPNMX.format: QPN2}.get(format)
     if family is None:
         raise ValueError(f"format must be one of {FORMAT_NAMES}, got {format!r}")
     return family

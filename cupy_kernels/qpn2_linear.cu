@@ -7,6 +7,8 @@
 //          QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   the load batches (qpn_mma.cuh)
 //          QPN_X_FRAG         0: x as [M][K] rows;  1: x as fragments (x_fragments.cu, qpn_mma.cuh)
 //          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py)
+//          QPN_MX             1: MXFP4 in the QPNMX layout (docs/QPNMX.md): e8m0 scale bytes, one per 32 k,
+//                             gscale = the tiles' 2^T; the block constant {2^F, 0} (below, "MXFP4")
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][8 bytes]  QPN2 order (docs/QPN2.md)
 //         scales  [tile][group][lane]  e4m3 bytes
@@ -68,6 +70,15 @@
 // practice; they take the exact path, so still exact; tests/test_decode_math.py checks both).
 // 2 LOP3 per 4 entries instead of 4 compares, and the vote reads the predicate.
 //
+// MXFP4 (QPN_MX = 1; docs/DESIGN.md, "MXFP4 weight"): W16 = RN16(e2m1 * 2^F), F = s - 127 - T(tile)
+// <= 13. With S = 2^F exact, B0 = 2^F and B1 = 1.5 * 2^F are exact too, so {X, Y} = {2^F, 0} and the
+// fast decode is fma(e, 2^F, 0): one rounding, exact while 2^F is an fp16 number (F >= -24: down to
+// fp16's subnormals, where the fma's one rounding is the contract's). F < -24 (a block 37+ binades
+// below its tile's largest) takes the exact path with S = 2^F in fp32. The sums leave times 2^T
+// (qpn_output): exact in fp32. A group's scale byte serves its 32-k block: groups 2j and 2j + 1 share
+// one load (QPN_UNROLL even), or load it twice (QPN_UNROLL = 1: the gated builds of 17-32 tokens, which
+// spill at 2 groups per batch).
+//
 // Measured on the H200 (compute_75 PTX JIT-compiled; benchmarks/results/decode_h200.md), 28672x8192:
 // M = 1 60.8 us = 47.6 % of the read ceiling (QPN8: 82.9 %); M = 32 1.16x cuBLAS fp16.
 // The kernel is issue-bound. sm_75 SASS of the fast path, M <= 8, 64 registers (benchmarks/turing_model.py):
@@ -82,6 +93,13 @@
 
 #define QPN2_SLOW_XY 0xFFFFFFFFu  // scale-table marker: this (byte, g) block takes the exact path
 #define QPN2_SLOW_FLAG 0x40000000u  // 0100 0000 ... : Y's exponent MSB (|Y| >= 2), set in the marker
+
+#if QPN_MX  // (qpn_mma.cuh defaults it to 0)
+#define QPN2_SCALE_K 32  // k per scale byte: one e8m0 per 32 k
+static_assert(QPN_UNROLL == 1 || QPN_UNROLL % 2 == 0, "an MXFP4 batch holds whole 32-k blocks, or one group");
+#else
+#define QPN2_SCALE_K QPN_GROUP_K  // one e4m3 per 16 k
+#endif
 
 struct Qpn2Batch {  // one load batch: QPN_UNROLL groups of the warp's tiles
     uint2 code[QPN_UNROLL][QPN_HT];
@@ -105,7 +123,11 @@ __device__ __forceinline__ void qpn2_load_slot(
 #pragma unroll
     for (int h = 0; h < QPN_HT; ++h) {
         sl.code[u][h] = qpn_ldcs_u2(pc[h] + 256 * u);  // 32 lanes x 8 bytes per group
+#if QPN_MX
+        sl.scale[u][h] = (u & 1) ? sl.scale[u - 1][h] : qpn_ldcs_u8(ps[h] + 32 * (u / 2));  // one per 32 k
+#else
         sl.scale[u][h] = qpn_ldcs_u8(ps[h] + 32 * u);
+#endif
     }
 }
 
@@ -130,6 +152,14 @@ __device__ __forceinline__ qpn_u32 qpn2_block_xy(qpn_u32 scale_byte, float g, fl
     const qpn_u32 q = b1 | (b0 << 16);                                     // {B1, B0}
     const qpn_u32 r = qpn_hmul2_rn(p, 0xC000C000u);                        // {-2 B0, -2 B1}, exact
     return qpn_hfma2_rn(q, 0x42004000u, r);                                // {2 B1 - 2 B0, 3 B0 - 2 B1}
+}
+
+// MXFP4: the block constant of e8m0 byte `s` in a tile of 2^T (t_exp = T): {2^F, 0}, F = s - 127 - T, or
+// the exact-path marker where 2^F is no fp16 number (F < -24; F > 15 never occurs in a valid tile).
+__device__ __forceinline__ qpn_u32 qpnmx_block_xy(qpn_u32 s, int t_exp) {
+    const int f = (int)s - 127 - t_exp;
+    if (f < -24 || f > 15) return QPN2_SLOW_XY;
+    return f >= -14 ? (qpn_u32)(f + 15) << 10 : 1u << (f + 24);  // fp16 bits of 2^F (normal / subnormal)
 }
 
 // Exact W16 pair from an e14 pair (e2m1 * 2^-14 in both halves) and the column's {X, Y}.
@@ -184,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     const QpnExpert ex = qpn_moe_expert(route, experts, slots, route_class, passes, map_x);
     if (ex.rows == 0) return;
     codes += (long long)ex.e * n * (k / 2);
-    scales += (long long)ex.e * n * (k / QPN_GROUP_K);
+    scales += (long long)ex.e * n * (k / QPN2_SCALE_K);
     gscale += ex.e * scale_expert_stride;
     qpn_moe_rows(ex, QPN_GATED ? n / 2 : n, m_rows, y, partial, tickets);
 #endif
@@ -197,9 +227,14 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     const QpnSlice sl = qpn_block_slice(n, k, groups_per_warp);
     const int n_local = sl.n_local;
 
-    float gval[QPN_HT];
+    float gval[QPN_HT];  // g(tile); MXFP4: the tile's 2^T
 #pragma unroll
     for (int h = 0; h < QPN_HT; ++h) gval[h] = gscale[(long long)sl.tile[h] * gs_stride];
+#if QPN_MX
+    int t_exp[QPN_HT];  // T: 2^T is exact in fp32 (T >= -140), so ilogbf reads it back
+#pragma unroll
+    for (int h = 0; h < QPN_HT; ++h) t_exp[h] = ilogbf(gval[h]);
+#endif
     // The block constants depend only on (scale byte, g): a 256-entry table per tile replaces
     // ~15 instructions per lane and group (2 cvt, 3 fmul, packs, 2 fp16 ops) by one LDS.
 #if QPN_GEMM
@@ -228,9 +263,13 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     for (int i = threadIdx.x; i < QPN_HT * 256; i += blockDim.x) {
         const float g = i < 256 ? gval[0] : gval[QPN_HT - 1];
 #endif
+#if QPN_MX
+        xy_table[i >> 8][i & 255] = qpnmx_block_xy(i & 255, ilogbf(g));
+#else
         float s;
         const qpn_u32 xy = qpn2_block_xy(i & 255, g, s);
         xy_table[i >> 8][i & 255] = ((fabsf(s) < 0x1p-13f && s != 0.0f) || (xy & QPN2_SLOW_FLAG)) ? QPN2_SLOW_XY : xy;
+#endif
     }
     __syncthreads();
 #if QPN_GEMM
@@ -248,7 +287,9 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     for (int h = 0; h < QPN_HT; ++h) {
         const long long unit = ((long long)sl.tile[h] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane;
         pc[h] = codes + unit * 8;
-        ps[h] = scales + unit;
+        // the slice starts on a whole 32-k block (g_begin: a multiple of 4 groups, linear.SLICE_MULTIPLE)
+        ps[h] = scales + ((long long)sl.tile[h] * (k / QPN2_SCALE_K) + sl.g_begin * QPN_GROUP_K / QPN2_SCALE_K) * 32
+                + lane;
     }
 #if QPN_MOE
     QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin, ex.row_map, ex.row0);
@@ -284,7 +325,11 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         QpnFragA a;
         // the owner column's decode constant -- {X, Y}, or S = RN32(e4m3 * g) on the exact path --
         // gathered for the quad's four columns (`exact` is a constant at both call sites)
+#if QPN_MX
+        const qpn_u32 own = exact ? __float_as_uint(ldexpf(1.0f, (int)b.scale[u][tt] - 127 - t_exp[tt])) : xy;
+#else
         const qpn_u32 own = exact ? __float_as_uint(__fmul_rn(qpn_e4m3_to_float(b.scale[u][tt]), gval[tt])) : xy;
+#endif
         qpn_u32 col[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) col[c] = __shfl_sync(0xFFFFFFFFu, own, c, 4);  // width 4: source lane quad | c, an immediate
@@ -339,14 +384,18 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #pragma unroll
         for (int h = 0; h < QPN_HT; ++h) {
             pc[h] += 256 * QPN_UNROLL;
-            ps[h] += 32 * QPN_UNROLL;
+#if QPN_MX && QPN_UNROLL == 1
+            if (i & 1) ps[h] += 32;  // one group per batch: the next 32-k block after each odd group
+#else
+            ps[h] += 32 * QPN_UNROLL * QPN_GROUP_K / QPN2_SCALE_K;
+#endif
         }
         qpn_x_advance(xs, QPN_UNROLL);
     }
 
 #if QPN_GEMM
-    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
+    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval));
 #else
-    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
+    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval));
 #endif
 }

@@ -419,12 +419,32 @@ __device__ __forceinline__ qpn_u16 qpn_silu_mul(qpn_u16 gate16, qpn_u16 up16) {
     return qpn_float_to_half_rn(__fmul_rn(qpn_half_to_float(silu16), qpn_half_to_float(up16)));
 }
 
-// The slot's outputs from their fp32 sums s[h] (gate, up when gated): one RN16, the epilogue.
-__device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT]) {
-#if QPN_GATED
-    return qpn_silu_mul(qpn_float_to_half_rn(s[0]), qpn_float_to_half_rn(s[1]));
+// QPN_MX = 1 (MXFP4, qpn2_linear.cu): each tile's fp32 sums times its 2^T, exact, before the one RN16
+// (docs/DESIGN.md, "MXFP4 weight"); the stores take the tiles' 2^T as one more argument.
+#ifndef QPN_MX
+#define QPN_MX 0
+#endif
+#if QPN_MX
+#define QPN_OUT_SCALE_PARAM , const float (&out_scale)[QPN_HT]
+#define QPN_OUT_SCALE_ARG(v) , v
 #else
-    return qpn_float_to_half_rn(s[0]);
+#define QPN_OUT_SCALE_PARAM
+#define QPN_OUT_SCALE_ARG(v)
+#endif
+
+// The slot's outputs from their fp32 sums s[h] (gate, up when gated): one RN16, the epilogue.
+__device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT] QPN_OUT_SCALE_PARAM) {
+#if QPN_MX
+    float t[QPN_HT];
+#pragma unroll
+    for (int h = 0; h < QPN_HT; ++h) t[h] = __fmul_rn(s[h], out_scale[h]);
+#else
+    const float (&t)[QPN_HT] = s;
+#endif
+#if QPN_GATED
+    return qpn_silu_mul(qpn_float_to_half_rn(t[0]), qpn_float_to_half_rn(t[1]));
+#else
+    return qpn_float_to_half_rn(t[0]);
 #endif
 }
 
@@ -441,7 +461,8 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT]) {
 // depends on N, K and the SM count, never on M, batch-invariant -- and stores the outputs.
 __device__ __forceinline__ void qpn_reduce_store(
     float (*red)[QPN_HT][2][4][32], float (*red_sum)[256], const QpnAcc (&acc)[QPN_HT],
-    qpn_u16* __restrict__ y, int m_rows, int y_cols, float* __restrict__ partial, unsigned* __restrict__ tickets)
+    qpn_u16* __restrict__ y, int m_rows, int y_cols, float* __restrict__ partial, unsigned* __restrict__ tickets
+    QPN_OUT_SCALE_PARAM)
 {
     __shared__ unsigned last_part;
     const int lane = threadIdx.x & 31;
@@ -490,7 +511,7 @@ __device__ __forceinline__ void qpn_reduce_store(
                 }
                 const long long at = (long long)m * y_cols + col0 + c;
                 if (parts == 1) {
-                    y[at] = qpn_output(s);
+                    y[at] = qpn_output(s QPN_OUT_SCALE_ARG(out_scale));
                 } else {
 #pragma unroll
                     for (int h = 0; h < QPN_HT; ++h)
@@ -517,7 +538,7 @@ __device__ __forceinline__ void qpn_reduce_store(
             for (int p = 1; p < parts; ++p)
                 s[h] = __fadd_rn(s[h], __ldcg(partial + ((long long)p * QPN_HT + h) * m_rows * y_cols + at));
         }
-        y[at] = qpn_output(s);
+        y[at] = qpn_output(s QPN_OUT_SCALE_ARG(out_scale));
     }
 }
 
@@ -551,7 +572,7 @@ __device__ __forceinline__ void qpn_gemm_each_pair(const QpnSlice& sl, int m_row
 
 __device__ __forceinline__ void qpn_gemm_store(
     const QpnAcc (&acc)[QPN_HT], const QpnSlice& sl, qpn_u16* __restrict__ y, int m_rows, int y_cols,
-    float* __restrict__ partial, unsigned* __restrict__ tickets)
+    float* __restrict__ partial, unsigned* __restrict__ tickets QPN_OUT_SCALE_PARAM)
 {
     __shared__ unsigned last_part;
     const int parts = gridDim.y, part = blockIdx.y;
@@ -592,7 +613,8 @@ __device__ __forceinline__ void qpn_gemm_store(
                 s1[h] = v.y;
             }
         }
-        *reinterpret_cast<qpn_u32*>(y + at) = (qpn_u32)qpn_output(s0) | ((qpn_u32)qpn_output(s1) << 16);
+        *reinterpret_cast<qpn_u32*>(y + at) = (qpn_u32)qpn_output(s0 QPN_OUT_SCALE_ARG(out_scale)) |
+                                              ((qpn_u32)qpn_output(s1 QPN_OUT_SCALE_ARG(out_scale)) << 16);
     });
 }
 #endif

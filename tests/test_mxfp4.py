@@ -197,3 +197,16 @@ def test_qpnmx_prepack_validates_before_any_work():
                         ((good.blocks, good.scales[:, :1]), "scales")):
         with pytest.raises(ValueError, match=match):
             mx.qpnmx_prepack(*args)
+
+
+def test_the_linear_bounds_hold_the_reference_and_an_fp32_sum():
+    rng = np.random.default_rng(8)
+    w = mx.mxfp4_quantize(rng.standard_normal((64, 512)).astype(np.float32))
+    w16, tile_scale = mx.mxfp4_w16(*w)
+    x = rng.standard_normal((4, 512)).astype(np.float16)
+    lo, hi = mx.mxfp4_linear_bounds(x, w16, tile_scale)
+    fp32 = ((x.astype(np.float32) @ w16.astype(np.float32).T) * np.repeat(tile_scale, 32)).astype(np.float16)
+    for y in (mx.mxfp4_linear(x, w16, tile_scale), fp32):
+        assert ((lo <= y) & (y <= hi)).all()
+    width = hi.astype(np.float64) - lo.astype(np.float64)
+    assert (width > 0).any() and (width <= 2.0**-4 * (np.abs(fp32.astype(np.float64)) + 1)).all()  # narrow

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from qpn.cupy_kernels import gemm, linear, moe
+from qpn.cupy_kernels import gemm, linear, moe, mxfp4
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # a tool, not the runtime package
 import turing_model as tm  # noqa: E402
@@ -317,7 +317,8 @@ def toolchain(nvrtc):
 @pytest.fixture(scope="module")
 def sm75_loops(toolchain):
     nvrtc, nvdisasm = toolchain
-    jobs = [(v, "sm_75") for v in (*linear.DECODE_VARIANTS, *gemm.KERNEL_VARIANTS, *moe.EXPERT_DECODE.values())]
+    jobs = [(v, "sm_75") for v in (*linear.DECODE_VARIANTS, *mxfp4.KERNEL_VARIANTS, *gemm.KERNEL_VARIANTS,
+                                   *moe.EXPERT_DECODE.values())]
     return tm.measure_all(jobs, nvrtc, nvdisasm)["sm_75"]
 
 
