@@ -7,8 +7,8 @@ NVRTC from the `nvidia-cuda-nvrtc` wheel as for the compile check, `nvdisasm` fr
 Method (every step reads the compiled code, nothing about the loop is hard-coded):
 
 1. Build: every decode variant the `linear` and `mxfp4` wrappers register (`linear.DECODE_VARIANTS`,
-   `mxfp4.KERNEL_VARIANTS`), every
-   GEMM build (`gemm.KERNEL_VARIANTS`) and every MoE expert build (`moe.EXPERT_DECODE`: the decode
+   `mxfp4.QPNMX_LINEAR`), every
+   GEMM build (`gemm.KERNEL_VARIANTS`, `mxfp4.QPNMX_GEMM`) and every MoE expert build (`moe.EXPERT_DECODE`: the decode
    kernels with x rows through the route) is compiled for sm_75 with `loader.compile_text`, the compile
    check's path and options (with the ptxas report: registers, shared memory), and the cubin is
    disassembled with `nvdisasm -c`.
@@ -73,7 +73,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from qpn.cupy_kernels import compile_check, gemm, loader, moe
+from qpn.cupy_kernels import compile_check, gemm, loader, moe, mxfp4
 from qpn.cupy_kernels.variants import KernelVariant
 
 # ----------------------------------------------------------------------------- the machines
@@ -995,16 +995,17 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
               l2rate_results: Path | None = None) -> dict:
     """Measure every decode variant and GEMM build on sm_75 (and the decode variants on sm_90 for the
     H200 check and the estimates); returns everything the report and the record need."""
-    from qpn.cupy_kernels import linear, mxfp4  # the wrapper modules register the decode variants
+    from qpn.cupy_kernels import linear  # the wrapper module registers the decode variants
 
-    variants = (*linear.DECODE_VARIANTS, *mxfp4.KERNEL_VARIANTS) if variants is None else variants
+    variants = (*linear.DECODE_VARIANTS, *mxfp4.QPNMX_LINEAR.values()) if variants is None else variants
     nvrtc = nvrtc or loader.CudaBindingsNVRTC()
     nvdisasm = nvdisasm or find_nvdisasm()
     if nvdisasm is None:
         raise FileNotFoundError(
             "nvdisasm not found: pip install 'nvidia-cuda-nvdisasm>=13,<14' (in qpn's [test] extra)")
     fams = _families(variants)
-    gemm_builds, moe_builds = list(gemm.KERNEL_VARIANTS), list(moe.EXPERT_DECODE.values())
+    gemm_builds = [*gemm.KERNEL_VARIANTS, *mxfp4.QPNMX_GEMM.values()]
+    moe_builds = list(moe.EXPERT_DECODE.values())
     jobs = [(v, "sm_75") for v in (*variants, *gemm_builds, *moe_builds)] + [(v, "sm_90") for v in variants]
     stats = measure_all(jobs, nvrtc, nvdisasm)
     h200_pct, h200_ceiling = _h200_measured(h200_results)

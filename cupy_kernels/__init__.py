@@ -20,8 +20,9 @@ Public functions (CuPy arrays in and out, launched on the current CuPy stream):
   GEMM build), any M, built for 33-512; `gemm_threshold(format, n, k)`: the largest M it serves on the
   current device where no measured dispatch table covers the shape; `gemm_workspace_size(format, m, n,
   k, gated)` (format: "nvfp4" | "fp8", as everywhere)
-- `qpnmx_linear(x, codes, scales, tile_scale, out=None, gated=False, workspace=None)`: the MXFP4 decode
-  kernels (QPN2's kernel, QPNMX buffers: qpn.ref.mxfp4.qpnmx_prepack), M in [1, 32]
+- MXFP4 (QPN2's kernels built for QPNMX buffers: docs/QPNMX.md): `qpnmx_prepack(blocks, scales)`,
+  `qpnmx_dequantize(codes, scales, tile_scale, n, k, out=None)` (the reduced W16), `qpnmx_linear(x, codes,
+  scales, tile_scale, out=None, gated=False, workspace=None)` (M in [1, 32]), `qpnmx_gemm_linear(...)`
 """
 
 from .dense import qpn2_dense_linear, qpn8_dense_linear
@@ -29,5 +30,5 @@ from .dequantize import qpn2_dequantize, qpn8_dequantize
 from .gemm import gemm_threshold, gemm_workspace_size, qpn2_gemm_linear, qpn8_gemm_linear
 from .linear import decode_threshold, decode_workspace_size, qpn2_linear, qpn8_linear
 from .loader import get_function
-from .mxfp4 import qpnmx_linear
+from .mxfp4 import qpnmx_dequantize, qpnmx_gemm_linear, qpnmx_linear, qpnmx_prepack
 from .prepack import qpn2_prepack, qpn8_prepack

@@ -102,15 +102,16 @@ def check_qpn2(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int,
 
 
 def launch_qpn2_dequantize(codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, out: CupyArray, n: int,
-                           k: int) -> None:
-    """grid -> launch for validated arguments (no checks, no sync)."""
+                           k: int, variant: KernelVariant = QPN2_DEQUANTIZE) -> None:
+    """grid -> launch for validated arguments (no checks, no sync); `variant`: the NVFP4 build, or MXFP4's
+    (cupy_kernels/mxfp4.py: g the tiles' 2^T)."""
     n_tiles, groups = n // TILE_N, k // GROUP_K
     # grid: one warp per (tile, GROUPS_PER_THREAD groups)
     chunks = -(-groups // GROUPS_PER_THREAD)
     grid = (launch_blocks(n_tiles * chunks * 32, THREADS_PER_BLOCK),)
     block = (THREADS_PER_BLOCK,)
     args = (codes, scales, g, np.int32(g_stride), out, np.int32(n_tiles), np.int32(groups))
-    kernel(QPN2_DEQUANTIZE)(grid, block, args)
+    kernel(variant)(grid, block, args)
 
 
 def qpn2_dequantize(codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray, n: int, k: int,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat
 from ..ref.qpn8 import qpn8_group_scales_format
 from ._validate import CupyArray, global_scale_stride, require_aligned
 from .dequantize import (
@@ -34,6 +34,7 @@ from .linear import (
     require_group_scales_aligned,
     require_x_aligned,
 )
+from .mxfp4 import QPNMX_DEQUANTIZE, launch_qpnmx_decode, launch_qpnmx_gemm, run_qpnmx_prepack
 from .prepack import require_qpn2_prepack_aligned, run_qpn2_prepack, run_qpn8_prepack
 
 Buffers = tuple[CupyArray, ...]
@@ -147,8 +148,39 @@ class _QPN8Kernels(LayoutKernels):
         launch(x, codes, group_scales, wf, n, out, gated, workspace)
 
 
-_QPN2_KERNELS, _QPN8_KERNELS = _QPN2Kernels(), _QPN8Kernels()
-LAYOUT_KERNELS = {QPN2.key: _QPN2_KERNELS, QPN8.key: _QPN8_KERNELS, QPN8_BLOCK.key: _QPN8_KERNELS}
+class _QPNMXKernels(LayoutKernels):
+    """MXFP4: QPN2's kernels built with QPN_MX (cupy_kernels/mxfp4.py); the tiles' 2^T are the third buffer."""
+
+    family = QPNMX
+
+    def prepack(self, sources: Buffers, granularity: str | None, out: Buffers) -> None:
+        blocks, scales = sources
+        require_aligned("blocks", blocks)  # 16-byte loads
+        run_qpnmx_prepack(blocks, scales, *out)
+
+    def dequantize(self, buffers: Buffers, n: int, k: int, out: CupyArray) -> None:
+        codes, scales, tile_scale = buffers
+        require_aligned("codes", codes, 8)
+        launch_qpn2_dequantize(codes, scales, tile_scale, 1, out, n, k, QPNMX_DEQUANTIZE)
+
+    def expert_weights(self, buffers: Buffers, n: int, k: int) -> tuple[WeightFormat, tuple[object, ...], int]:
+        codes, scales, tile_scale = buffers
+        require_aligned("codes", codes, 8)
+        return QPNMX, (codes, scales, tile_scale, np.int32(1)), int(tile_scale[0].size)
+
+    _decode, _gemm = staticmethod(launch_qpnmx_decode), staticmethod(launch_qpnmx_gemm)
+
+    def _linear(self, launch: Callable[..., None], x: CupyArray, buffers: Buffers, n: int, out: CupyArray,
+                gated: bool, workspace: CupyArray | None) -> None:
+        codes, scales, tile_scale = buffers
+        require_x_aligned(x)
+        require_aligned("codes", codes, 8)
+        launch(x, codes, scales, tile_scale, n, out, gated, workspace)
+
+
+_QPN2_KERNELS, _QPN8_KERNELS, _QPNMX_KERNELS = _QPN2Kernels(), _QPN8Kernels(), _QPNMXKernels()
+LAYOUT_KERNELS = {QPN2.key: _QPN2_KERNELS, QPN8.key: _QPN8_KERNELS, QPN8_BLOCK.key: _QPN8_KERNELS,
+                  QPNMX.key: _QPNMX_KERNELS}
 
 
 def layout_kernels(wf: WeightFormat) -> LayoutKernels:

@@ -33,7 +33,7 @@ import functools
 
 import numpy as np
 
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat
 from ..ref.geometry import TILE_N
 from ._validate import CupyArray, require_aligned
 from .layouts import Buffers, LayoutKernels
@@ -54,6 +54,7 @@ COMBINE_THREADS = 256  # two columns each
 # every sum is the same; the speed of these is not measured separately; tests/test_turing_compile.py):
 MOE_PIPELINE = {
     (QPN2.key, 2, False): (4, 1),  # (2, 2): 40 bytes spilled; (4, 1): 112 registers
+    (QPNMX.key, 2, False): (4, 1),  # QPN2's kernel: the same
     (QPN8.key, 2, False): (1, 2),  # (4, 2): 44; (2, 2): 8
     (QPN8.key, 3, False): (4, 1),  # (2, 2): 76; (1, 2): 28
     (QPN8_BLOCK.key, 1, False): (2, 2),  # (4, 2): 12
@@ -76,8 +77,8 @@ def class_build(key: str, gated: bool, cls: int) -> tuple[int, int]:
 
 
 def _expert_decode(wf: WeightFormat, nb: int, gated: bool) -> KernelVariant:
-    family = QPN2 if wf is QPN2 else QPN8  # the kernel file: QPN8_BLOCK is a build of qpn8_linear.cu
-    macros = decode_macros(family.key, nb, gated, wf is QPN8_BLOCK, moe=True,
+    family = QPN8 if wf in (QPN8, QPN8_BLOCK) else QPN2  # the kernel file: QPN8_BLOCK, QPNMX are builds
+    macros = decode_macros(QPNMX.key if wf is QPNMX else family.key, nb, gated, wf is QPN8_BLOCK, moe=True,
                            pipeline=MOE_PIPELINE.get((wf.key, nb, gated)))
     return KernelVariant(f"{family.key}_linear.cu", f"{family.key}_linear", tuple(sorted((*macros, *_ROUTE_MACROS))),
                          archs=("sm_75",), max_stack_bytes=FALLBACK_STACK_BYTES)
@@ -85,7 +86,7 @@ def _expert_decode(wf: WeightFormat, nb: int, gated: bool) -> KernelVariant:
 
 EXPERT_DECODE = {
     (wf.key, nb, gated): _expert_decode(wf, nb, gated)
-    for wf in (QPN2, QPN8, QPN8_BLOCK) for gated in (False, True)
+    for wf in (QPN2, QPN8, QPN8_BLOCK, QPNMX) for gated in (False, True)
     for nb in sorted({class_build(wf.key, gated, c)[0] for c in range(MOE_CLASSES)})
 }
 KERNEL_VARIANTS = (ROUTE, COMBINE, *EXPERT_DECODE.values())

@@ -90,8 +90,9 @@ def run_qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray, codes: C
 
 
 def launch_qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray, codes: CupyArray, scales: CupyArray,
-                        flags: CupyArray) -> None:
-    """grid -> launch for validated arguments (no sync; the benchmark times this directly)."""
+                        flags: CupyArray, variant: KernelVariant = QPN2_PREPACK) -> None:
+    """grid -> launch for validated arguments (no sync; the benchmark times this directly); `variant`: the
+    NVFP4 build, or MXFP4's (cupy_kernels/mxfp4.py: the same codes, e8m0 scales)."""
     n, half_k = weight_packed.shape
     n_tiles, groups = n // TILE_N, 2 * half_k // GROUP_K
     # grid: one thread per (column, 4 groups)
@@ -99,7 +100,7 @@ def launch_qpn2_prepack(weight_packed: CupyArray, weight_scale: CupyArray, codes
     grid = (launch_blocks(threads, THREADS_PER_BLOCK),)
     block = (THREADS_PER_BLOCK,)
     args = (weight_packed, weight_scale, codes, scales, np.int32(n_tiles), np.int32(groups), flags)
-    kernel(QPN2_PREPACK)(grid, block, args)
+    kernel(variant)(grid, block, args)
 
 
 def qpn8_prepack(weight: CupyArray, weight_scale: CupyArray,

@@ -5,6 +5,9 @@
 //                                 QPN_STAGE_GROUPS; the host's grid arithmetic uses the same value)
 //          QPN_STAGE_GROUPS       groups staged per phase through shared memory (2 or 4, default 2)
 //          QPN_WARPS_PER_BLOCK    warps per block (default 8; the host launches 32x this many threads)
+//          QPN_MX                 1: MXFP4 in the QPNMX layout (docs/QPNMX.md): e8m0 scale bytes, one per
+//                                 32 k; global_scale = the tiles' 2^T; E = 2^(s - 127 - T), so W16 =
+//                                 RN16(e2m1 * 2^F), the reduced weight (docs/DESIGN.md, "MXFP4 weight")
 //
 // Weight semantics (docs/DESIGN.md, "NVFP4 weight"; bit-identical to qpn.ref.qpn2_dequantize):
 //     W16[n,k] = RN16(RN32(e2m1(code) * RN32(e4m3(scale) * g(n))))      code 8 -> -0.0 (0x8000)
@@ -41,6 +44,10 @@
 //           RN16(RN32(6 * RN32(|e4m3| * g))) is inf (RN32(...) >= 65520), |= 4 a global scale
 //           that is NaN, inf or <= 0.
 #include "qpn_dequant.cuh"
+
+#ifndef QPN_MX
+#define QPN_MX 0
+#endif
 
 // Nibble pair (i, i+4) of a code word, already shifted down to bits 0..3 and 16..19 of x,
 // -> two fp16 weights (bits 0..15 = k 2i, bits 16..31 = k 2i+1).
@@ -85,13 +92,21 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS_PER_BLOCK * 32) qpn2_dequ
     for (int j = 0; j < QPN_GROUPS_PER_THREAD; ++j) {
         if (g0 + j < groups) {
             c[j] = __ldcs(codes + unit + 32 * j);
+#if QPN_MX  // the group's 32-k block: [tile][block][lane]
+            sb[j] = __ldcs(scales + ((size_t)t * (groups / 2) + (g0 + j) / 2) * QPN_TILE_N + lane);
+#else
             sb[j] = __ldcs(scales + unit + 32 * j);
+#endif
         }
     }
     const float g = __ldg(global_scale + (long long)t * global_scale_tile_stride);
 
     qpn_dequant_store(out, t, groups, g0, [&](int j, uint4& lo, uint4& hi) {
+#if QPN_MX
+        const float e = ldexpf(1.0f, (int)sb[j] - 127 - ilogbf(g));  // E = 2^F, exact (0 below fp32's range)
+#else
         const float e = __fmul_rn(qpn_e4m3_to_float(sb[j]), g);  // E = RN32(e4m3 * g)
+#endif
         const float e_scaled = __fmul_rn(e, 16384.0f);            // E * 2^14, exact
         lo = qpn2_decode_word(c[j].x, e_scaled);                  // k 0..7
         hi = qpn2_decode_word(c[j].y, e_scaled);                  // k 8..15

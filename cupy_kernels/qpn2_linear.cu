@@ -231,10 +231,19 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #pragma unroll
     for (int h = 0; h < QPN_HT; ++h) gval[h] = gscale[(long long)sl.tile[h] * gs_stride];
 #if QPN_MX
-    int t_exp[QPN_HT];  // T: 2^T is exact in fp32 (T >= -140), so ilogbf reads it back
+    // T for the exact path's S = 2^F (2^T is exact, T >= -140, so ilogbf reads it back): held by the decode
+    // builds (read back on that path it grew their loops by 0.5-4 instructions per group-tile), re-read by
+    // the GEMM builds (held, it spilled the gated one)
+#if QPN_GEMM
+#define QPNMX_T_EXP(h) ilogbf(gval[h])
+#else
+    int t_exp[QPN_HT];
 #pragma unroll
     for (int h = 0; h < QPN_HT; ++h) t_exp[h] = ilogbf(gval[h]);
+#define QPNMX_T_EXP(h) t_exp[h]
 #endif
+#endif
+
     // The block constants depend only on (scale byte, g): a 256-entry table per tile replaces
     // ~15 instructions per lane and group (2 cvt, 3 fmul, packs, 2 fp16 ops) by one LDS.
 #if QPN_GEMM
@@ -326,7 +335,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
         // the owner column's decode constant -- {X, Y}, or S = RN32(e4m3 * g) on the exact path --
         // gathered for the quad's four columns (`exact` is a constant at both call sites)
 #if QPN_MX
-        const qpn_u32 own = exact ? __float_as_uint(ldexpf(1.0f, (int)b.scale[u][tt] - 127 - t_exp[tt])) : xy;
+        const qpn_u32 own = exact ? __float_as_uint(ldexpf(1.0f, (int)b.scale[u][tt] - 127 - QPNMX_T_EXP(tt))) : xy;
 #else
         const qpn_u32 own = exact ? __float_as_uint(__fmul_rn(qpn_e4m3_to_float(b.scale[u][tt]), gval[tt])) : xy;
 #endif

@@ -1,6 +1,7 @@
 // qpn2_prepack.cu: ModelOpt NVFP4 tensors -> QPN2 codes and scales (docs/QPN2.md), on the GPU.
 //
-// Kernels: qpn2_prepack.   Macros: none.
+// Kernels: qpn2_prepack.   Macros: QPN_MX = 1: MXFP4 (docs/QPNMX.md): the same codes; the e8m0 scales
+//          [N][K/32] -> [tile][block][lane], flags |= 1 for the e8m0 NaN byte 0xFF.
 //
 // Reads   weight_packed  uint8 [N][K/2]  row-major; byte j of row n: k=2j low nibble, 2j+1 high
 //         weight_scale   uint8 [N][K/16] e4m3 bits, row-major
@@ -22,6 +23,9 @@
 #include "qpn_common.cuh"
 
 #define QPN2_PREPACK_GROUPS_PER_THREAD 4  // 4 groups x 8 B = one 32-byte sector per row
+#ifndef QPN_MX
+#define QPN_MX 0
+#endif
 
 // In each 32-bit word: nibble q of the result <- nibble KORDER[q] = (0,2,4,6,1,3,5,7)[q] of x,
 // i.e. even nibbles to the low half-word, odd nibbles to the high half-word.
@@ -54,7 +58,11 @@ extern "C" __global__ void qpn2_prepack(
     const uint4* src = weight_packed + n * (groups / 2) + g0 / 2;
     const uint4 lo = __ldcs(src);      // groups g0, g0+1 (read once: evict-first)
     const uint4 hi = __ldcs(src + 1);  // groups g0+2, g0+3
+#if QPN_MX  // the 4 groups' two 32-k blocks: two e8m0 bytes (K % 64: an even, 2-byte aligned offset)
+    const qpn_u32 s2 = __ldcs(reinterpret_cast<const unsigned short*>(weight_scale) + (n * groups / 2 + g0 / 2) / 2);
+#else
     const qpn_u32 s4 = __ldcs(weight_scale + (n * groups + g0) / 4);  // 4 scale bytes, g0..g0+3
+#endif
 
     // Unit index of (t, g0, lane); group g0+j sits 32*j units further.
     const size_t unit = ((size_t)t * groups + g0) * QPN_TILE_N + lane;
@@ -64,11 +72,18 @@ extern "C" __global__ void qpn2_prepack(
     o.x = qpn2_unshuffle_nibbles(hi.x); o.y = qpn2_unshuffle_nibbles(hi.y); codes[unit + 64] = o;
     o.x = qpn2_unshuffle_nibbles(hi.z); o.y = qpn2_unshuffle_nibbles(hi.w); codes[unit + 96] = o;
 
+    // The host reads the flag once after the launch (one sync per prepack, a load-time call)
+    // and, only then, finds the first bad byte on the CPU for the error message.
+#if QPN_MX
+    const size_t block_unit = ((size_t)t * (groups / 2) + g0 / 2) * QPN_TILE_N + lane;
+    scales[block_unit] = (qpn_u8)s2;
+    scales[block_unit + 32] = (qpn_u8)(s2 >> 8);
+    if ((s2 & 0xFFu) == 0xFFu || (s2 >> 8) == 0xFFu) atomicOr(flags, 1);
+#else
 #pragma unroll
     for (int j = 0; j < QPN2_PREPACK_GROUPS_PER_THREAD; ++j) {
         scales[unit + 32 * j] = (qpn_u8)(s4 >> (8 * j));
     }
-    // The host reads the flag once after the launch (one sync per prepack, a load-time call)
-    // and, only then, finds the first bad byte on the CPU for the error message.
     if (qpn_e4m3x4_nan_mask(s4)) atomicOr(flags, 1);
+#endif
 }

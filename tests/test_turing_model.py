@@ -317,8 +317,8 @@ def toolchain(nvrtc):
 @pytest.fixture(scope="module")
 def sm75_loops(toolchain):
     nvrtc, nvdisasm = toolchain
-    jobs = [(v, "sm_75") for v in (*linear.DECODE_VARIANTS, *mxfp4.KERNEL_VARIANTS, *gemm.KERNEL_VARIANTS,
-                                   *moe.EXPERT_DECODE.values())]
+    jobs = [(v, "sm_75") for v in (*linear.DECODE_VARIANTS, *mxfp4.QPNMX_LINEAR.values(), *gemm.KERNEL_VARIANTS,
+                                   *mxfp4.QPNMX_GEMM.values(), *moe.EXPERT_DECODE.values())]
     return tm.measure_all(jobs, nvrtc, nvdisasm)["sm_75"]
 
 
