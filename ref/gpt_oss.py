@@ -1,0 +1,102 @@
+"""gpt-oss's mixture-of-experts block in numpy (issue 23): its router, its experts' biased linears and their
+clamped SwiGLU ("swigluoai"), and the weighted top-k sum, on the contract's W16 (docs/DESIGN.md, "gpt-oss
+experts").
+
+- `route(router_logits, top_k)`: what transformers' GptOssTopKRouter and vLLM compute: the top_k largest
+  logits (the router's own bias included by the caller; ties: the lower expert index first), then a
+  softmax over those k values only. Here in float64, rounded once to fp32 (torch's fp32 softmax may
+  differ by a few fp32 ulps).
+- `swigluoai_and_mul(gate16, up16)`: vLLM's swigluoai_and_mul kernel, op for op in fp32, one RN16:
+      g = min(gate, 7), u = clamp(up, -7, 7), s = 1 / (1 + expf(-(g * 1.702))), glu = g * s,
+      h = RN16((u + 1) * glu)                  (alpha = 1.702, limit = 7.0: gpt-oss's config)
+  each fp32 operation rounded once (expf: float64 exp rounded to fp32; CUDA's expf is within 2 ulps).
+- `moe(x, w13, b13, w2, b2, topk_weights, topk_ids)`: for token m and its j-th choice e:
+      gate, up = RN16(S + b) over w13[e]'s rows [0, I) and [I, 2I)   (S = the contract's fp32 sum of x W16;
+                                                                    the bias enters before the one RN16)
+      h_j      = swigluoai_and_mul(gate, up)
+      y_j      = RN16(S(h_j, w2[e]) + b2[e])
+      out[m]   = ref.moe.combine: one fp32 multiply and add per choice in top-k order, one RN16
+  w13 in qpn's layout: gate rows first, then up. gpt-oss's checkpoints interleave them (row 2i gate, 2i + 1
+  up): `deinterleave` is the permutation a loader applies once (exact: rows move, nothing rounds). The
+  biases are float32 (gpt-oss stores bf16, which fp32 holds exactly). The sums here are float64 with one
+  rounding: the reference; a kernel's fp32 order moves S within ref.linear_bounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .checks import require_array
+from .linear import _expf
+from .moe import _check_experts, _check_routing, combine
+
+SWIGLU_ALPHA = 1.702  # gpt-oss config swiglu_alpha (an fp32 constant in vLLM's kernel)
+SWIGLU_LIMIT = 7.0  # gpt-oss config swiglu_limit
+
+
+def route(router_logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """router_logits [M, E] -> (topk_weights float32 [M, top_k], topk_ids int64 [M, top_k]), descending."""
+    logits = np.asarray(router_logits)
+    if logits.ndim != 2 or not np.issubdtype(logits.dtype, np.floating):
+        raise ValueError(f"router_logits must be a float array [M, E], got {logits.dtype} of shape {logits.shape}")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, E = {logits.shape[1]}], got {top_k}")
+    ids = np.argsort(-logits.astype(np.float64), axis=1, kind="stable")[:, :top_k]
+    top = np.take_along_axis(logits.astype(np.float64), ids, axis=1)
+    p = np.exp(top - top[:, :1])  # the first is the largest
+    return (p / p.sum(axis=1, keepdims=True)).astype(np.float32), ids.astype(np.int64)
+
+
+def swigluoai_and_mul(gate16: np.ndarray, up16: np.ndarray, alpha: float = SWIGLU_ALPHA,
+                      limit: float = SWIGLU_LIMIT) -> np.ndarray:
+    """vLLM's swigluoai_and_mul on fp16 tensors of one shape (module docstring)."""
+    gate16 = require_array("gate16", gate16, np.float16)
+    up16 = require_array("up16", up16, np.float16)
+    if gate16.shape != up16.shape:
+        raise ValueError(f"gate16 and up16 must have one shape, got {gate16.shape} and {up16.shape}")
+    a, lim = np.float32(alpha), np.float32(limit)
+    g = np.minimum(gate16.astype(np.float32), lim)  # NaN stays NaN (np.minimum propagates it, as the kernel's ?:)
+    u = np.clip(up16.astype(np.float32), -lim, lim)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        s = np.float32(1.0) / (np.float32(1.0) + _expf(-(g * a)))  # each op one RN32
+        glu = g * s
+        return ((u + np.float32(1.0)) * glu).astype(np.float16)
+
+
+def deinterleave(gate_up: np.ndarray, axis: int) -> np.ndarray:
+    """gpt-oss's interleaved gate / up along `axis` (2i gate, 2i + 1 up: -2 for weights [..., 2I, K], -1 for
+    biases [..., 2I]) -> qpn's order: the gate rows, then the up rows. A permutation: nothing rounds."""
+    gate_up = np.asarray(gate_up)
+    if gate_up.shape[axis] % 2:
+        raise ValueError(f"gate_up must hold gate and up pairs along axis {axis}, got shape {gate_up.shape}")
+    every = [slice(None)] * gate_up.ndim
+    gates, ups = list(every), list(every)
+    gates[axis], ups[axis] = slice(0, None, 2), slice(1, None, 2)
+    return np.concatenate([gate_up[tuple(gates)], gate_up[tuple(ups)]], axis=axis)
+
+
+def _biased(x: np.ndarray, w16: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """RN16(S + b): the float64 sum of exact products plus the fp32 bias, rounded once."""
+    with np.errstate(over="ignore"):
+        return (x.astype(np.float64) @ w16.astype(np.float64).T + b.astype(np.float64)).astype(np.float16)
+
+
+def moe(x: np.ndarray, w13: np.ndarray, b13: np.ndarray, w2: np.ndarray, b2: np.ndarray,
+        topk_weights: np.ndarray, topk_ids: np.ndarray) -> np.ndarray:
+    """x fp16 [M, H]; w13 fp16 [E, 2I, H] (gate rows, then up), b13 float32 [E, 2I]; w2 fp16 [E, H, I],
+    b2 float32 [E, H]; the routing -> fp16 [M, H] (module docstring)."""
+    x, w13, w2 = _check_experts(x, w13, w2)
+    e, two_i, h = w13.shape
+    b13 = require_array("b13", b13, np.float32, ndim=2)
+    b2 = require_array("b2", b2, np.float32, ndim=2)
+    if b13.shape != (e, two_i) or b2.shape != (e, h):
+        raise ValueError(f"b13 must be [E, 2I] = {(e, two_i)} and b2 [E, H] = {(e, h)}, got {b13.shape} and {b2.shape}")
+    weights, ids = _check_routing(topk_weights, topk_ids, x.shape[0], e)
+    inter = two_i // 2
+    y = np.zeros((*ids.shape, h), np.float16)
+    for expert in np.unique(ids):
+        rows, choices = np.nonzero(ids == expert)
+        gate_up = _biased(x[rows], w13[expert], b13[expert])
+        hidden = swigluoai_and_mul(gate_up[:, :inter], gate_up[:, inter:])
+        y[rows, choices] = _biased(hidden, w2[expert], b2[expert])
+    return combine(y, weights)

@@ -1,0 +1,88 @@
+"""gpt-oss's MoE block in the reference (qpn.ref.gpt_oss; issue 23): the router, the clamped SwiGLU and the
+biased experts against transformers' GptOssTopKRouter / GptOssExperts evaluated in float64, and the
+de-interleaving of gate and up as an exact permutation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qpn.ref import gpt_oss
+
+torch = pytest.importorskip("torch")
+modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+transformers = pytest.importorskip("transformers")
+
+E, TOP_K, H, INTER = 4, 2, 64, 32
+
+
+def config():
+    return transformers.GptOssConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E,
+                                     num_experts_per_tok=TOP_K, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=32, vocab_size=64)
+
+
+def test_the_router_is_a_softmax_over_the_top_k_logits():
+    rng = np.random.default_rng(0)
+    router = modeling.GptOssTopKRouter(config()).double()
+    with torch.no_grad():
+        router.weight.copy_(torch.from_numpy(rng.standard_normal((E, H))))
+        router.bias.copy_(torch.from_numpy(rng.standard_normal(E)))
+        x = torch.from_numpy(rng.standard_normal((9, H)))
+        logits, scores, ids = router(x)
+    weights, got_ids = gpt_oss.route(logits.numpy(), TOP_K)
+    assert np.array_equal(got_ids, ids.numpy())
+    assert np.array_equal(weights, scores.numpy().astype(np.float32))  # float64, then one RN32 each
+    with pytest.raises(ValueError, match="top_k must be in"):
+        gpt_oss.route(logits.numpy(), E + 1)
+
+
+def test_swigluoai_is_vllms_kernel_within_one_fp16_ulp_of_the_exact_value():
+    """Against transformers' _apply_gate in float64 on the interleaved pair: one RN16 apart at most (the
+    kernel's fp32 steps and its one RN16); the clamps at +-7 and a NaN gate pass through as in vLLM."""
+    rng = np.random.default_rng(1)
+    gate = (rng.standard_normal(4096) * 6).astype(np.float16)
+    up = (rng.standard_normal(4096) * 6).astype(np.float16)
+    gate[:3], up[:3] = (100.0, -100.0, np.nan), (-100.0, 100.0, 1.0)
+    got = gpt_oss.swigluoai_and_mul(gate, up)
+    experts = modeling.GptOssExperts(config())
+    pair = np.stack([gate, up], axis=-1).reshape(-1).astype(np.float64)  # interleaved: gate 2i, up 2i + 1
+    want = experts._apply_gate(torch.from_numpy(pair)).numpy()
+    assert got[0] == np.float16((-7.0 + 1) * 7.0 / (1 + np.exp(-7 * 1.702))) and got[1] == 0 and np.isnan(got[2])
+    ulp = np.spacing(np.abs(want[3:]).astype(np.float16)).astype(np.float64)
+    assert (np.abs(got[3:].astype(np.float64) - want[3:]) <= ulp).all()
+
+
+def test_deinterleave_is_the_permutation_of_gate_and_up():
+    w = np.arange(2 * 6 * 3).reshape(2, 6, 3)  # [E, 2I, K]: row 2i gate i, 2i + 1 up i
+    got = gpt_oss.deinterleave(w, axis=-2)
+    assert np.array_equal(got[:, :3], w[:, 0::2]) and np.array_equal(got[:, 3:], w[:, 1::2])
+    b = np.arange(12).reshape(2, 6)
+    assert np.array_equal(gpt_oss.deinterleave(b, axis=-1), np.concatenate([b[:, 0::2], b[:, 1::2]], axis=-1))
+    with pytest.raises(ValueError, match="pairs"):
+        gpt_oss.deinterleave(np.zeros((5, 3)), axis=-2)
+
+
+def test_the_moe_block_is_transformers_experts_within_fp16_precision():
+    """The same W16, biases and routing through transformers' GptOssExperts in float64 (no rounding inside)
+    and through the reference (an RN16 after each biased linear and the activation, the combine in fp32):
+    within 8 * 2^-11 of the largest output, the convention of the Qwen3-MoE block test (measured 1.34); and
+    the de-interleaved weights give the experts transformers reads interleaved."""
+    rng = np.random.default_rng(2)
+    w13 = (rng.standard_normal((E, 2 * INTER, H)) / 8).astype(np.float16)  # interleaved, as gpt-oss stores it
+    w2 = (rng.standard_normal((E, H, INTER)) / 6).astype(np.float16)
+    b13 = (rng.standard_normal((E, 2 * INTER)) / 4).astype(np.float32)
+    b2 = (rng.standard_normal((E, H)) / 4).astype(np.float32)
+    x = rng.standard_normal((7, H)).astype(np.float16)
+    weights, ids = gpt_oss.route(rng.standard_normal((7, E)), TOP_K)
+    got = gpt_oss.moe(x, gpt_oss.deinterleave(w13, -2), gpt_oss.deinterleave(b13, -1), w2, b2, weights, ids)
+    experts = modeling.GptOssExperts(config()).double()
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.from_numpy(w13.astype(np.float64)).transpose(1, 2))  # HF: [E, H, 2I]
+        experts.gate_up_proj_bias.copy_(torch.from_numpy(b13.astype(np.float64)))
+        experts.down_proj.copy_(torch.from_numpy(w2.astype(np.float64)).transpose(1, 2))  # HF: [E, I, H]
+        experts.down_proj_bias.copy_(torch.from_numpy(b2.astype(np.float64)))
+        want = experts(torch.from_numpy(x.astype(np.float64)), torch.from_numpy(ids),
+                       torch.from_numpy(weights.astype(np.float64))).numpy()
+    assert np.abs(want).max() > 0.5  # the block does something
+    assert np.abs(got.astype(np.float64) - want).max() <= 8 * 2.0**-11 * np.abs(want).max()
