@@ -49,16 +49,16 @@ GROUPS_PER_THREAD = 2
 STAGE_GROUPS = 2
 WARPS_PER_BLOCK = 8  # 16 KiB of staging per block: 4 blocks (32 warps) fit a Turing SM
 THREADS_PER_BLOCK = 32 * WARPS_PER_BLOCK
-_MACROS = (
+DEQUANTIZE_MACROS = (
     ("QPN_GROUPS_PER_THREAD", str(GROUPS_PER_THREAD)),
     ("QPN_STAGE_GROUPS", str(STAGE_GROUPS)),
     ("QPN_WARPS_PER_BLOCK", str(WARPS_PER_BLOCK)),
 )
 
-QPN2_DEQUANTIZE = KernelVariant("qpn2_dequantize.cu", "qpn2_dequantize", _MACROS)
-QPN2_CHECK_SCALES = KernelVariant("qpn2_dequantize.cu", "qpn2_check_scales", _MACROS)
-QPN8_DEQUANTIZE = KernelVariant("qpn8_dequantize.cu", "qpn8_dequantize", _MACROS)
-QPN8_CHECK = KernelVariant("qpn8_dequantize.cu", "qpn8_check", _MACROS)
+QPN2_DEQUANTIZE = KernelVariant("qpn2_dequantize.cu", "qpn2_dequantize", DEQUANTIZE_MACROS)
+QPN2_CHECK_SCALES = KernelVariant("qpn2_dequantize.cu", "qpn2_check_scales", DEQUANTIZE_MACROS)
+QPN8_DEQUANTIZE = KernelVariant("qpn8_dequantize.cu", "qpn8_dequantize", DEQUANTIZE_MACROS)
+QPN8_CHECK = KernelVariant("qpn8_dequantize.cu", "qpn8_check", DEQUANTIZE_MACROS)
 KERNEL_VARIANTS = (QPN2_DEQUANTIZE, QPN2_CHECK_SCALES, QPN8_DEQUANTIZE, QPN8_CHECK)
 
 CHECK_MAX_BLOCKS = 1024  # the check kernels are grid-stride loops; 1024 x 256 threads fill any GPU

@@ -85,7 +85,7 @@ def gemm_nb(gated: bool) -> int:
     return 4 if gated else 8
 
 
-def _macros(wf: WeightFormat, gated: bool) -> tuple[tuple[str, str], ...]:
+def gemm_macros(wf: WeightFormat, gated: bool) -> tuple[tuple[str, str], ...]:
     """The GEMM build of the decode kernel of `wf` (x always from the staged fragments: qpn_mma.cuh)."""
     return tuple(sorted((
         ("QPN_GEMM", "1"),
@@ -98,10 +98,10 @@ def _macros(wf: WeightFormat, gated: bool) -> tuple[tuple[str, str], ...]:
     )))
 
 
-QPN2_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", _macros(QPN2, gated), archs=("sm_75",))
+QPN2_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", gemm_macros(QPN2, gated), archs=("sm_75",))
              for gated in (False, True)}
 QPN8_GEMM = {(gated, block): KernelVariant("qpn8_linear.cu", "qpn8_linear",
-                                           _macros(QPN8_BLOCK if block else QPN8, gated), archs=("sm_75",))
+                                           gemm_macros(QPN8_BLOCK if block else QPN8, gated), archs=("sm_75",))
              for gated in (False, True) for block in (False, True)}
 KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values())
 
@@ -177,8 +177,8 @@ def gemm_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False
     return _workspace_ends(require_family(format), m, n, k, gated)[-1]
 
 
-def _launch(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int, gated: bool,
-            workspace: CupyArray | None) -> None:
+def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int,
+                gated: bool, workspace: CupyArray | None) -> None:
     """Queue one GEMM call: x fragments, the tickets' reset (parts > 1), the kernel."""
     m, k = x.shape
     parts, per_part, frag_end, partial_end, size = _workspace_ends(wf, m, n, k, gated)
@@ -193,7 +193,7 @@ def _launch(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArr
     kernel(variant)(_grid(n, m, gated, parts), (32 * GEMM_WARPS,), (*weights, x_frag, y, *tail))
 
 
-def _activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:
+def gemm_activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:
     require_cupy("x", x, np.float16, ndim=2)
     m, k = x.shape
     if m < 1:
@@ -208,7 +208,7 @@ def qpn2_gemm_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_s
                      workspace: CupyArray | None = None) -> CupyArray:
     """y = x @ W16^T for a QPN2 (NVFP4) weight, any M >= 1 (built for 33-512; module docstring);
     arguments as qpn2_linear, workspace sized by gemm_workspace_size."""
-    m, k = _activation(x, QPN2)
+    m, k = gemm_activation(x, QPN2)
     n = rows_of_codes(codes, k, QPN2.code_bits / 8)
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
     y = output_array(out, (m, gated_rows(n, gated)), np.float16)
@@ -219,7 +219,7 @@ def qpn2_gemm_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_s
 def qpn8_gemm_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None,
                      gated: bool = False, workspace: CupyArray | None = None) -> CupyArray:
     """y = x @ W16^T for a QPN8 (FP8) weight, any M >= 1 (built for 33-512); arguments as qpn8_linear."""
-    m, k = _activation(x, QPN8)
+    m, k = gemm_activation(x, QPN8)
     n = rows_of_codes(codes, k, QPN8.code_bits / 8)
     n, k, _ = prepare_qpn8(codes, group_scales, n, k)
     wf = qpn8_group_scales_format(group_scales.shape, n, k)
@@ -231,10 +231,10 @@ def qpn8_gemm_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, ou
 
 def launch_qpn2_gemm(x: CupyArray, codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int,
                      y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
-    _launch(QPN2, QPN2_GEMM[bool(gated)], (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace)
+    launch_gemm(QPN2, QPN2_GEMM[bool(gated)], (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace)
 
 
 def launch_qpn8_gemm(x: CupyArray, codes: CupyArray, group_scales: CupyArray, wf: WeightFormat, n: int,
                      y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     weights = (codes, group_scales, np.int32(qpn8_strides(wf, n)[0]))
-    _launch(QPN8, QPN8_GEMM[bool(gated), wf is QPN8_BLOCK], weights, x, y, n, gated, workspace)
+    launch_gemm(QPN8, QPN8_GEMM[bool(gated), wf is QPN8_BLOCK], weights, x, y, n, gated, workspace)

@@ -200,7 +200,7 @@ def decode_threshold(format: str, n: int, k: int) -> int:
     return MAX_M
 
 
-def _activation(x: CupyArray, wf: WeightFormat, dense: str) -> tuple[int, int]:
+def decode_activation(x: CupyArray, wf: WeightFormat, dense: str) -> tuple[int, int]:
     require_cupy("x", x, np.float16, ndim=2)
     m, k = x.shape
     if not 1 <= m <= MAX_M:
@@ -246,8 +246,8 @@ def require_family(format: str) -> WeightFormat:
     return family
 
 
-def _launch(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray, n: int,
-            gated: bool, workspace: CupyArray | None, x_frag: bool) -> None:
+def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray,
+                  n: int, gated: bool, workspace: CupyArray | None, x_frag: bool) -> None:
     """Queue one decode call: the x fragments (x_frag: the build reads them), the split-K tickets'
     reset, and the kernel `fn` with the split (decode_split) and its grid; `weights` are the
     format's leading kernel arguments.
@@ -284,7 +284,7 @@ def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale:
     workspace: optional float32 CuPy array for split-K layers (decode_workspace_size).
     """
     # validate (shapes, dtypes, devices, alignment) -> allocate -> grid/block -> launch
-    m, k = _activation(x, QPN2, "qpn2_dense_linear")
+    m, k = decode_activation(x, QPN2, "qpn2_dense_linear")
     n = rows_of_codes(codes, k, QPN2.code_bits / 8)
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)  # N's rule first
     y = output_array(out, (m, gated_rows(n, gated)), np.float16)
@@ -296,7 +296,7 @@ def launch_qpn2_decode(x: CupyArray, codes: CupyArray, scales: CupyArray, g: Cup
                        y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
     fn = kernel(QPN2_LINEAR[nb, bool(gated)])
-    _launch(QPN2, fn, (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace, X_FRAG[QPN2.key, nb])
+    launch_decode(QPN2, fn, (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace, X_FRAG[QPN2.key, nb])
 
 
 def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None,
@@ -307,7 +307,7 @@ def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: Cu
     group_scales fp16 [1, N] (channel / tensor) or [K/128, N/32] (block). Returns fp16 [M, N]
     ([M, N/2] when gated). workspace: as qpn2_linear.
     """
-    m, k = _activation(x, QPN8, "qpn8_dense_linear")
+    m, k = decode_activation(x, QPN8, "qpn8_dense_linear")
     n = rows_of_codes(codes, k, QPN8.code_bits / 8)
     n, k, _ = prepare_qpn8(codes, group_scales, n, k)  # N's rule first
     wf = qpn8_group_scales_format(group_scales.shape, n, k)
@@ -327,4 +327,4 @@ def launch_qpn8_decode(x: CupyArray, codes: CupyArray, group_scales: CupyArray, 
     kb_stride = qpn8_strides(wf, n)[0]
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
     fn = kernel(QPN8_LINEAR[nb, bool(gated), wf is QPN8_BLOCK])
-    _launch(QPN8, fn, (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace, X_FRAG[QPN8.key, nb])
+    launch_decode(QPN8, fn, (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace, X_FRAG[QPN8.key, nb])

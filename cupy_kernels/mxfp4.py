@@ -22,11 +22,9 @@ import numpy as np
 
 from ..ref.formats import QPN2, QPNMX
 from ._validate import CupyArray, output_array, require_aligned, require_cupy, require_packed, require_shape
-from .dequantize import _MACROS as DEQUANTIZE_MACROS
-from .dequantize import launch_qpn2_dequantize
-from .gemm import _launch as gemm_launch
-from .gemm import _macros as gemm_macros
-from .linear import FALLBACK_STACK_BYTES, MAX_M, X_FRAG, _activation, _launch, decode_macros
+from .dequantize import DEQUANTIZE_MACROS, launch_qpn2_dequantize
+from .gemm import gemm_activation, gemm_macros, launch_gemm
+from .linear import FALLBACK_STACK_BYTES, MAX_M, X_FRAG, decode_activation, decode_macros, launch_decode
 from .loader import kernel
 from .prepack import launch_qpn2_prepack
 from .variants import KernelVariant
@@ -107,11 +105,8 @@ def qpnmx_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, tile_scale: 
     """y = x @ (2^T W16)^T for a QPNMX (MXFP4) weight, M in [1, 32] (module docstring): x fp16 [M, K],
     K % 64 == 0; returns fp16 [M, N] ([M, N/2] = silu_and_mul(gate, up) when gated). workspace: optional
     float32 CuPy array for split-K layers (linear.decode_workspace_size("mxfp4", ...))."""
-    m, k = _activation(x, QPNMX, "qpnmx_gemm_linear")
-    n = rows_of_codes(codes, k, QPNMX.code_bits / 8)
-    n, k = QPNMX.require_int_dims(n, k)
-    _require_buffers(codes, scales, tile_scale, n, k)
-    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
+    m, k = decode_activation(x, QPNMX, "qpnmx_gemm_linear")
+    n, y = _weight_and_output(codes, scales, tile_scale, m, k, out, gated)
     launch_qpnmx_decode(x, codes, scales, tile_scale, n, y, gated, workspace)
     return y
 
@@ -120,26 +115,28 @@ def qpnmx_gemm_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, tile_sc
                       out: CupyArray | None = None, gated: bool = False, workspace: CupyArray | None = None
                       ) -> CupyArray:
     """As qpnmx_linear, any M >= 1 (the GEMM build: gemm.py), workspace by gemm_workspace_size("mxfp4", ...)."""
-    require_cupy("x", x, np.float16, ndim=2)
-    m, k = x.shape
-    if m < 1:
-        raise ValueError(f"x must have M >= 1 rows, got shape {tuple(x.shape)}; an empty batch needs no call")
-    QPNMX.require_dims(32, k)
-    n = rows_of_codes(codes, k, QPNMX.code_bits / 8)
-    n, k = QPNMX.require_int_dims(n, k)
-    _require_buffers(codes, scales, tile_scale, n, k)
-    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
+    m, k = gemm_activation(x, QPNMX)
+    n, y = _weight_and_output(codes, scales, tile_scale, m, k, out, gated)
     launch_qpnmx_gemm(x, codes, scales, tile_scale, n, y, gated, workspace)
     return y
 
 
+def _weight_and_output(codes: CupyArray, scales: CupyArray, tile_scale: CupyArray, m: int, k: int,
+                       out: CupyArray | None, gated: bool) -> tuple[int, CupyArray]:
+    """N of the validated buffers, and the output (`out` validated, or a fresh one)."""
+    n = rows_of_codes(codes, k, QPNMX.code_bits / 8)
+    n, k = QPNMX.require_int_dims(n, k)
+    _require_buffers(codes, scales, tile_scale, n, k)
+    return n, output_array(out, (m, gated_rows(n, gated)), np.float16)
+
+
 def launch_qpnmx_gemm(x: CupyArray, codes: CupyArray, scales: CupyArray, tile_scale: CupyArray, n: int,
                       y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
-    gemm_launch(QPN2, QPNMX_GEMM[bool(gated)], (codes, scales, tile_scale, np.int32(1)), x, y, n, gated, workspace)
+    launch_gemm(QPN2, QPNMX_GEMM[bool(gated)], (codes, scales, tile_scale, np.int32(1)), x, y, n, gated, workspace)
 
 
 def launch_qpnmx_decode(x: CupyArray, codes: CupyArray, scales: CupyArray, tile_scale: CupyArray, n: int,
                         y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
     fn = kernel(QPNMX_LINEAR[nb, bool(gated)])
-    _launch(QPNMX, fn, (codes, scales, tile_scale, np.int32(1)), x, y, n, gated, workspace, X_FRAG["qpn2", nb])
+    launch_decode(QPNMX, fn, (codes, scales, tile_scale, np.int32(1)), x, y, n, gated, workspace, X_FRAG[QPN2.key, nb])
