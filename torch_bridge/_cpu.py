@@ -33,6 +33,9 @@ x86 intrinsic (vpermps), used only where the target has AVX-512F (`_target_featu
   same RN32 (block * 2^14 is exact: power-of-two scaling of a value below 2^17). With AVX-512 the
   fused kernel looks W16 up instead: per distinct g a [256 scale bytes, 16 codes] table built by
   that same decode (4096 values, cached per layer), one vpermps per group.
+- MXFP4 (QPNMX): QPN2's decode with the block 2^F = 2^(s - 127 - T(t)) from a [tile, byte] table
+  (qpnmx_blocks): the reduced W16 = RN16(RN32(e2m1 * 2^F)); the tiles' 2^T multiply the fp32 sums
+  afterwards (docs/DESIGN.md, "MXFP4 weight"). Kernels: qpnmx_w16_rows, qpnmx_linear_fused.
 - FP8: W16 = RN16((e4m3 * 2^-8) * S16) = one fp16 multiply of two fp16 values (vmulph with
   AVX512-FP16; elsewhere LLVM promotes it to an exact fp32 product and one fptrunc).
 - every sum is an fp32 add (no fastmath, no contraction; x * W16 is exact in fp32 anyway).
@@ -131,6 +134,8 @@ def _build() -> pytypes.SimpleNamespace:
         numba=numba,
         qpn2_w16_rows=jit(_qpn2_w16_rows),
         qpn8_w16_rows=jit(_qpn8_w16_rows),
+        qpnmx_w16_rows=jit(_qpnmx_w16_rows),
+        qpnmx_linear_fused=jit(_qpnmx_linear_fused),
         qpn2_linear_fused=jit(_qpn2_linear_fused),
         qpn8_linear_fused=jit(_qpn8_linear_fused),
     )
@@ -450,6 +455,24 @@ def _qpn2_w16_rows(codes: np.ndarray, scales: np.ndarray, g_tiles: np.ndarray, o
                 _qpn2_store16(codes, slot * _QPN2_BYTES, block * _E2M1_BIT_TRICK_UNDO, flat, r * k + g * GROUP_K)
 
 
+def _qpnmx_w16_rows(codes: np.ndarray, scales: np.ndarray, blocks: np.ndarray, out: np.ndarray, row0: int) -> None:
+    """QPNMX (MXFP4) rows [row0, row0 + R) -> out float32 [R, K] holding the reduced W16 = RN16(e2m1 * 2^F)
+    (the tiles' 2^T apply to the sums: the caller's). codes as QPN2's; scales uint8 [N*K/32] (flat,
+    [tile][block][lane]); blocks float32 [N/32, 256] = 2^(s - 127 - T(t)) (qpnmx_blocks). QPN2's decode
+    with that block: RN16(RN32(e2m1 * 2^F)), the contract (docs/DESIGN.md, "MXFP4 weight")."""
+    rows, k = out.shape
+    groups = k // GROUP_K
+    flat = out.reshape(-1)
+    for tile in prange(rows // TILE_N):
+        t = row0 // TILE_N + tile
+        for g in range(groups):
+            for lane in range(TILE_N):
+                slot = (t * groups + g) * TILE_N + lane
+                block = blocks[t, scales[(t * (groups // 2) + g // 2) * TILE_N + lane]]
+                r = tile * TILE_N + _COLUMN[lane]
+                _qpn2_store16(codes, slot * _QPN2_BYTES, block * _E2M1_BIT_TRICK_UNDO, flat, r * k + g * GROUP_K)
+
+
 def _qpn8_w16_rows(codes: np.ndarray, group_scales: np.ndarray, channel: bool, out: np.ndarray, row0: int) -> None:
     """QPN8 rows [row0, row0 + R) -> out float32 [R, K] holding W16 (k order); row0 and R
     multiples of 32. codes uint8 [N*K] (flat, QPN8 order); group_scales float32 S16,
@@ -484,6 +507,34 @@ def _qpn2_linear_fused(codes: np.ndarray, scales: np.ndarray, g_tiles: np.ndarra
                 _qpn2_dot16(codes, slot * _QPN2_BYTES, block * _E2M1_BIT_TRICK_UNDO, x_flat, g * GROUP_K,
                             acc, lane * GROUP_K, m_rows, k, _TILE_ACC)
         _tile_sums(acc, y, t, m_rows)
+
+
+def _qpnmx_linear_fused(codes: np.ndarray, scales: np.ndarray, blocks: np.ndarray, xp: np.ndarray,
+                        y: np.ndarray) -> None:
+    """y float32 [M, N] = x @ W16^T (the reduced W16: times the tiles' 2^T afterwards, the caller's), fp32
+    accumulation; xp as in _qpn2_linear_fused, the buffers as in _qpnmx_w16_rows."""
+    m_rows, k = xp.shape
+    groups = k // GROUP_K
+    x_flat = xp.reshape(-1)
+    for t in prange(y.shape[1] // TILE_N):
+        acc = np.zeros(m_rows * _TILE_ACC, np.float32)
+        for g in range(groups):
+            for lane in range(TILE_N):
+                slot = (t * groups + g) * TILE_N + lane
+                block = blocks[t, scales[(t * (groups // 2) + g // 2) * TILE_N + lane]]
+                _qpn2_dot16(codes, slot * _QPN2_BYTES, block * _E2M1_BIT_TRICK_UNDO, x_flat, g * GROUP_K,
+                            acc, lane * GROUP_K, m_rows, k, _TILE_ACC)
+        _tile_sums(acc, y, t, m_rows)
+
+
+def qpnmx_blocks(tile_scale: np.ndarray) -> np.ndarray:
+    """float32 [N/32, 256]: the block constant 2^(s - 127 - T(t)) of every e8m0 byte s in every tile t
+    (2^T = tile_scale[t], exact; float64 powers of two rounded once: 0 below fp32's least subnormal, as
+    the GPU's ldexpf; the bytes above a tile's largest, inf here, never occur in it, nor does 0xFF)."""
+    _, exponent = np.frexp(np.asarray(tile_scale, np.float64))
+    t = exponent.astype(np.int64) - 1  # tile_scale = 2^T exactly: frexp gives 0.5 * 2^(T + 1)
+    with np.errstate(under="ignore", over="ignore"):
+        return np.ldexp(1.0, np.arange(256)[None, :] - 127 - t[:, None]).astype(np.float32)
 
 
 def _qpn2_tables(g_values: np.ndarray, tables: np.ndarray) -> None:
