@@ -304,7 +304,7 @@ def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=
                 weights = (*bufs[i % slots], g_dev, np.int32(0))
             else:
                 weights = (bufs[i % slots][0], bufs[i % slots][1], np.int32(0))
-            L._launch(BY_KEY[fmt], fn, weights, x, y, n, False, workspace, x_frag)
+            L.launch_decode(BY_KEY[fmt], fn, weights, x, y, n, False, workspace, x_frag)
 
         if check is not None:
             launch(0)
