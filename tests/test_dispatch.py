@@ -39,10 +39,10 @@ def test_the_cheapest_measured_path_wins_and_costs_interpolate(tables):
     ])
     costs = dispatch.costs("sm_90", QPN2, 48, 4096, 4096, False)
     assert costs == pytest.approx({"decode": 15.0, "gemm": 50.0, "dense": 31.0})  # decode: 10 * 48 / 32
-    assert dispatch._choose("sm_90", "cuda", "qpn2", 32, 4096, 4096, False) == "decode"
-    assert dispatch._choose("sm_90", "cuda", "qpn2", 48, 4096, 4096, False) == "dense"  # decode cannot run 48
-    assert dispatch._choose("sm_90", "cuda", "qpn2", 64, 28672, 8192, False) == "gemm"  # the nearest shape's row
-    assert dispatch._choose("sm_90", "cuda", "qpn2", 64, 14336, 8192, False) == "gemm"  # nearer 28672x8192
+    assert dispatch._choose("sm_90", "qpn2", 32, 4096, 4096, False) == "decode"
+    assert dispatch._choose("sm_90", "qpn2", 48, 4096, 4096, False) == "dense"  # decode cannot run 48
+    assert dispatch._choose("sm_90", "qpn2", 64, 28672, 8192, False) == "gemm"  # the nearest shape's row
+    assert dispatch._choose("sm_90", "qpn2", 64, 14336, 8192, False) == "gemm"  # nearer 28672x8192
     # beyond the last measured M a cost grows with M; a larger layer scales it by N*K
     assert dispatch.costs("sm_90", QPN2, 1024, 4096, 4096, False)["dense"] == pytest.approx(320.0)
     assert dispatch.costs("sm_90", QPN2, 64, 8192, 4096, False)["dense"] == pytest.approx(64.0)
@@ -51,8 +51,8 @@ def test_the_cheapest_measured_path_wins_and_costs_interpolate(tables):
 def test_block_scales_and_gated_fall_back_to_the_plain_layouts_rows(tables):
     write(tables, "sm_90", [("qpn8", 4096, 4096, False, 64, {"gemm": 20.0, "dense": 30.0}),
                             ("qpn8", 4096, 4096, True, 64, {"gemm": 50.0, "dense": 30.0})])
-    assert dispatch._choose("sm_90", "cuda", QPN8_BLOCK.key, 64, 4096, 4096, False) == "gemm"
-    assert dispatch._choose("sm_90", "cuda", QPN8.key, 64, 4096, 4096, True) == "dense"  # its own gated rows
+    assert dispatch._choose("sm_90", QPN8_BLOCK.key, 64, 4096, 4096, False) == "gemm"
+    assert dispatch._choose("sm_90", QPN8.key, 64, 4096, 4096, True) == "dense"  # its own gated rows
     assert dispatch.costs("sm_90", QPN2, 64, 4096, 4096, False) == {}  # no QPN2 rows: nothing measured
 
 
@@ -60,14 +60,14 @@ def test_without_a_table_the_rule_decides(tables, monkeypatch):
     import qpn.cupy_kernels.gemm as gemm
 
     monkeypatch.setattr(gemm, "_device", lambda: (40, 7))  # a T4: the Turing model's GEMM range
-    assert [dispatch._choose("sm_75", "cuda", "qpn2", m, 4096, 4096, False) for m in (1, 32, 33, 512, 513)] == \
+    assert [dispatch._choose("sm_75", "qpn2", m, 4096, 4096, False) for m in (1, 32, 33, 512, 513)] == \
         ["decode", "decode", "gemm", "gemm", "dense"]
-    assert [dispatch._choose("cpu", "cpu", "qpn8", m, 4096, 4096, False) for m in (8, 9)] == ["cpu_fused", "cpu_blas"]
+    assert [dispatch._choose("cpu", "qpn8", m, 4096, 4096, False) for m in (8, 9)] == ["cpu_fused", "cpu_blas"]
 
 
 def test_candidates_never_run_outside_their_range(tables):
     write(tables, "sm_90", [("qpn2", 4096, 4096, False, 1, {"decode": 1.0, "gemm": 5.0, "dense": 9.0})])
-    assert dispatch._choose("sm_90", "cuda", "qpn2", 33, 4096, 4096, False) == "gemm"  # decode measured cheapest
+    assert dispatch._choose("sm_90", "qpn2", 33, 4096, 4096, False) == "gemm"  # decode measured cheapest
     assert not dispatch.CANDIDATES[0].can_implement("cpu", 1) and dispatch.CANDIDATES[0].can_implement("cuda", 32)
 
 
@@ -97,12 +97,12 @@ def test_the_committed_h200_table_picks_the_fastest_measured_path():
     assert rows, "the H200 table is committed"
     for key in ("qpn2", "qpn8"):
         for n, k in ((4096, 4096), (6144, 4096)):
-            assert {dispatch._choose("sm_90", "cuda", key, m, n, k, False) for m in (48, 56, 64)} == {"dense"}
-        assert {dispatch._choose("sm_90", "cuda", key, m, 28672, 8192, False) for m in (48, 64)} == {"gemm"}
-        assert {dispatch._choose("sm_90", "cuda", key, m, 4096, 4096, False) for m in (1, 8, 16)} == {"decode"}
+            assert {dispatch._choose("sm_90", key, m, n, k, False) for m in (48, 56, 64)} == {"dense"}
+        assert {dispatch._choose("sm_90", key, m, 28672, 8192, False) for m in (48, 64)} == {"gemm"}
+        assert {dispatch._choose("sm_90", key, m, 4096, 4096, False) for m in (1, 8, 16)} == {"decode"}
     for r in rows:  # at every measured point the choice is the measured minimum among the paths that can run
         able = {p: t for p, t in r.us.items() if p != "decode" or r.m <= dispatch.DECODE_MAX_M}
-        assert dispatch._choose("sm_90", "cuda", r.layout, r.m, r.n, r.k, r.gated) == min(able, key=able.get)
+        assert dispatch._choose("sm_90", r.layout, r.m, r.n, r.k, r.gated) == min(able, key=able.get)
 
 
 def test_qpn_inspect_dispatch_prints_the_choices(capsys):

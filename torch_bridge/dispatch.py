@@ -150,9 +150,15 @@ def rule_path(device: str, wf: WeightFormat, m: int, n: int, k: int) -> str:
     return "gemm" if m <= gemm_threshold(wf.format, n, k) else "dense"
 
 
+def _device_kind(family: str) -> str:
+    """"cpu" or "cuda": what a family's paths run on (the candidates' can_implement reads it)."""
+    return "cpu" if family == "cpu" else "cuda"
+
+
 @functools.lru_cache(maxsize=4096)
-def _choose(family: str, device: str, key: str, m: int, n: int, k: int, gated: bool) -> str:
+def _choose(family: str, key: str, m: int, n: int, k: int, gated: bool) -> str:
     wf = BY_KEY[key]
+    device = _device_kind(family)
     able = [c.name for c in CANDIDATES if c.can_implement(device, m)]
     measured = {path: t for path, t in costs(family, wf, m, n, k, gated).items() if path in able}
     if measured:
@@ -162,7 +168,7 @@ def _choose(family: str, device: str, key: str, m: int, n: int, k: int, gated: b
 
 def choose(device: torch.device, wf: WeightFormat, m: int, n: int, k: int, gated: bool) -> str:
     """The path that runs an [M, K] x [N, K] call of layout `wf` on `device` (the one place it is chosen)."""
-    return _choose(device_family(device), "cpu" if device.type != "cuda" else "cuda", wf.key, m, n, k, gated)
+    return _choose(device_family(device), wf.key, m, n, k, gated)
 
 
 DESCRIBE_MS = (1, 8, 16, 32, 33, 48, 64, 96, 128, 256, 512, 1024)
@@ -182,7 +188,6 @@ def describe(family: str, wf: WeightFormat, gated: bool = False,
              shapes: tuple[tuple[int, int], ...] = DESCRIBE_SHAPES) -> str:
     """A text table: per [N, K] shape and M, the path chosen and the estimated us of it ("?": a CUDA
     family without a table, whose rule reads the device: run on that device)."""
-    device = "cpu" if family == "cpu" else "cuda"
     rows = _rows_for(table(family), wf, gated)
     if rows:
         source = f"measured table dispatch_tables/{family}.json ({len(rows)} rows of {rows[0].layout}" \
@@ -194,7 +199,7 @@ def describe(family: str, wf: WeightFormat, gated: bool = False,
         cells = []
         for m in DESCRIBE_MS:
             est = costs(family, wf, m, n, k, gated)
-            pick = _choose(family, device, wf.key, m, n, k, gated) if device == "cpu" or est else "?"
+            pick = _choose(family, wf.key, m, n, k, gated) if family == "cpu" or est else "?"
             cells.append(f"M={m}: {pick}" + (f" {est[pick]:.1f}us" if pick in est else ""))
         lines.append(f"  {n}x{k}: " + ", ".join(cells))
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from .packed_weight import (
     PackedWeight,
     ScaleIn,
     as_tensor,
+    buffer_dtype,
     device_moves_only,
     float32,
     pack_fp8,
@@ -110,7 +111,7 @@ class QPNLinear(nn.Module):
         self.fp8_granularity = fp8_granularity if wf.granularities else None
         n_pad = wf.padded_n(n)
         for b in wf.buffers:  # codes and scale bytes 0 (+0 weights), float scales 1.0 (a unit multiplier)
-            dtype = torch.from_numpy(np.empty(0, b.dtype)).dtype
+            dtype = buffer_dtype(b)
             init = torch.zeros if dtype == torch.uint8 else torch.ones
             self.register_buffer(b.name, init(b.shape(n_pad, k), dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros((n,), dtype=torch.float32, device=device) if bias else None)

@@ -46,7 +46,7 @@ from .. import checkpoints, ref
 from ..checkpoints.packed import PackedLayer
 from ..checkpoints.packed.layers import NVFP4_PAD_SCALE_BYTE
 from ..ref.checks import require_nvfp4_block_scales
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, Buffer, WeightFormat, weight_format
 from ..ref.fp8 import fp8_block_grid
 from ..ref.geometry import GROUP_K, TILE_N
 from .ops import PAD_INPUT_FEATURES_FIX  # importing ops registers the torch.ops.qpn.* ops
@@ -61,6 +61,11 @@ CheckpointLinear: TypeAlias = "checkpoints.NVFP4Linear | checkpoints.FP8Linear"
 # the packed buffers' numpy dtypes (ref/formats.py) as torch dtypes: a packed weight is built on every
 # QPNLinear forward, so the conversion is looked up, not recomputed
 _TORCH_DTYPES = {np.dtype(d): torch.from_numpy(np.empty(0, d)).dtype for d in (np.uint8, np.float16, np.float32)}
+
+
+def buffer_dtype(buffer: Buffer) -> torch.dtype:
+    """The torch dtype a packed buffer is held in (its description's numpy dtype)."""
+    return _TORCH_DTYPES[buffer.dtype]
 
 
 class PackedWeight:
@@ -88,7 +93,7 @@ class PackedWeight:
                              "were packed for")
         for b in wf.buffers:
             t = buffers[b.name]
-            dtype = _TORCH_DTYPES[b.dtype]
+            dtype = buffer_dtype(b)
             if not isinstance(t, Tensor) or t.dtype != dtype or tuple(t.shape) != b.shape(n_pad, k):
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
                 raise ValueError(f"{wf.label} buffer {b.name} must be {dtype} {b.shape(n_pad, k)} for N_pad={n_pad}, "
