@@ -50,6 +50,7 @@ class Buffer:
     dtype: np.dtype
     tag: str  # the safetensors dtype tag it is stored under
     shape: Callable[[int, int], Shape]  # (N, K) of the padded weight -> shape
+    prepacked: bool = True  # written by the layout's prepack (False: a checkpoint value the packer carries over)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,10 @@ class WeightFormat:
     def buffer(self, name: str) -> Buffer:
         return next(b for b in self.buffers if b.name == name)
 
+    def prepacked_buffers(self) -> tuple[Buffer, ...]:
+        """The buffers the layout's prepack writes, in order (QPN2's global scale is the checkpoint's)."""
+        return tuple(b for b in self.buffers if b.prepacked)
+
     def buffer_shapes(self, n: int, k: int) -> dict[str, Shape]:
         return {b.name: b.shape(n, k) for b in self.buffers}
 
@@ -115,7 +120,7 @@ QPN2 = WeightFormat(
     buffers=(
         Buffer("codes", _U8, "U8", lambda n, k: (n, k // 2)),
         Buffer("scales", _U8, "U8", lambda n, k: (n, k // GROUP_K)),
-        Buffer("global_scale", _F32, "F32", lambda n, k: (n // TILE_N,)),
+        Buffer("global_scale", _F32, "F32", lambda n, k: (n // TILE_N,), prepacked=False),  # weight_scale_2
     ),
     source_tags={"weight_packed": "U8", "weight_scale": "F8_E4M3"},
     pad_code=0x00, pad_scale=0.0,

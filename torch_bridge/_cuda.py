@@ -50,6 +50,7 @@ from torch import Tensor
 
 from ..ref.formats import WeightFormat
 from . import dispatch
+from .buffers import empty_buffer
 from .epilogue import silu_and_mul
 
 if TYPE_CHECKING:  # annotations only: importing qpn.cupy_kernels at run time waits for the first CUDA call
@@ -101,12 +102,6 @@ class _SameStream:
         return self.tensor.__dlpack__(stream=-1, **kwargs)
 
 
-def _empty(wf: WeightFormat, name: str, n: int, k: int, device: torch.device) -> Tensor:
-    """A torch tensor for packed buffer `name` of `wf` (shape and dtype: the description's)."""
-    buffer = wf.buffer(name)
-    return torch.empty(buffer.shape(n, k), dtype=getattr(torch, buffer.dtype.name), device=device)
-
-
 def _mm_rn16(x: Tensor, w16: Tensor) -> Tensor:
     """RN16(x @ w16^T) with fp32 accumulation and reduction (module docstring)."""
     if _HAS_MM_OUT_DTYPE:
@@ -121,7 +116,7 @@ def prepack(wf: WeightFormat, sources: tuple[Tensor, ...], granularity: str | No
             ) -> tuple[Tensor, ...]:
     """Checkpoint tensors (validated by ops.py; e4m3 as uint8) -> the packed buffers, torch-owned, written
     in place by the layout's kernels on torch's stream (a bad value: the reference's ValueError)."""
-    out = tuple(_empty(wf, b.name, n, k, sources[0].device) for b in wf.buffers if b.name != "global_scale")
+    out = tuple(empty_buffer(wf, b.name, n, k, sources[0].device) for b in wf.prepacked_buffers())
     with _on_torch_stream(sources[0].device) as as_cupy:
         _layout_kernels(wf).prepack(tuple(as_cupy(t) for t in sources), granularity,
                                     tuple(as_cupy(t) for t in out))

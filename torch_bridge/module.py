@@ -20,12 +20,12 @@ from torch import Tensor, nn
 
 from .. import checkpoints
 from ..ref.formats import FORMAT_NAMES, FP8_GRANULARITIES, QPN8, WeightFormat, weight_format
+from .buffers import buffer_dtype
 from .packed_weight import (
     ArrayIn,
     PackedWeight,
     ScaleIn,
     as_tensor,
-    buffer_dtype,
     device_moves_only,
     float32,
     pack_fp8,

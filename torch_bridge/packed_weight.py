@@ -46,9 +46,10 @@ from .. import checkpoints, ref
 from ..checkpoints.packed import PackedLayer
 from ..checkpoints.packed.layers import NVFP4_PAD_SCALE_BYTE
 from ..ref.checks import require_nvfp4_block_scales
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, Buffer, WeightFormat, weight_format
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from ..ref.fp8 import fp8_block_grid
 from ..ref.geometry import GROUP_K, TILE_N
+from .buffers import buffer_dtype
 from .ops import PAD_INPUT_FEATURES_FIX  # importing ops registers the torch.ops.qpn.* ops
 
 # What the packers take: a checkpoint tensor as torch or numpy (qpn.ref's carriers); scales may be a
@@ -58,14 +59,6 @@ ScaleIn: TypeAlias = Tensor | np.ndarray | np.generic | float
 CheckpointLinear: TypeAlias = "checkpoints.NVFP4Linear | checkpoints.FP8Linear"
 
 
-# the packed buffers' numpy dtypes (ref/formats.py) as torch dtypes: a packed weight is built on every
-# QPNLinear forward, so the conversion is looked up, not recomputed
-_TORCH_DTYPES = {np.dtype(d): torch.from_numpy(np.empty(0, d)).dtype for d in (np.uint8, np.float16, np.float32)}
-
-
-def buffer_dtype(buffer: Buffer) -> torch.dtype:
-    """The torch dtype a packed buffer is held in (its description's numpy dtype)."""
-    return _TORCH_DTYPES[buffer.dtype]
 
 
 class PackedWeight:
