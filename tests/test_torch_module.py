@@ -93,6 +93,16 @@ def test_from_linear_fp8_uses_ref_quantizer(n, k, granularity, device):
     assert np.all(np.abs(w16.astype(np.float32) - ckpt) <= np.abs(np.spacing(w16)).astype(np.float32))
     x = x_for(k).to(device)
     assert_linear_within_bound(module, x, module(x), w16)
+    assert module.fp8_granularity == granularity  # "tensor" too, though its layout is channel's QPN8
+
+
+def test_from_packed_keeps_the_granularity_it_is_told_and_refuses_a_foreign_one():
+    module = QPNLinear.from_linear(random_linear(64, 64, seed=2), "fp8", fp8_granularity="channel")
+    packed = module.packed_weight
+    assert QPNLinear.from_packed(packed).fp8_granularity == "channel"  # the layout's default
+    assert QPNLinear.from_packed(packed, fp8_granularity="tensor").fp8_granularity == "tensor"
+    with pytest.raises(ValueError, match="fp8_granularity must be one of"):
+        QPNLinear.from_packed(packed, fp8_granularity="block")
 
 
 def test_from_linear_rejects_unaligned_k_with_the_fix():

@@ -119,11 +119,18 @@ class QPNLinear(nn.Module):
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def from_packed(cls, packed: PackedWeight, bias: ArrayIn | None = None) -> QPNLinear:
-        """A module holding `packed`'s buffers (copied: the module owns its state_dict) on its device."""
+    def from_packed(cls, packed: PackedWeight, bias: ArrayIn | None = None,
+                    fp8_granularity: str | None = None) -> QPNLinear:
+        """A module holding `packed`'s buffers (copied: the module owns its state_dict) on its device.
+        fp8_granularity: what the FP8 scales were made per (its layout cannot tell "tensor" from "channel":
+        both are QPN8's per-column scales); None: the layout's ("channel" for QPN8, "block")."""
         wf = packed.weight_format
+        granularity = fp8_granularity or (wf.granularities or ("channel",))[-1]
+        if wf.granularities and granularity not in wf.granularities:
+            raise ValueError(f"fp8_granularity must be one of {wf.granularities} for a {wf.label} weight, got "
+                             f"{fp8_granularity!r}")
         module = cls(packed.in_features, packed.out_features, wf.format, bias=bias is not None,
-                     fp8_granularity=(wf.granularities or ("channel",))[-1], device=packed.device)
+                     fp8_granularity=granularity, device=packed.device)
         with torch.no_grad():
             for name, tensor in packed.buffers.items():
                 getattr(module, name).copy_(tensor)
@@ -183,9 +190,7 @@ class QPNLinear(nn.Module):
         w = linear.weight.detach().to("cpu", torch.float32).numpy()
         packed = PackedWeight.quantize(w, wf, fp8_granularity)
         bias = linear.bias.detach() if linear.bias is not None else None
-        module = cls.from_packed(packed, bias)
-        module.fp8_granularity = fp8_granularity if wf.granularities else None  # "tensor" stays "tensor"
-        return module.to(linear.weight.device)
+        return cls.from_packed(packed, bias, fp8_granularity if wf.granularities else None).to(linear.weight.device)
 
     # ------------------------------------------------------------------ use
 
