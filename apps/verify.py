@@ -205,14 +205,10 @@ def _packed_weight(layer: packing.PackedLayer, device: torch.device) -> PackedWe
     return PackedWeight.from_packed_layer(layer, device)
 
 
-def _dequantize_on(layer: packing.PackedLayer, device: torch.device) -> np.ndarray:
-    return _packed_weight(layer, device).dequantize().cpu().numpy()
-
-
-def _linear_on(layer: packing.PackedLayer, x: np.ndarray, device: torch.device) -> np.ndarray:
+def _linear_on(packed: PackedWeight, x: np.ndarray) -> np.ndarray:
     import torch
 
-    return _packed_weight(layer, device).linear(torch.from_numpy(x).to(device))[:, : layer.n].cpu().numpy()
+    return packed.linear(torch.from_numpy(x).to(packed.device))[:, : packed.out_features].cpu().numpy()
 
 
 def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -271,8 +267,9 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
     if weights is None:
         return result
     w16, checkpoint_w16 = weights
-    _check_backend_dequantize(result, layer, w16, backends)
-    _check_linear(result, name, layer, w16, backends, ms, seed)
+    packed = _packed_on_backends(result, layer, backends)
+    _check_backend_dequantize(result, packed, w16)
+    _check_linear(result, name, layer, w16, packed, ms, seed)
     if upstream:
         result.upstream = _upstream_shares(layer, w16, checkpoint_w16)
     return result
@@ -354,15 +351,27 @@ def _check_reference(result: LayerResult, layer: packing.PackedLayer,
     return w16, checkpoint_w16
 
 
-def _check_backend_dequantize(result: LayerResult, layer: packing.PackedLayer, w16: np.ndarray,
-                              backends: Backends) -> None:
-    """Step 2b: every backend present gives the reference's fp16 bytes."""
+def _packed_on_backends(result: LayerResult, layer: packing.PackedLayer, backends: Backends
+                        ) -> dict[str, PackedWeight]:
+    """The layer's packed weight on every backend present, built once (steps 2b and 3 share it); a backend
+    that cannot hold it fails its cell."""
+    packed: dict[str, PackedWeight] = {}
     for backend in ("cpu", "cuda"):
         if backend not in backends.devices:
             result.cells[backend] = ABSENT
             continue
         try:
-            got = _dequantize_on(layer, backends.devices[backend])
+            packed[backend] = _packed_weight(layer, backends.devices[backend])
+        except Exception as exc:  # a backend that raises on valid buffers is a failure to report, not a crash
+            result.fail(backend, f"packing raised {type(exc).__name__}: {exc}")
+    return packed
+
+
+def _check_backend_dequantize(result: LayerResult, packed: dict[str, PackedWeight], w16: np.ndarray) -> None:
+    """Step 2b: every backend present gives the reference's fp16 bytes."""
+    for backend, weight in packed.items():
+        try:
+            got = weight.dequantize().cpu().numpy()
         except Exception as exc:  # a backend that raises on valid buffers is a failure to report, not a crash
             result.fail(backend, f"dequantize raised {type(exc).__name__}: {exc}")
             continue
@@ -373,8 +382,8 @@ def _check_backend_dequantize(result: LayerResult, layer: packing.PackedLayer, w
             result.cells[backend] = OK
 
 
-def _check_linear(result: LayerResult, name: str, layer: packing.PackedLayer, w16: np.ndarray, backends: Backends,
-                  ms: Sequence[int], seed: int) -> None:
+def _check_linear(result: LayerResult, name: str, layer: packing.PackedLayer, w16: np.ndarray,
+                  packed: dict[str, PackedWeight], ms: Sequence[int], seed: int) -> None:
     """Step 3: the linear on random activations, inside the derived fp32-accumulation bound around the exact
     reference, on every backend present."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
@@ -385,9 +394,9 @@ def _check_linear(result: LayerResult, name: str, layer: packing.PackedLayer, w1
     linear_cell = ABSENT
     for m, x, start, stop in zip(ms, xs, rows[:-1], rows[1:], strict=True):
         lo, hi = lo_all[start:stop], hi_all[start:stop]
-        for backend, device in backends.devices.items():
+        for backend, weight in packed.items():
             try:
-                y = _linear_on(layer, x, device)
+                y = _linear_on(weight, x)
             except Exception as exc:
                 result.fail("linear", f"{backend} M={m} raised {type(exc).__name__}: {exc}")
                 continue
