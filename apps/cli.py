@@ -160,8 +160,7 @@ def _inspect_dispatch(args: argparse.Namespace) -> int:
         source = open_source(args.path)
         require_quantized_layers(source)
         c = source.checkpoint
-        layers = [c.layers[name] if isinstance(c, packing.PackedCheckpoint) else c.linears[name]
-                  for name in source.layer_names]
+        layers = [c.quantized_layers[name] for name in source.layer_names]
         shapes = tuple(dict.fromkeys((layer.weight_format.padded_n(layer.n), layer.k) for layer in layers))
         layouts = list({layer.weight_format.key: layer.weight_format for layer in layers}.values())
     for family in families:

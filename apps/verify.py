@@ -99,7 +99,7 @@ class Source:
     @property
     def layer_names(self) -> list[str]:
         c = self.checkpoint
-        return sorted(c.layers if isinstance(c, packing.PackedCheckpoint) else c.linears)
+        return sorted(c.quantized_layers)
 
     def describe(self) -> str:
         c = self.checkpoint

@@ -245,6 +245,12 @@ class Checkpoint:
     config: Mapping
     hf_quant_config: Mapping | None = None
 
+    @property
+    def quantized_layers(self) -> Mapping[str, NVFP4Linear | FP8Linear]:
+        """The quantized layers by name: its linears (a PackedCheckpoint's are its packed layers), what a
+        consumer of either kind of checkpoint iterates."""
+        return self.linears
+
     def __post_init__(self) -> None:
         if self.format not in CHECKPOINT_FORMATS:
             raise ValueError(f"format must be one of {CHECKPOINT_FORMATS}, got {self.format!r}")

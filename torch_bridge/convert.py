@@ -164,7 +164,7 @@ def _read_checkpoint(checkpoint: object) -> Loaded:
 def _new_linears(model: nn.Module, checkpoint: Loaded, device: Device) -> tuple[dict[str, nn.Module], set[str]]:
     """{module name: new QPNLinear, or QPNExperts for a checkpoint's per-expert linears} and the checkpoint
     tensors they took (biases). The model is not touched."""
-    layers = checkpoint.layers if isinstance(checkpoint, packed.PackedCheckpoint) else checkpoint.linears
+    layers = checkpoint.quantized_layers
     experts, expert_names = new_experts(model, layers, _packed_weight_of, device)
     new: dict[str, nn.Module] = dict(experts)
     consumed: set[str] = set()

@@ -57,6 +57,11 @@ class PackedCheckpoint:
         return self.manifest["source"]["format"]
 
     @property
+    def quantized_layers(self) -> Mapping[str, PackedLayer]:
+        """The quantized layers by name: its packed layers (a Checkpoint's are its linears)."""
+        return self.layers
+
+    @property
     def quant_algo(self) -> str:
         return self.manifest["source"]["quant_algo"]
 
