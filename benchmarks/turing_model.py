@@ -978,7 +978,7 @@ def _families(variants: Iterable[KernelVariant]) -> dict[str, dict[int, KernelVa
     fams: dict[str, dict[int, KernelVariant]] = {}
     for v in variants:
         d = dict(v.defines)
-        fams.setdefault(_gemm_name(v), {})[int(d.get("QPN_NB", 1))] = v
+        fams.setdefault(_family_name(v), {})[int(d.get("QPN_NB", 1))] = v
     return fams
 
 
@@ -1269,8 +1269,8 @@ def _gemm_section(res: dict) -> list[str]:
     ]
     for v, s in res.get("gemm", {}).items():
         per_warp = "/".join(str(n) for n in sorted(set(s.per_warp)))
-        out.append(f"| {_gemm_name(v)} | {_fmt(s.instructions)} ({per_warp}) | {s.group_tiles} | {_fmt(s.per_gt())} | "
-                   f"{_fmt(s.per_gt('hmma'))} | {_fmt(s.fp16 / s.group_tiles)} | "
+        out.append(f"| {_family_name(v)} | {_fmt(s.instructions)} ({per_warp}) | {s.group_tiles} | "
+                   f"{_fmt(s.per_gt())} | {_fmt(s.per_gt('hmma'))} | {_fmt(s.fp16 / s.group_tiles)} | "
                    f"{_fmt(s.stream_bytes / s.group_tiles)} | {s.registers} | {s.smem} | {_warps(s, 8)} |")
     out += [
         "",
@@ -1294,7 +1294,7 @@ def _gemm_section(res: dict) -> list[str]:
                 q = project_gemm(s, replace(T4_SUSTAINED, fp16_on_tensor=True), m, n, k)
                 floor = max(p.tensor_us, p.fp16_read_us)
                 dense = (2.5625 * n * k) / (t4.read_ceiling_gbps * 1e3) + floor
-                out.append(f"| {_gemm_name(v)} | {n}x{k} | {m} | {p.us:.0f} ({p.limit}) | {q.us:.0f} ({q.limit}) | "
+                out.append(f"| {_family_name(v)} | {n}x{k} | {m} | {p.us:.0f} ({p.limit}) | {q.us:.0f} ({q.limit}) | "
                            f"{p.tensor_us:.0f} | {p.fp16_read_us:.0f} | {floor / p.us:.2f} | {dense:.0f} |")
     return out
 
@@ -1319,15 +1319,15 @@ def _moe_section(res: dict) -> list[str]:
     ]
     for v, s in res.get("moe", {}).items():
         m = 8 * s.nb
-        dense = fams.get(_gemm_name(v), {}).get(s.nb)
+        dense = fams.get(_family_name(v), {}).get(s.nb)
         d = sm75.get(dense) if dense is not None else None
-        out.append(f"| {_gemm_name(v)} | {m} | {_fmt(s.per_gt())} | {_fmt(d.per_gt()) if d else '-'} | "
+        out.append(f"| {_family_name(v)} | {m} | {_fmt(s.per_gt())} | {_fmt(d.per_gt()) if d else '-'} | "
                    f"{_fmt(s.per_gt('hmma'))} | {s.registers} | {_warps(s, 16)} | {_pct(project(s, card, m))} | "
                    f"{_pct(project(d, card, m)) if d else '-'} |")
     return out
 
 
-def _gemm_name(v: KernelVariant) -> str:
+def _family_name(v: KernelVariant) -> str:
     """The family name of a build: its kernel, gated, FP8 block scales, MXFP4 (QPN_MX)."""
     d = dict(v.defines)
     return v.kernel + (" gated" if d.get("QPN_GATED") == "1" else "") + (

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ref.codecs import E8M0_BIAS
 from ..ref.formats import QPN2, QPNMX
+from ..ref.mxfp4 import W16_TOP_EXP
 from ._validate import CupyArray, output_array, require_aligned, require_cupy, require_packed, require_shape
 from .dequantize import DEQUANTIZE_MACROS, launch_qpn2_dequantize
 from .gemm import gemm_activation, gemm_macros, launch_gemm
@@ -76,8 +78,8 @@ def run_qpnmx_prepack(blocks: CupyArray, scales: CupyArray, codes: CupyArray, pa
 
         reference(blocks.get(), scales.get())  # raises the reference's ValueError for the first 0xFF byte
         raise RuntimeError("qpn internal error: the GPU flagged an e8m0 NaN byte the reference did not find")
-    # tile_scale = 2^T, T = the tile's largest e8m0 exponent - 13 (qpn.ref.mxfp4.mxfp4_tile_exponents)
-    top = scales.reshape(n // 32, -1).max(axis=1).astype(np.int32) - 127 - 13
+    # tile_scale = 2^T, T = the tile's largest e8m0 exponent - W16_TOP_EXP (qpn.ref.mxfp4.mxfp4_tile_exponents)
+    top = scales.reshape(n // 32, -1).max(axis=1).astype(np.int32) - E8M0_BIAS - W16_TOP_EXP
     tile_scale[...] = cupy.ldexp(cupy.float32(1.0), top).astype(np.float32)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import require_array
-from .linear import _expf
+from .linear import _expf, _float64_sums
 from .moe import _check_experts, _check_routing, combine
 
 SWIGLU_ALPHA = 1.702  # gpt-oss config swiglu_alpha (an fp32 constant in vLLM's kernel)
@@ -78,7 +78,7 @@ def deinterleave(gate_up: np.ndarray, axis: int) -> np.ndarray:
 def _biased(x: np.ndarray, w16: np.ndarray, b: np.ndarray) -> np.ndarray:
     """RN16(S + b): the float64 sum of exact products plus the fp32 bias, rounded once."""
     with np.errstate(over="ignore"):
-        return (x.astype(np.float64) @ w16.astype(np.float64).T + b.astype(np.float64)).astype(np.float16)
+        return (_float64_sums(x, w16) + b.astype(np.float64)).astype(np.float16)
 
 
 def moe(x: np.ndarray, w13: np.ndarray, b13: np.ndarray, w2: np.ndarray, b2: np.ndarray,

@@ -85,14 +85,19 @@ def _float64_sums(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) @ w16.astype(np.float64).T
 
 
-def linear(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
+def linear(x: np.ndarray, w16: np.ndarray, *, column_scale: np.ndarray | None = None) -> np.ndarray:
     """x float16 [M, K], w16 float16 [N, K] -> float16 [M, N] = RN16(float64 sum of exact products).
 
-    Rejects non-finite inputs and mismatched K (ValueError).
+    column_scale: float [N] powers of two each output column's sum is multiplied by before the RN16
+    (exact: MXFP4's per-tile 2^T, ref/mxfp4.py); None: 1. Rejects non-finite inputs and mismatched K.
     """
     x, w16 = _validate_linear_inputs(x, w16)
     with np.errstate(over="ignore"):  # |S| >= 65520 rounds to inf: an answer, not an error
-        return _float64_sums(x, w16).astype(np.float16)
+        return _scaled(_float64_sums(x, w16), column_scale).astype(np.float16)
+
+
+def _scaled(v: np.ndarray, column_scale: np.ndarray | None) -> np.ndarray:
+    return v if column_scale is None else v * np.asarray(column_scale, np.float64)
 
 
 def gamma(k: int, u: float) -> float:
@@ -102,10 +107,11 @@ def gamma(k: int, u: float) -> float:
     return k * u / (1.0 - k * u)
 
 
-def linear_bounds(x: np.ndarray, w16: np.ndarray,
-                  unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
+def linear_bounds(x: np.ndarray, w16: np.ndarray, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF, *,
+                  column_scale: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N] each: every fp32-or-wider accumulation of x @ w16.T, in any order,
-    rounded once to fp16, lies in [lo, hi] (module docstring for the derivation).
+    (times column_scale, powers of two: exact; as `linear`) rounded once to fp16, lies in [lo, hi]
+    (module docstring for the derivation).
 
     unit_roundoff: 2^-23 (default: covers truncating adders) or 2^-24 (round-to-nearest adds).
     A kernel test asserts `(lo <= y) & (y <= hi)`, which also handles +-inf correctly.
@@ -118,7 +124,7 @@ def linear_bounds(x: np.ndarray, w16: np.ndarray,
     # abs_sum / (1 - gamma64_K); the factor (1 + 2^-50) covers the rest of that and the few
     # float64 roundings of this very expression.
     d = float64_sum_slack(k, unit_roundoff, abs_sum)
-    return outward_fp16(s64 - d, s64 + d)
+    return outward_fp16(_scaled(s64 - d, column_scale), _scaled(s64 + d, column_scale))
 
 
 def float64_sum_slack(k: int, unit_roundoff: float, abs_sum: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ from .checks import require_array, require_shape
 from .codecs import E8M0_BIAS, E8M0_NAN, decode_e2m1, encode_e2m1
 from .formats import MX_BLOCK, QPNMX
 from .geometry import TILE_N
-from .linear import FP32_TRUNCATING_UNIT_ROUNDOFF, float64_sum_slack, outward_fp16
+from .linear import FP32_TRUNCATING_UNIT_ROUNDOFF, linear, linear_bounds
 from .nvfp4 import pack_nibbles, unpack_nibbles
 from .qpn2 import _lanes_to_rows, _require_buffer, _rows_to_lanes, qpn2_prepack, qpn2_unpack
 
@@ -154,30 +154,23 @@ def _tile_scale(t: np.ndarray) -> np.ndarray:
 
 
 def mxfp4_linear(x: np.ndarray, w16: np.ndarray, tile_scale: np.ndarray) -> np.ndarray:
-    """The contract's linear for MXFP4: y = RN16(2^T(t) * sum_k x W16), the sum in float64 (exact for fp16
-    inputs up to K = 2^19), the power of two exact; x float16 [M, K], W16 [N, K], tile_scale [N/32]."""
-    x = require_array("x", x, np.float16, ndim=2)
-    w16 = require_array("w16", w16, np.float16, ndim=2)
-    tile_scale = require_array("tile_scale", tile_scale, np.float32, ndim=1)
-    require_shape("tile_scale", tile_scale, (w16.shape[0] // TILE_N,))
-    sums = x.astype(np.float64) @ w16.astype(np.float64).T
-    with np.errstate(over="ignore"):  # beyond fp16's range: inf, as RN16 gives
-        return (sums * np.repeat(tile_scale.astype(np.float64), TILE_N)).astype(np.float16)
+    """The contract's linear for MXFP4: y = RN16(2^T(t) * sum_k x W16) (ref.linear with the tiles' 2^T as
+    its column scale); x float16 [M, K], W16 [N, K], tile_scale float32 [N/32]."""
+    return linear(x, w16, column_scale=_column_scale(w16, tile_scale))
 
 
 def mxfp4_linear_bounds(x: np.ndarray, w16: np.ndarray, tile_scale: np.ndarray,
                         unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N]: every fp32 accumulation of x @ w16.T in any order, times the tile's 2^T
-    (exact), rounded once to fp16, lies in [lo, hi]: ref.linear_bounds' interval of the sum, scaled."""
-    x = require_array("x", x, np.float16, ndim=2)
-    w16 = require_array("w16", w16, np.float16, ndim=2)
+    (exact), rounded once to fp16, lies in [lo, hi]: ref.linear_bounds with the tiles' 2^T."""
+    return linear_bounds(x, w16, unit_roundoff, column_scale=_column_scale(w16, tile_scale))
+
+
+def _column_scale(w16: np.ndarray, tile_scale: np.ndarray) -> np.ndarray:
+    """The tiles' 2^T, one per output row of w16 [N, K]."""
     tile_scale = require_array("tile_scale", tile_scale, np.float32, ndim=1)
-    require_shape("tile_scale", tile_scale, (w16.shape[0] // TILE_N,))
-    x64, w64 = x.astype(np.float64), w16.astype(np.float64)
-    sums = x64 @ w64.T
-    slack = float64_sum_slack(x.shape[1], unit_roundoff, np.abs(x64) @ np.abs(w64).T)
-    scale = np.repeat(tile_scale.astype(np.float64), TILE_N)
-    return outward_fp16((sums - slack) * scale, (sums + slack) * scale)
+    require_shape("tile_scale", tile_scale, (np.shape(w16)[0] // TILE_N,))
+    return np.repeat(tile_scale, TILE_N)
 
 
 # ----------------------------------------------------------------------------- the QPNMX layout

@@ -54,6 +54,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from ..ref import decode_e4m3
+from ..ref.codecs import E8M0_BIAS
 from ..ref.formats import FP8_BLOCK, QPN2, QPN8
 from ..ref.geometry import COLUMN_OF_LANE, GROUP_K, KORDER, TILE_N, position_of_k
 
@@ -534,7 +535,7 @@ def qpnmx_blocks(tile_scale: np.ndarray) -> np.ndarray:
     _, exponent = np.frexp(np.asarray(tile_scale, np.float64))
     t = exponent.astype(np.int64) - 1  # tile_scale = 2^T exactly: frexp gives 0.5 * 2^(T + 1)
     with np.errstate(under="ignore", over="ignore"):
-        return np.ldexp(1.0, np.arange(256)[None, :] - 127 - t[:, None]).astype(np.float32)
+        return np.ldexp(1.0, np.arange(256)[None, :] - E8M0_BIAS - t[:, None]).astype(np.float32)
 
 
 def _qpn2_tables(g_values: np.ndarray, tables: np.ndarray) -> None:
