@@ -30,6 +30,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -607,14 +608,22 @@ def render_markdown(env: dict, sections: list[Section]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file and one rename: a killed run leaves the old file or the new
+    one, never a partial one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_results(env: dict, sections: list[Section], out_dir: Path, name: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
     payload = {"environment": env, "ceiling_gbps": env.get("ceiling_gbps", {}), "sections": {}}
     for sec in sections:
         payload["sections"][sec.name] = {"title": sec.title, "rows": sec.rows, "notes": sec.notes}
-    json_path.write_text(json.dumps(payload, indent=1, default=float) + "\n")
-    md_path.write_text(render_markdown(env, sections))
+    write_atomic(json_path, json.dumps(payload, indent=1, default=float) + "\n")
+    write_atomic(md_path, render_markdown(env, sections))
     return json_path, md_path
 
 

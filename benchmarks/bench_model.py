@@ -56,7 +56,6 @@ import contextlib
 import copy
 import datetime
 import inspect
-import os
 import platform
 import statistics
 import sys
@@ -502,9 +501,7 @@ def write(env: dict, sec: bk.Section, out: Path, name: str) -> tuple:
         f"{env['steps']} steps).",
     ]
     body = bk.render_markdown(env, [sec]).split("\n", 3)[-1]
-    tmp = md_path.with_name(f".{md_path.name}.{os.getpid()}.tmp")
-    tmp.write_text("\n".join(header) + "\n" + body)
-    os.replace(tmp, md_path)
+    bk.write_atomic(md_path, "\n".join(header) + "\n" + body)
     return json_path, md_path
 
 

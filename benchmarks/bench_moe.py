@@ -43,6 +43,7 @@ from qpn.torch_bridge import PackedExperts, packed_weight_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dispatch  # noqa: E402  (the graph timing of bench_dispatch's table)
+import bench_kernels as bk  # noqa: E402  (write_atomic)
 
 LAYERS = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}  # experts, top-k, hidden, intermediate
 READ_CEILING_GBPS = 4566.0  # the H200's measured streaming-read ceiling (benchmarks/results/decode_h200.md)
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for layer in args.layers.split(",") for r in bench_layer(layer, ms, gen)]
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-    (args.out / "moe_h200.json").write_text(json.dumps(result, indent=1))
+    bk.write_atomic(args.out / "moe_h200.json", json.dumps(result, indent=1))
     return 0
 
 

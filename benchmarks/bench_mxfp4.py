@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"NVFP4 {row['nvfp4_us']:8.2f} us ({row['nvfp4_pct_read']:5.1f} %)  MX/NVFP4 "
                   f"{row['mx_over_nvfp4']:.3f}  [{row['mxfp4_timing']}]", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "mxfp4_h200.json").write_text(json.dumps({"gpu": ctx.gpu_name, "read_gbps": read, "rows": rows},
-                                                         indent=1))
+    bk.write_atomic(args.out / "mxfp4_h200.json", json.dumps({"gpu": ctx.gpu_name, "read_gbps": read, "rows": rows},
+                                                             indent=1))
     return 0
 
 
