@@ -85,9 +85,9 @@ def test_the_mx_kernel_is_the_qpn2_kernel_on_the_same_w16(n, k, gated, t):
         got = ck_mx.qpnmx_linear(cupy.asarray(x), *mxb, gated=gated)
         want = qpn2_linear(cupy.asarray((x.astype(np.float64) * 2.0**t).astype(np.float16)), *twin, gated=gated)
         assert cupy.array_equal(got.view(np.uint16), want.view(np.uint16)), (m, gated, t)
-        # sums inside fp16, the bits compared are values: all but the rows holding their tile's top block
-        # (1 row in 32, gated 2: weights up to 6 * 2^13) stay finite
-        assert float(cupy.isfinite(got).mean()) > 0.9
+        # the bits compared are mostly values, not infinities: only outputs reading a tile's top block
+        # (weights up to 6 * 2^13; gated, through silu(gate) * up) may leave fp16
+        assert float(cupy.isfinite(got).mean()) > 0.5
 
 
 @pytest.mark.gpu
