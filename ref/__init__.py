@@ -25,7 +25,7 @@ from .linear import (
     linear_gated,
     silu_and_mul,
 )
-from .mxfp4 import MXFP4Weight, mxfp4_dequantize, mxfp4_quantize
+from .mxfp4 import MXFP4Weight, mxfp4_dequantize, mxfp4_quantize, qpnmx_dequantize, qpnmx_prepack
 from .nvfp4 import (
     NVFP4Weight,
     nvfp4_block_overflows,

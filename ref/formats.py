@@ -17,8 +17,8 @@ a 128x128 FP8 scale block cannot be split (N % 128, K % 128).
 
 `key` names the kernel family that serves a format (cupy_kernels builds and tunes per key);
 `format` / `granularity` are the public names (QPNLinear, the packed manifest, the qpn command).
-Adding a format means one new description here plus its kernels. MXFP4 (QPNMX) is described and has its
-reference (ref/mxfp4.py); it joins WEIGHT_FORMATS, the formats every layer serves, with its kernels.
+Adding a format means one new description here plus its kernels (and its PackedWeight class and ops in
+torch_bridge). MXFP4 (QPNMX, issue 23) is the last one added: its reference is ref/mxfp4.py.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ class Buffer:
 
 @dataclass(frozen=True)
 class WeightFormat:
-    key: str  # kernel family: "qpn2" | "qpn8" | "qpn8_block"
-    format: str  # public format name: "nvfp4" | "fp8"
+    key: str  # kernel family: "qpn2" | "qpn8" | "qpn8_block" | "qpnmx"
+    format: str  # public format name: "nvfp4" | "fp8" | "mxfp4"
     granularities: tuple[str, ...]  # FP8 scale granularities served; () for NVFP4
-    layout: str  # byte layout: "QPN2" | "QPN8"
+    layout: str  # byte layout: "QPN2" | "QPN8" | "QPNMX"
     label: str  # how messages and tables name it
     n_multiple: int
     k_multiple: int
@@ -69,6 +69,9 @@ class WeightFormat:
     source_tags: Mapping[str, str]  # checkpoint tensor role -> safetensors dtype tag (the prepack inputs)
     pad_code: int  # code byte of a pad weight
     pad_scale: float  # scale of a pad row: e4m3 +0 for NVFP4 (a pad weight is +0 whatever its code), 1.0 for FP8
+    # the buffer whose per-tile values multiply each output's fp32 sum before its one RN16 (MXFP4's 2^T: the
+    # part of the weight fp16 cannot hold, docs/DESIGN.md "MXFP4 weight"); None: W16 is the whole weight
+    output_scale: str | None = None
 
     def require_dims(self, n: int, k: int, n_where: str = "", k_where: str = "") -> None:
         """N and K are positive multiples of this layout's; `*_where` says where the value came from."""
@@ -156,11 +159,12 @@ QPNMX = WeightFormat(
     ),
     source_tags={"blocks": "U8", "scales": "U8"},
     pad_code=0x00, pad_scale=2.0**-127,  # e8m0 has no zero: byte 0 (2^-127) under +0 codes
+    output_scale="tile_scale",
 )
 
-WEIGHT_FORMATS = (QPN2, QPN8, QPN8_BLOCK)  # served by every layer (QPNMX joins with its kernels)
-FORMAT_NAMES = ("nvfp4", "fp8")  # the public format names, in the order messages list them
-BY_KEY = {f.key: f for f in (*WEIGHT_FORMATS, QPNMX)}
+WEIGHT_FORMATS = (QPN2, QPN8, QPN8_BLOCK, QPNMX)  # served by every layer
+FORMAT_NAMES = ("nvfp4", "fp8", "mxfp4")  # the public format names, in the order messages list them
+BY_KEY = {f.key: f for f in WEIGHT_FORMATS}
 
 
 def _by_key(key: str) -> WeightFormat:
@@ -168,13 +172,14 @@ def _by_key(key: str) -> WeightFormat:
 
 
 def weight_format(format: str, granularity: str | None = None) -> WeightFormat:
-    """The description of `format` ("nvfp4", or "fp8" with its scale granularity)."""
-    if format == "nvfp4":
-        if granularity is not None:
-            raise ValueError(f"granularity applies to fp8 only, got granularity={granularity!r} for nvfp4; drop it")
-        return QPN2
+    """The description of `format` ("nvfp4", "mxfp4", or "fp8" with its scale granularity)."""
     if format == "fp8":
         if granularity not in FP8_GRANULARITIES:
             raise ValueError(f"fp8 needs a scale granularity, one of {FP8_GRANULARITIES}, got {granularity!r}")
         return QPN8_BLOCK if granularity == "block" else QPN8
+    one = {wf.format: wf for wf in WEIGHT_FORMATS if not wf.granularities}  # one layout, no granularity
+    if format in one:
+        if granularity is not None:
+            raise ValueError(f"granularity applies to fp8 only, got granularity={granularity!r} for {format}; drop it")
+        return one[format]
     raise ValueError(f"format must be one of {FORMAT_NAMES}, got {format!r}")

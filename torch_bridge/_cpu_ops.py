@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..ref.formats import QPN2, QPN8, WeightFormat
+from ..ref.formats import QPN2, QPN8, QPNMX, WeightFormat
 from ..ref.geometry import TILE_N
 from . import _cpu, dispatch
+from .buffers import column_scale
 from .epilogue import silu_and_mul
 
 # decode_rows(out, row0): W16 rows [row0, row0 + R) into out float32 [R, K] (the numba *_w16_rows kernels)
@@ -27,7 +28,9 @@ DecodeRows = Callable[[np.ndarray, int], None]
 def dequantize(wf: WeightFormat, buffers: tuple[Tensor, ...], n: int, k: int) -> Tensor:
     kernels, family = _kernels(), _family(wf)
     decode_rows = functools.partial(getattr(kernels, family.w16_rows), *family.operands(buffers, n))
-    return _w16_f32(decode_rows, n, k).to(torch.float16)  # exact: values are fp16
+    out = torch.empty((n, k), dtype=torch.float32)
+    decode_rows(out.numpy(), 0)
+    return out.to(torch.float16)  # exact: values are fp16
 
 
 def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, gated: bool) -> Tensor:
@@ -41,14 +44,20 @@ def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, gat
 
 def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int) -> Tensor:
     """`linear` on a given path, "cpu_fused" or "cpu_blas" (benchmarks/bench_dispatch.py times each)."""
+    return sums_on(path, wf, x, buffers, n).to(torch.float16, memory_format=torch.contiguous_format)
+
+
+def sums_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int) -> Tensor:
+    """float32 [M, n]: the outputs before their one RN16 (each sum times the layout's column scale, exact),
+    on `path`; the MoE op adds its biases here."""
     kernels, family = _kernels(), _family(wf)
     operands = family.operands(buffers, n)
-    decode_rows = functools.partial(getattr(kernels, family.w16_rows), *operands)
+    scale = column_scale(wf, buffers)
     if path == "cpu_fused":
         y = torch.empty((x.shape[0], n), dtype=torch.float32)
         getattr(kernels, family.fused)(*operands, x.float()[:, _x_position_index(x.shape[1])].numpy(), y.numpy())
-        return y.to(torch.float16)
-    return decode_then_matmul(x, n, decode_rows)
+        return y if scale is None else y * scale
+    return decode_then_matmul(x, n, functools.partial(getattr(kernels, family.w16_rows), *operands), scale)
 
 
 def _qpn2_operands(buffers: tuple[Tensor, ...], n: int) -> tuple[np.ndarray, ...]:
@@ -66,6 +75,13 @@ def _qpn8_operands(buffers: tuple[Tensor, ...], n: int) -> tuple[np.ndarray, np.
     return codes.reshape(-1).numpy(), group_scales.float().numpy(), channel
 
 
+def _qpnmx_operands(buffers: tuple[Tensor, ...], n: int) -> tuple[np.ndarray, ...]:
+    """numpy (codes, scales, the tiles' block constants 2^(s - 127 - T): _cpu.qpnmx_blocks) for the QPNMX
+    kernels (32 KiB per 32 tiles, built per call); the tiles' 2^T are the column scale (sums_on)."""
+    codes, scales, tile_scale = buffers
+    return codes.reshape(-1).numpy(), scales.reshape(-1).numpy(), _cpu.qpnmx_blocks(tile_scale.numpy())
+
+
 class _Family(NamedTuple):
     """A layout's numba kernels (their names in _cpu.kernels()) and its operands."""
 
@@ -76,7 +92,8 @@ class _Family(NamedTuple):
 
 # by byte layout: both QPN8 descriptions (channel / tensor and block scales) run the QPN8 kernels
 _FAMILIES = {QPN2.layout: _Family("qpn2_linear_fused", "qpn2_w16_rows", _qpn2_operands),
-             QPN8.layout: _Family("qpn8_linear_fused", "qpn8_w16_rows", _qpn8_operands)}
+             QPN8.layout: _Family("qpn8_linear_fused", "qpn8_w16_rows", _qpn8_operands),
+             QPNMX.layout: _Family("qpnmx_linear_fused", "qpnmx_w16_rows", _qpnmx_operands)}
 
 
 def _family(wf: WeightFormat) -> _Family:
@@ -98,15 +115,9 @@ def _kernels() -> SimpleNamespace:
     return kernels
 
 
-def _w16_f32(decode_rows: DecodeRows, n: int, k: int) -> Tensor:
-    """float32 [N, K] holding W16 (every value an fp16 value), decoded by `decode_rows(out, row0)`."""
-    out = torch.empty((n, k), dtype=torch.float32)
-    decode_rows(out.numpy(), 0)
-    return out
-
-
-def decode_then_matmul(x: Tensor, n: int, decode_rows: DecodeRows) -> Tensor:
-    """RN16(x @ W16^T) with fp32 (or, under reduced matmul precision settings, fp64) accumulation.
+def decode_then_matmul(x: Tensor, n: int, decode_rows: DecodeRows, scale: Tensor | None = None) -> Tensor:
+    """float32 [M, n]: x @ W16^T with fp32 accumulation (under reduced matmul precision settings float64,
+    rounded once at the end), each column times `scale` (the layout's column scale, exact) if given.
 
     W16 is decoded by `decode_rows(out, row0)` in chunks of _cpu.CHUNK_ELEMENTS (sized for the
     last-level cache), each multiplied by torch's fp32 matmul (y^T = W16 @ x^T, chunk by chunk).
@@ -115,18 +126,19 @@ def decode_then_matmul(x: Tensor, n: int, decode_rows: DecodeRows) -> Tensor:
     bf16 internally, so the product is then taken in float64.
     """
     m, k = x.shape
-    if torch.get_float32_matmul_precision() != "highest":
-        return torch.mm(x.double(), _w16_f32(decode_rows, n, k).double().t()).to(torch.float16)
     chunk = min(n, max(TILE_N, _cpu.CHUNK_ELEMENTS // k // TILE_N * TILE_N))
+    exact = torch.get_float32_matmul_precision() == "highest"
     w16 = torch.empty((chunk, k), dtype=torch.float32)
-    x_t = x.float().t()
-    y_t = torch.empty((n, m), dtype=torch.float32)
+    x_t = x.float().t() if exact else x.double().t()
+    y_t = torch.empty((n, m), dtype=x_t.dtype)
     for row0 in range(0, n, chunk):
         rows = min(chunk, n - row0)
         decode_rows(w16[:rows].numpy(), row0)
-        torch.mm(w16[:rows], x_t, out=y_t[row0:row0 + rows])
-    # contiguous: vLLM slices q/k/v out of the rows and its CPU attention requires unit stride
-    return y_t.t().to(torch.float16, memory_format=torch.contiguous_format)
+        torch.mm(w16[:rows] if exact else w16[:rows].double(), x_t, out=y_t[row0:row0 + rows])
+    if scale is not None:
+        y_t *= scale[:, None]
+    # contiguous (linear_on): vLLM slices q/k/v out of the rows and its CPU attention requires unit stride
+    return y_t.t()
 
 
 @functools.lru_cache(maxsize=64)

@@ -26,7 +26,7 @@ it runs. Linear: the path (decode kernel, fused-dequantize GEMM, or dense) is di
 from the measured table of the device family (host arithmetic: safe under graph capture). Dense
 dequantizes the whole weight into a per-call fp16 [N, K] torch tensor and multiplies with torch:
 
-    y = RN16(torch.mm(x, W16^T, out_dtype=float32))
+    y = RN16(torch.mm(x, W16^T, out_dtype=float32))      (MXFP4: each column times its tile's 2^T first)
 
 Why torch's cuBLAS and not CuPy's dense wrapper: the fp16 workspace and the GEMM then live on
 torch's allocator and torch's cuBLAS handle/workspace for the current stream, which torch
@@ -50,7 +50,7 @@ from torch import Tensor
 
 from ..ref.formats import WeightFormat
 from . import dispatch
-from .buffers import empty_buffer
+from .buffers import column_scale, empty_buffer
 from .epilogue import silu_and_mul
 
 if TYPE_CHECKING:  # annotations only: importing qpn.cupy_kernels at run time waits for the first CUDA call
@@ -102,11 +102,11 @@ class _SameStream:
         return self.tensor.__dlpack__(stream=-1, **kwargs)
 
 
-def _mm_rn16(x: Tensor, w16: Tensor) -> Tensor:
-    """RN16(x @ w16^T) with fp32 accumulation and reduction (module docstring)."""
-    if _HAS_MM_OUT_DTYPE:
-        return torch.mm(x, w16.t(), out_dtype=torch.float32).to(torch.float16)
-    return torch.mm(x.float(), w16.float().t()).to(torch.float16)
+def _mm_rn16(x: Tensor, w16: Tensor, scale: Tensor | None = None) -> Tensor:
+    """RN16(x @ w16^T) with fp32 accumulation and reduction (module docstring); each column's sum times
+    `scale` first where the layout has a column scale (buffers.column_scale: exact, a power of two)."""
+    y = torch.mm(x, w16.t(), out_dtype=torch.float32) if _HAS_MM_OUT_DTYPE else torch.mm(x.float(), w16.float().t())
+    return (y if scale is None else y * scale).to(torch.float16)
 
 
 # ----------------------------------------------------------------------------- prepack
@@ -151,7 +151,7 @@ def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...
               gated: bool) -> Tensor:
     """`linear` on a given path ("decode", "gemm" or "dense"; benchmarks/bench_dispatch.py times each)."""
     if path == "dense":
-        y = _mm_rn16(x, dequantize(wf, buffers, n, k))
+        y = _mm_rn16(x, dequantize(wf, buffers, n, k), column_scale(wf, buffers))
         return silu_and_mul(y) if gated else y
     kernels = _layout_kernels(wf)
     launch = kernels.decode if path == "decode" else kernels.gemm
@@ -169,11 +169,13 @@ def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...
 
 
 def moe(wf: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...], inter: int,
-        topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
-    """The fused MoE decode (qpn.cupy_kernels.moe, chunks of 1024 // top_k tokens): x fp16 [M, H], the experts' stacked
-    buffers, the routing -> fp16 [M, H]. Every token's bits are its bits in any other call (rows never
-    share a sum); the route, the slot-ordered h and y and the split-K state come from torch's allocator
-    (one chunk's, reused in stream order): no host sync, capturable in a CUDA graph at every M."""
+        topk_weights: Tensor, topk_ids: Tensor, w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
+        activation: str = "silu") -> Tensor:
+    """The fused MoE decode (qpn.cupy_kernels.moe, chunks of 1024 // top_k tokens): x fp16 [M, H], the experts'
+    stacked buffers, the routing (and gpt-oss's biases and activation, added in the kernels' epilogue) -> fp16
+    [M, H]. Every token's bits are its bits in any other call (rows never share a sum); the route, the
+    slot-ordered h and y and the split-K state come from torch's allocator (one chunk's, reused in stream
+    order): no host sync, capturable in a CUDA graph at every M."""
     from ..cupy_kernels.moe import chunk_rows, launch_moe, moe_workspace_size, route_size  # noqa: PLC0415
 
     (m, h), top_k, experts = x.shape, int(topk_ids.shape[1]), int(w13[0].shape[0])
@@ -190,5 +192,6 @@ def moe(wf: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, 
         workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
         launch_moe(kernels, as_cupy(x), tuple(as_cupy(t) for t in w13), tuple(as_cupy(t) for t in w2), inter,
                    as_cupy(topk_weights), as_cupy(topk_ids), as_cupy(route), workspace, as_cupy(hidden),
-                   as_cupy(y), as_cupy(out))
+                   as_cupy(y), as_cupy(out), w13_bias=None if w13_bias is None else as_cupy(w13_bias),
+                   w2_bias=None if w2_bias is None else as_cupy(w2_bias), activation=activation)
     return out

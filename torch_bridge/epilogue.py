@@ -1,11 +1,21 @@
-"""The gated epilogue of the torch ops, one definition for every backend: `silu_and_mul` on an
+"""The gated epilogues of the torch ops, one definition for every backend: `silu_and_mul` on an
 fp16 [M, N] linear result is exactly "linear, then vLLM's silu_and_mul kernel" (docs/DESIGN.md,
-"Gated epilogue"; qpn.ref.silu_and_mul is its numpy reference)."""
+"Gated epilogue"; qpn.ref.silu_and_mul is its numpy reference); `swigluoai_and_mul` is gpt-oss's
+clamped SwiGLU, vLLM's swigluoai_and_mul kernel op for op (qpn.ref.gpt_oss.swigluoai_and_mul).
+ACTIVATIONS names them as the MoE ops take them."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..ref.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
+
+
+def _expf(v: Tensor) -> Tensor:
+    """expf(v) in fp32: on the CPU float64 exp rounded once (qpn.ref's definition), on CUDA torch's fp32
+    exp, CUDA's expf, the function the kernels call."""
+    return torch.exp(v.double()).float() if v.device.type == "cpu" else torch.exp(v)
 
 
 def silu_and_mul(y: Tensor) -> Tensor:
@@ -19,9 +29,21 @@ def silu_and_mul(y: Tensor) -> Tensor:
     half = y.shape[1] // 2
     gate = y[:, :half].float()
     up = y[:, half:].float()
-    if y.device.type == "cpu":
-        exp_neg = torch.exp(-gate.double()).float()
-    else:
-        exp_neg = torch.exp(-gate)
-    silu16 = (gate / (1.0 + exp_neg)).to(torch.float16)
+    silu16 = (gate / (1.0 + _expf(-gate))).to(torch.float16)
     return (silu16.float() * up).to(torch.float16)
+
+
+def swigluoai_and_mul(y: Tensor, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT) -> Tensor:
+    """gpt-oss's gated epilogue on an fp16 [M, N] result (gate = y[:, :N/2], up = y[:, N/2:]), each fp32
+    operation rounded once: g = min(gate, limit), u = clamp(up, -limit, limit) (NaN stays NaN),
+    s = 1 / (1 + expf(-(g * alpha))), out = RN16((u + 1) * (g * s))."""
+    half = y.shape[1] // 2
+    gate, up = y[:, :half].float(), y[:, half:].float()
+    a = torch.tensor(alpha, dtype=torch.float32)  # the fp32 constants of the kernels
+    g = torch.where(gate > limit, limit, gate)
+    u = torch.where(up > limit, limit, torch.where(up < -limit, -limit, up))
+    s = 1.0 / (1.0 + _expf(-(g * a.to(y.device))))
+    return ((u + 1.0) * (g * s)).to(torch.float16)
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "swigluoai": swigluoai_and_mul}

@@ -1,5 +1,6 @@
 """QPNExperts: the experts of a transformers mixture-of-experts block (transformers 5's Qwen3MoeExperts,
-MixtralExperts: gate_up_proj [E, 2I, H], down_proj [E, H, I], called as experts(hidden_states,
+MixtralExperts: gate_up_proj [E, 2I, H], down_proj [E, H, I]; GptOssExperts: transposed, gate and up
+interleaved, with biases and the clamped SwiGLU (experts_weights); each called as experts(hidden_states,
 top_k_index, top_k_weights)) over one PackedExperts, and the checkpoint side of it: which per-expert
 linears of a checkpoint form one experts module.
 
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..ref.formats import WeightFormat
+from ..ref.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
 from .packed_experts import PackedExperts
 from .packed_weight import PackedWeight, device_moves_only, packed_weight_class, replacement_device
 
@@ -65,13 +68,48 @@ def module_path(model: nn.Module, disk_path: str) -> str:
                      "the checkpoint names must be the model's module paths")
 
 
-def is_experts_module(module: nn.Module) -> bool:
-    """transformers 5's fused experts: 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I] parameters."""
+class ExpertsWeights(NamedTuple):
+    """A transformers experts module's weights in qpn's order (views, no copy until quantized)."""
+
+    gate_up: Tensor  # [E, 2I, H]: gate rows, then up rows
+    down: Tensor  # [E, H, I]
+    gate_up_bias: Tensor | None  # [E, 2I], the same order (gpt-oss)
+    down_bias: Tensor | None  # [E, H] (gpt-oss)
+    activation: str  # the MoE ops' name of its gated epilogue (epilogue.ACTIVATIONS)
+
+
+def experts_weights(module: nn.Module) -> ExpertsWeights | None:
+    """The weights of transformers 5's fused experts, or None for any other module:
+    - Qwen3-MoE / Mixtral: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I], SiLU;
+    - gpt-oss (GptOssExperts): gate_up_proj [E, H, 2I] with gate and up interleaved (column 2i gate,
+      2i + 1 up), gate_up_proj_bias [E, 2I] likewise, down_proj [E, I, H], down_proj_bias [E, H], the clamped
+      SwiGLU of ref.gpt_oss (its alpha and limit must be gpt-oss's: the kernels hold them).
+    The gpt-oss permutation (ref.gpt_oss.deinterleave) and transposes only move values."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.dim() == down.dim() == 3):
-        return False
+        return None
+    b13, b2 = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
+    if isinstance(b13, Tensor) and isinstance(b2, Tensor):  # gpt-oss
+        e, hidden, two_i = gate_up.shape
+        if tuple(down.shape) != (e, two_i // 2, hidden) or two_i % 2 or tuple(b13.shape) != (e, two_i) or \
+                tuple(b2.shape) != (e, hidden):
+            return None
+        alpha, limit = getattr(module, "alpha", SWIGLU_ALPHA), getattr(module, "limit", SWIGLU_LIMIT)
+        if (float(alpha), float(limit)) != (SWIGLU_ALPHA, SWIGLU_LIMIT):
+            raise ValueError(f"{type(module).__name__}: qpn's swigluoai epilogue has gpt-oss's alpha {SWIGLU_ALPHA} "
+                             f"and limit {SWIGLU_LIMIT}, this module has {alpha} and {limit}; leave it unconverted "
+                             "(skip=)")
+        order = torch.cat([torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)]).to(gate_up.device)
+        return ExpertsWeights(gate_up.transpose(1, 2)[:, order], down.transpose(1, 2), b13[:, order], b2, "swigluoai")
     e, two_i, hidden = gate_up.shape
-    return tuple(down.shape) == (e, hidden, two_i // 2) and two_i % 2 == 0
+    if tuple(down.shape) != (e, hidden, two_i // 2) or two_i % 2:
+        return None
+    return ExpertsWeights(gate_up, down, None, None, "silu")
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """transformers 5's fused experts (experts_weights)."""
+    return experts_weights(module) is not None
 
 
 def complete_experts(disk_path: str, experts: Mapping[int, Mapping[str, str]]) -> list[tuple[str, str, str]]:
@@ -110,17 +148,12 @@ def new_experts(model: nn.Module, layers: Mapping[str, object], packed_weight_of
     return new, taken
 
 
-def _experts_weights(module: nn.Module) -> tuple[Tensor, Tensor]:
-    """(gate_up_proj, down_proj) of a module is_experts_module accepted."""
-    gate_up, down = getattr(module, "gate_up_proj"), getattr(module, "down_proj")  # noqa: B009 (typed as Tensor)
-    assert isinstance(gate_up, Tensor) and isinstance(down, Tensor)
-    return gate_up, down
-
-
 def _experts_shape(module: nn.Module) -> tuple[int, int, int]:
     if isinstance(module, QPNExperts):
         return module.num_experts, module.hidden_size, module.intermediate_size
-    e, hidden, inter = _experts_weights(module)[1].shape
+    weights = experts_weights(module)
+    assert weights is not None  # the caller's is_experts_module
+    e, hidden, inter = weights.down.shape
     return int(e), int(hidden), int(inter)
 
 
@@ -133,17 +166,21 @@ class QPNExperts(nn.Module):
         self.weight_format: WeightFormat = packed.weight_class.weight_format
         self.num_experts, self.hidden_size, self.intermediate_size = (
             packed.num_experts, packed.hidden_size, packed.intermediate_size)
+        self.activation = packed.activation
         for prefix, buffers in (("w13", packed.w13), ("w2", packed.w2)):
             for name, tensor in buffers.items():
                 self.register_buffer(f"{prefix}_{name}", tensor)
+        self.register_buffer("w13_bias", packed.w13_bias)  # None: not in state_dict
+        self.register_buffer("w2_bias", packed.w2_bias)
 
     @property
     def packed_experts(self) -> PackedExperts:
         """The experts over this module's buffers (no copy)."""
         names = [b.name for b in self.weight_format.buffers]
         w13, w2 = ({n: getattr(self, f"{stem}_{n}") for n in names} for stem in ("w13", "w2"))
+        b13, b2 = self._buffers["w13_bias"], self._buffers["w2_bias"]  # registered in __init__ (None: no bias)
         return PackedExperts.over(packed_weight_class(self.weight_format), w13, w2, self.hidden_size,
-                                  self.intermediate_size)
+                                  self.intermediate_size, b13, b2, self.activation)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QPNExperts:
         """Device moves apply to the buffers, dtype casts do not (packed_weight.device_moves_only)."""
@@ -158,18 +195,24 @@ class QPNExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, layout={self.weight_format.label!r}")
+                f"intermediate_size={self.intermediate_size}, layout={self.weight_format.label!r}, "
+                f"activation={self.activation!r}, bias={self.w13_bias is not None}")
 
     @classmethod
     def from_module(cls, module: nn.Module, wf: WeightFormat, granularity: str | None = None) -> QPNExperts:
         """Quantize a transformers experts module's weights (read as float32) with qpn.ref's quantizers."""
-        gate_up_proj, down_proj = _experts_weights(module)
-        gate_up = gate_up_proj.detach().to("cpu", torch.float32).numpy()
-        down = down_proj.detach().to("cpu", torch.float32).numpy()
+        weights = experts_weights(module)
+        if weights is None:
+            raise ValueError(f"{type(module).__name__} is not a transformers experts module (gate_up_proj, down_proj)")
+        gate_up = weights.gate_up.detach().to("cpu", torch.float32).numpy()
+        down = weights.down.detach().to("cpu", torch.float32).numpy()
         inter = down.shape[2]
         pairs = []
         for e in range(gate_up.shape[0]):
             halves = [PackedWeight.quantize(np.ascontiguousarray(w), wf, granularity)
                       for w in (gate_up[e, :inter], gate_up[e, inter:])]
-            pairs.append((PackedWeight.stack_rows(halves), PackedWeight.quantize(down[e], wf, granularity)))
-        return cls(PackedExperts.stack(pairs).to(gate_up_proj.device))
+            pairs.append((PackedWeight.stack_rows(halves), PackedWeight.quantize(np.ascontiguousarray(down[e]), wf,
+                                                                                granularity)))
+        b13, b2 = (None if b is None else b.detach().to("cpu", torch.float32).contiguous()
+                   for b in (weights.gate_up_bias, weights.down_bias))
+        return cls(PackedExperts.stack(pairs, b13, b2, weights.activation).to(weights.gate_up.device))

@@ -29,6 +29,7 @@ from .packed_weight import (
     device_moves_only,
     float32,
     pack_fp8,
+    pack_mxfp4,
     pack_nvfp4,
     packed_weight_class,
     require_k,
@@ -78,13 +79,14 @@ def qpn_linear(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, gate
 
 
 class QPNLinear(nn.Module):
-    """A linear layer with NVFP4 (QPN2) or FP8 (QPN8) weights: y = x W^T (+ bias).
+    """A linear layer with NVFP4 (QPN2), FP8 (QPN8) or MXFP4 (QPNMX) weights: y = x W^T (+ bias).
 
     Buffers (saved in state_dict; shapes are fixed by the constructor arguments, so
     `QPNLinear(K, N, format, bias=..., fp8_granularity=...)` followed by `load_state_dict`
     restores a saved layer):
         nvfp4: codes uint8 [N_pad, K/2], scales uint8 [N_pad, K/16], global_scale float32 [N_pad/32]
         fp8:   codes uint8 [N_pad, K],   group_scales float16 [1, N_pad] or [K/128, N_pad/32] (block)
+        mxfp4: codes uint8 [N_pad, K/2], scales uint8 [N_pad, K/32], tile_scale float32 [N_pad/32]
         bias:  float32 [N] or absent
     N_pad = N rounded up to 32 (128 for FP8 block scales); forward crops to N. See the module
     docstring for input dtypes and the bias rounding. Build one with the `from_*` constructors.
@@ -97,6 +99,7 @@ class QPNLinear(nn.Module):
     scales: Tensor  # nvfp4
     global_scale: Tensor  # nvfp4
     group_scales: Tensor  # fp8
+    tile_scale: Tensor  # mxfp4
     bias: Tensor | None
 
     def __init__(self, in_features: int, out_features: int, format: str = "nvfp4", bias: bool = False, *,
@@ -169,6 +172,12 @@ class QPNLinear(nn.Module):
         """ModelOpt / DeepSeek FP8: weight (e4m3 [N, K]) and a float32 multiplier scale per tensor
         (()), channel ((N,) / (N, 1)) or 128x128 block ((ceil(N/128), ceil(K/128)))."""
         return cls.from_packed(pack_fp8(weight, weight_scale, granularity), bias)
+
+    @classmethod
+    def from_mxfp4(cls, blocks: ArrayIn, scales: ArrayIn, bias: ArrayIn | None = None) -> QPNLinear:
+        """OCP MXFP4 tensors (gpt-oss's *_blocks uint8 [N, K/32, 16] or [N, K/2], *_scales e8m0 uint8
+        [N, K/32])."""
+        return cls.from_packed(pack_mxfp4(blocks, scales), bias)
 
     @classmethod
     def from_checkpoint(cls, linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear,

@@ -5,13 +5,21 @@
                    Tensor topk_weights, Tensor topk_ids) -> Tensor
     qpn::fp8_moe(Tensor x, Tensor w13_codes, Tensor w13_group_scales, Tensor w2_codes,
                  Tensor w2_group_scales, Tensor topk_weights, Tensor topk_ids) -> Tensor
+    qpn::mxfp4_moe(Tensor x, Tensor w13_codes, Tensor w13_scales, Tensor w13_tile_scale,
+                   Tensor w2_codes, Tensor w2_scales, Tensor w2_tile_scale,
+                   Tensor topk_weights, Tensor topk_ids) -> Tensor
+  each with the keyword arguments (Tensor? w13_bias=None, Tensor? w2_bias=None, str activation="silu")
 
 Tensors: x float16 [M, H]; each w13 buffer is the layout's buffer of an [2I, H] weight (gate rows
 [0, I), up rows [I, 2I)) and each w2 buffer that of an [H, I] weight, stacked along a leading expert
 dimension E (QPN2: codes uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/16], global_scale float32
 [E, 2I/32]; QPN8: codes uint8 [E, 2I, H], group_scales float16 [E, 1, 2I] or [E, H/128, 2I/32]);
 topk_weights float32 [M, k] (>= 0), topk_ids int32 / int64 [M, k] in [0, E). Output float16 [M, H].
-I % 32 == 0 (the gated epilogue's halves are whole tiles) and the layouts' N / K rules hold.
+I % 32 == 0 (the gated epilogue's halves are whole tiles) and the layouts' N / K rules hold. QPNMX:
+codes uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/32], tile_scale float32 [E, 2I/32].
+Biases (gpt-oss): w13_bias float32 [E, 2I] (gate's, then up's) and w2_bias float32 [E, H], added to each
+fp32 sum before its RN16; activation "silu" (silu_and_mul) or "swigluoai" (gpt-oss's clamped SwiGLU,
+epilogue.ACTIVATIONS; qpn.ref.gpt_oss.moe is the reference).
 
 Numerics: docs/DESIGN.md, "Mixture of experts" (qpn.ref.moe.moe is the reference). Each expert's
 linears run on a path whose summation order does not depend on how many tokens chose the expert, and
@@ -35,11 +43,13 @@ import torch
 from torch import Tensor
 
 from ..cupy_kernels.moe import require_routable  # host arithmetic: importing it imports no CuPy
-from ..ref.formats import QPN2, WeightFormat
+from ..ref.formats import QPN2, QPNMX, WeightFormat
 from ..ref.geometry import TILE_N
 from . import _cpu_ops
-from .epilogue import silu_and_mul
-from .ops import fp8_dims, fp8_layout, nvfp4_dims, require_same_device, require_tensor
+from .epilogue import ACTIVATIONS
+from .ops import fp8_dims, fp8_layout, mxfp4_dims, nvfp4_dims, require_same_device, require_tensor
+
+PER_TILE = ("global_scale", "tile_scale")  # float32 per 32-row tile: [E, tiles] (NVFP4 also [E])
 
 
 def _stacked(prefix: str, buffers: dict[str, Tensor]) -> int:
@@ -47,7 +57,7 @@ def _stacked(prefix: str, buffers: dict[str, Tensor]) -> int:
     experts = set()
     for name, t in buffers.items():
         # rank and contiguity here; dtypes and per-expert shapes by the layout's own checks on slice 0 (_check)
-        require_tensor(f"{prefix}_{name}", t, (t.dtype,), ndim=(1, 2) if name == "global_scale" else 3)
+        require_tensor(f"{prefix}_{name}", t, (t.dtype,), ndim=(1, 2) if name in PER_TILE else 3)
         experts.add(int(t.shape[0]))
     if len(experts) != 1 or 0 in experts:
         raise ValueError(f"the {prefix} buffers must stack the same number (>= 1) of experts along dim 0, got "
@@ -76,8 +86,9 @@ def _dims(h: int, n13: int, k13: int, n2: int, k2: int) -> int:
 
 
 def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weights: Tensor, topk_ids: Tensor,
-           dims: Callable[..., tuple[int, int]]) -> int:
-    """Metadata only (never a value: no sync): dtypes, shapes, one device. Returns I."""
+           dims: Callable[..., tuple[int, int]], w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
+           activation: str = "silu") -> int:
+    """Metadata only (never a value: no sync): dtypes, shapes, one device, the activation. Returns I."""
     require_tensor("x", x, (torch.float16,), ndim=2)
     require_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids,
                         **{f"w13_{n}": t for n, t in w13.items()}, **{f"w2_{n}": t for n, t in w2.items()})
@@ -89,24 +100,42 @@ def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weight
     n2, k2 = dims(*(t[0] for t in w2.values()))
     inter = _dims(int(x.shape[1]), n13, k13, n2, k2)
     _routing(x, topk_weights, topk_ids)
+    for name, bias, shape in (("w13_bias", w13_bias, (experts, n13)), ("w2_bias", w2_bias, (experts, n2))):
+        if bias is None:
+            continue
+        require_tensor(name, bias, (torch.float32,), ndim=2)
+        require_same_device(x=x, **{name: bias})
+        if tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must be float32 {list(shape)} (one value per expert and output row), got "
+                             f"{list(bias.shape)}; pass the checkpoint's bias as float32 (w13: gate's, then up's)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}; gpt-oss's experts "
+                         "use 'swigluoai', Qwen3-MoE and Mixtral 'silu'")
     if x.device.type == "cuda":
         require_routable(experts, int(topk_ids.shape[1]))
     return inter
 
 
 def cpu_moe(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...],
-            topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+            topk_weights: Tensor, topk_ids: Tensor, w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
+            activation: str = "silu") -> Tensor:
     """The MoE block on the CPU: each hit expert's gated up-projection and down-projection through the
-    fused numba kernels (every M: batch invariant) on its tokens, then the combine in top-k order."""
+    fused numba kernels (every M: batch invariant) on its tokens, each sum plus its bias then one RN16,
+    then the combine in top-k order."""
     m, top_k = topk_ids.shape
     h = x.shape[1]
     n13 = int(w13[0].shape[1])
     y = torch.zeros((m, top_k, h), dtype=torch.float16)
+
+    def linear(wf: WeightFormat, rows: Tensor, buffers: tuple[Tensor, ...], n: int, bias: Tensor | None) -> Tensor:
+        sums = _cpu_ops.sums_on("cpu_fused", wf, rows, buffers, n)
+        return (sums if bias is None else sums + bias).to(torch.float16)
+
     for e in torch.unique(topk_ids).tolist():
         rows, choices = (topk_ids == e).nonzero(as_tuple=True)
-        hidden = silu_and_mul(_cpu_ops.linear_on("cpu_fused", wf13, x[rows].contiguous(), tuple(t[e] for t in w13),
-                                                 n13))
-        y[rows, choices] = _cpu_ops.linear_on("cpu_fused", wf2, hidden, tuple(t[e] for t in w2), h)
+        b13, b2 = (None if b is None else b[e] for b in (w13_bias, w2_bias))
+        hidden = ACTIVATIONS[activation](linear(wf13, x[rows].contiguous(), tuple(t[e] for t in w13), n13, b13))
+        y[rows, choices] = linear(wf2, hidden, tuple(t[e] for t in w2), h, b2)
     acc = torch.zeros((m, h), dtype=torch.float32)
     for j in range(top_k):  # RN32 product, RN32 add, in top-k order: qpn.ref.moe.combine
         acc += topk_weights[:, j:j + 1] * y[:, j].float()
@@ -114,13 +143,14 @@ def cpu_moe(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor,
 
 
 def _run(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...],
-         topk_weights: Tensor, topk_ids: Tensor, inter: int) -> Tensor:
+         topk_weights: Tensor, topk_ids: Tensor, inter: int, w13_bias: Tensor | None, w2_bias: Tensor | None,
+         activation: str) -> Tensor:
     """The op's backend for this call (module docstring)."""
     if x.device.type == "cuda":
         from . import _cuda  # noqa: PLC0415  (imports no CuPy until a kernel launches)
 
-        return _cuda.moe(wf13, x, w13, w2, inter, topk_weights, topk_ids)
-    return cpu_moe(wf13, wf2, x, w13, w2, topk_weights, topk_ids)
+        return _cuda.moe(wf13, x, w13, w2, inter, topk_weights, topk_ids, w13_bias, w2_bias, activation)
+    return cpu_moe(wf13, wf2, x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
 
 
 def _qpn8_layouts(w13_group_scales: Tensor, w2_group_scales: Tensor, h: int, inter: int
@@ -129,42 +159,71 @@ def _qpn8_layouts(w13_group_scales: Tensor, w2_group_scales: Tensor, h: int, int
 
 
 # ----------------------------------------------------------------------------- the ops
+# Each op: its layout's buffer names, the check, the backend; the fake returns x's shape (the check first).
 
 
 @torch.library.custom_op("qpn::nvfp4_moe", mutates_args=(), device_types=("cpu", "cuda"))
 def nvfp4_moe(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_global_scale: Tensor, w2_codes: Tensor,
-              w2_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+              w2_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+              w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
     """x float16 [M, H], NVFP4 experts in QPN2 (module docstring) -> float16 [M, H]."""
     w13 = {"codes": w13_codes, "scales": w13_scales, "global_scale": w13_global_scale}
     w2 = {"codes": w2_codes, "scales": w2_scales, "global_scale": w2_global_scale}
-    inter = _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims)
-    return _run(QPN2, QPN2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids, inter)
+    inter = _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims, w13_bias, w2_bias, activation)
+    return _run(QPN2, QPN2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids, inter, w13_bias,
+                w2_bias, activation)
 
 
 @nvfp4_moe.register_fake
 def _nvfp4_moe_fake(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_global_scale: Tensor, w2_codes: Tensor,
-                    w2_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+                    w2_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                    w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
     w13 = {"codes": w13_codes, "scales": w13_scales, "global_scale": w13_global_scale}
     w2 = {"codes": w2_codes, "scales": w2_scales, "global_scale": w2_global_scale}
-    _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims)
+    _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims, w13_bias, w2_bias, activation)
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("qpn::fp8_moe", mutates_args=(), device_types=("cpu", "cuda"))
 def fp8_moe(x: Tensor, w13_codes: Tensor, w13_group_scales: Tensor, w2_codes: Tensor, w2_group_scales: Tensor,
-            topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+            topk_weights: Tensor, topk_ids: Tensor, w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
+            activation: str = "silu") -> Tensor:
     """x float16 [M, H], FP8 experts in QPN8 (module docstring) -> float16 [M, H]."""
     w13 = {"codes": w13_codes, "group_scales": w13_group_scales}
     w2 = {"codes": w2_codes, "group_scales": w2_group_scales}
-    inter = _check(x, w13, w2, topk_weights, topk_ids, fp8_dims)
+    inter = _check(x, w13, w2, topk_weights, topk_ids, fp8_dims, w13_bias, w2_bias, activation)
     wf13, wf2 = _qpn8_layouts(w13_group_scales, w2_group_scales, int(x.shape[1]), inter)
-    return _run(wf13, wf2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids, inter)
+    return _run(wf13, wf2, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids, inter, w13_bias,
+                w2_bias, activation)
 
 
 @fp8_moe.register_fake
 def _fp8_moe_fake(x: Tensor, w13_codes: Tensor, w13_group_scales: Tensor, w2_codes: Tensor,
-                  w2_group_scales: Tensor, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+                  w2_group_scales: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13_bias: Tensor | None = None,
+                  w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
     w13 = {"codes": w13_codes, "group_scales": w13_group_scales}
     w2 = {"codes": w2_codes, "group_scales": w2_group_scales}
-    _check(x, w13, w2, topk_weights, topk_ids, fp8_dims)
+    _check(x, w13, w2, topk_weights, topk_ids, fp8_dims, w13_bias, w2_bias, activation)
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("qpn::mxfp4_moe", mutates_args=(), device_types=("cpu", "cuda"))
+def mxfp4_moe(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_tile_scale: Tensor, w2_codes: Tensor,
+              w2_scales: Tensor, w2_tile_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+              w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
+    """x float16 [M, H], MXFP4 experts in QPNMX (module docstring) -> float16 [M, H]."""
+    w13 = {"codes": w13_codes, "scales": w13_scales, "tile_scale": w13_tile_scale}
+    w2 = {"codes": w2_codes, "scales": w2_scales, "tile_scale": w2_tile_scale}
+    inter = _check(x, w13, w2, topk_weights, topk_ids, mxfp4_dims, w13_bias, w2_bias, activation)
+    return _run(QPNMX, QPNMX, x, tuple(w13.values()), tuple(w2.values()), topk_weights, topk_ids, inter, w13_bias,
+                w2_bias, activation)
+
+
+@mxfp4_moe.register_fake
+def _mxfp4_moe_fake(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_tile_scale: Tensor, w2_codes: Tensor,
+                    w2_scales: Tensor, w2_tile_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor,
+                    w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
+    w13 = {"codes": w13_codes, "scales": w13_scales, "tile_scale": w13_tile_scale}
+    w2 = {"codes": w2_codes, "scales": w2_scales, "tile_scale": w2_tile_scale}
+    _check(x, w13, w2, topk_weights, topk_ids, mxfp4_dims, w13_bias, w2_bias, activation)
     return torch.empty_like(x)

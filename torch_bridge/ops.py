@@ -1,11 +1,14 @@
-"""The `qpn` torch custom ops: prepack, dequantize and linear for NVFP4 (QPN2) and FP8 (QPN8).
+"""The `qpn` torch custom ops: prepack, dequantize and linear for NVFP4 (QPN2), FP8 (QPN8) and MXFP4 (QPNMX).
 
     qpn::nvfp4_prepack(Tensor weight_packed, Tensor weight_scale) -> (Tensor codes, Tensor scales)
     qpn::fp8_prepack(Tensor weight, Tensor weight_scale) -> (Tensor codes, Tensor group_scales)
+    qpn::mxfp4_prepack(Tensor blocks, Tensor scales) -> (Tensor codes, Tensor scales, Tensor tile_scale)
     qpn::nvfp4_dequantize(Tensor codes, Tensor scales, Tensor global_scale) -> Tensor   fp16 [N, K]
     qpn::fp8_dequantize(Tensor codes, Tensor group_scales) -> Tensor                    fp16 [N, K]
+    qpn::mxfp4_dequantize(Tensor codes, Tensor scales, Tensor tile_scale) -> Tensor     fp16 [N, K]
     qpn::nvfp4_linear(Tensor x, Tensor codes, Tensor scales, Tensor global_scale, bool gated=False) -> Tensor
     qpn::fp8_linear(Tensor x, Tensor codes, Tensor group_scales, bool gated=False) -> Tensor
+    qpn::mxfp4_linear(Tensor x, Tensor codes, Tensor scales, Tensor tile_scale, bool gated=False) -> Tensor
 
 Tensors (N output features, K input features; layouts in docs/QPN2.md and docs/QPN8.md):
 - weight_packed uint8 [N, K/2] (ModelOpt, element 2j in the low nibble); weight_scale e4m3
@@ -17,6 +20,11 @@ Tensors (N output features, K input features; layouts in docs/QPN2.md and docs/Q
   group_scales float16 [1, N] or [K/128, N/32] (QPN8).
 - global_scale float32, a multiplier (ModelOpt's weight_scale_2): size 1 (shape () or (1,))
   or one value per 32-column tile ([N/32]).
+- MXFP4 (gpt-oss): blocks uint8 [N, K/32, 16] (element 2j of a block in the low nibble), scales
+  uint8 e8m0 [N, K/32]; packed: codes uint8 [N, K/2], scales uint8 [N, K/32] (lane order),
+  tile_scale float32 [N/32] = 2^T. Its dequantize returns the W16 of the reduced weight (2^-T times
+  the weight, which fp16 cannot always hold); the linear multiplies each tile's fp32 sums by 2^T
+  before the one RN16 (docs/DESIGN.md, "MXFP4 weight").
 - x float16 [M, K], contiguous; M = 0 gives an empty [0, N] result. Output float16 [M, N],
   or [M, N/2] with gated=True (N % 64 == 0: gate rows [0, N/2), up rows [N/2, N)).
 
@@ -48,7 +56,7 @@ from torch import Tensor
 
 from .. import ref
 from ..ref.checks import require_multiple
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
+from ..ref.formats import MX_BLOCK, QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat, weight_format
 from ..ref.geometry import GROUP_K, TILE_N
 from . import _cpu_ops
 
@@ -169,6 +177,36 @@ def fp8_dims(codes: Tensor, group_scales: Tensor) -> tuple[int, int]:
 def fp8_layout(group_scales: Tensor, n: int, k: int) -> WeightFormat:
     """QPN8 (channel / tensor scales [1, N]) or QPN8_BLOCK ([K/128, N/32]), from the validated shape."""
     return QPN8 if tuple(group_scales.shape) == QPN8.buffer("group_scales").shape(n, k) else QPN8_BLOCK
+
+
+def _mxfp4_dims_of_checkpoint(blocks: Tensor, scales: Tensor) -> tuple[int, int]:
+    require_tensor("blocks", blocks, (torch.uint8,), ndim=3)
+    require_tensor("scales", scales, (torch.uint8,), ndim=2)
+    require_same_device(blocks=blocks, scales=scales)
+    n, k = int(blocks.shape[0]), MX_BLOCK * int(blocks.shape[1])
+    if blocks.shape[2] != MX_BLOCK // 2:
+        _fail(f"blocks must be [N, K/32, 16] (16 bytes: one block's 32 codes), got shape {tuple(blocks.shape)}; "
+              "pass gpt-oss's *_blocks tensor of one weight (a checkpoint's [N, K/2] codes: reshape(N, K // 32, 16))")
+    _require_dims(QPNMX, n, k, "blocks.shape[0]", "K = 32 * blocks.shape[1]")
+    if tuple(scales.shape) != (n, k // MX_BLOCK):
+        _fail(f"scales must have shape (N, K/32) = ({n}, {k // MX_BLOCK}) for blocks of shape {tuple(blocks.shape)}, "
+              f"got {tuple(scales.shape)}; MXFP4 has one e8m0 scale per 32 weights")
+    return n, k
+
+
+def mxfp4_dims(codes: Tensor, scales: Tensor, tile_scale: Tensor) -> tuple[int, int]:
+    """Validate QPNMX buffers; returns (N, K)."""
+    require_tensor("codes", codes, (torch.uint8,), ndim=2)
+    require_tensor("scales", scales, (torch.uint8,), ndim=2)
+    require_tensor("tile_scale", tile_scale, (torch.float32,), ndim=1)
+    n, k = codes.shape[0], QPNMX.k_of_codes(codes.shape[1])
+    _require_dims(QPNMX, n, k, "codes.shape[0]", "K = 2 * codes.shape[1]")
+    shapes = QPNMX.buffer_shapes(n, k)
+    for name, t in (("scales", scales), ("tile_scale", tile_scale)):
+        if tuple(t.shape) != shapes[name]:
+            _fail(f"{name} must have shape {shapes[name]} for codes of shape {tuple(codes.shape)}, got "
+                  f"{tuple(t.shape)}; pass the buffers mxfp4_prepack returned")
+    return n, k
 
 
 def _linear_out_features(x: Tensor, n: int, k: int, gated: bool) -> int:
@@ -342,5 +380,77 @@ def _fp8_linear_cuda(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool
 @fp8_linear.register_fake
 def _fp8_linear_fake(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = False) -> Tensor:
     n, k = fp8_dims(codes, group_scales)
+    n_out = _linear_out_features(x, n, k, gated)
+    return x.new_empty((x.shape[0], n_out))
+
+
+# ----------------------------------------------------------------------------- MXFP4
+
+
+@torch.library.custom_op("qpn::mxfp4_prepack", mutates_args=(), device_types="cpu")
+def mxfp4_prepack(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """gpt-oss MXFP4 (blocks uint8 [N, K/32, 16], scales e8m0 uint8 [N, K/32]) -> QPNMX (codes, scales,
+    tile_scale). CPU: qpn.ref.mxfp4.qpnmx_prepack (byte permutations; rejects e8m0 NaN bytes 0xFF)."""
+    _mxfp4_dims_of_checkpoint(blocks, scales)
+    return tuple(torch.from_numpy(a) for a in ref.qpnmx_prepack(blocks.numpy(), scales.numpy()))  # type: ignore[return-value]
+
+
+@mxfp4_prepack.register_kernel("cuda")
+def _mxfp4_prepack_cuda(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    n, k = _mxfp4_dims_of_checkpoint(blocks, scales)
+    codes, packed_scales, tile_scale = _cuda().prepack(QPNMX, (blocks, scales), None, n, k)
+    return codes, packed_scales, tile_scale
+
+
+@mxfp4_prepack.register_fake
+def _mxfp4_prepack_fake(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    n, k = _mxfp4_dims_of_checkpoint(blocks, scales)
+    shapes = QPNMX.buffer_shapes(n, k)
+    return (blocks.new_empty(shapes["codes"]), blocks.new_empty(shapes["scales"]),
+            blocks.new_empty(shapes["tile_scale"], dtype=torch.float32))
+
+
+@torch.library.custom_op("qpn::mxfp4_dequantize", mutates_args=(), device_types="cpu")
+def mxfp4_dequantize(codes: Tensor, scales: Tensor, tile_scale: Tensor) -> Tensor:
+    """QPNMX buffers -> float16 [N, K]: the reduced W16 (times each tile's 2^T: the weight), byte-identical to
+    qpn.ref.mxfp4.qpnmx_dequantize."""
+    require_same_device(codes=codes, scales=scales, tile_scale=tile_scale)
+    n, k = mxfp4_dims(codes, scales, tile_scale)
+    return _cpu_ops.dequantize(QPNMX, (codes, scales, tile_scale), n, k)
+
+
+@mxfp4_dequantize.register_kernel("cuda")
+def _mxfp4_dequantize_cuda(codes: Tensor, scales: Tensor, tile_scale: Tensor) -> Tensor:
+    require_same_device(codes=codes, scales=scales, tile_scale=tile_scale)
+    n, k = mxfp4_dims(codes, scales, tile_scale)
+    return _cuda().dequantize(QPNMX, (codes, scales, tile_scale), n, k)
+
+
+@mxfp4_dequantize.register_fake
+def _mxfp4_dequantize_fake(codes: Tensor, scales: Tensor, tile_scale: Tensor) -> Tensor:
+    n, k = mxfp4_dims(codes, scales, tile_scale)
+    return codes.new_empty((n, k), dtype=torch.float16)
+
+
+@torch.library.custom_op("qpn::mxfp4_linear", mutates_args=(), device_types="cpu")
+def mxfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, tile_scale: Tensor, gated: bool = False) -> Tensor:
+    """x float16 [M, K] times the QPNMX weight -> float16 [M, N] (or [M, N/2] gated)."""
+    require_same_device(x=x, codes=codes, scales=scales, tile_scale=tile_scale)
+    n, k = mxfp4_dims(codes, scales, tile_scale)
+    _linear_out_features(x, n, k, gated)
+    return _cpu_ops.linear(QPNMX, x, (codes, scales, tile_scale), n, gated)
+
+
+@mxfp4_linear.register_kernel("cuda")
+def _mxfp4_linear_cuda(x: Tensor, codes: Tensor, scales: Tensor, tile_scale: Tensor, gated: bool = False) -> Tensor:
+    require_same_device(x=x, codes=codes, scales=scales, tile_scale=tile_scale)
+    n, k = mxfp4_dims(codes, scales, tile_scale)
+    n_out = _linear_out_features(x, n, k, gated)
+    return _cuda().linear(QPNMX, x, (codes, scales, tile_scale), n, k, n_out, gated)
+
+
+@mxfp4_linear.register_fake
+def _mxfp4_linear_fake(x: Tensor, codes: Tensor, scales: Tensor, tile_scale: Tensor, gated: bool = False) -> Tensor:
+    n, k = mxfp4_dims(codes, scales, tile_scale)
     n_out = _linear_out_features(x, n, k, gated)
     return x.new_empty((x.shape[0], n_out))

@@ -1,7 +1,7 @@
 """One object per packed weight: a layout's buffers and every operation on them (issue 21).
 
 `PackedWeight` is the base; one subclass per layout (QPN2Weight, QPN8Weight for tensor / channel
-scales, QPN8BlockWeight for 128x128 block scales; MXFP4 next). An object holds the buffers its
+scales, QPN8BlockWeight for 128x128 block scales, QPNMXWeight for MXFP4). An object holds the buffers its
 description names (ref/formats.py: names, dtypes, shapes of the padded weight), N and K, and runs:
 
     linear(x, gated=False)   x fp16 [M, K] -> fp16 [M, N_pad] (or [M, N_pad/2]): the layout's torch op,
@@ -17,7 +17,7 @@ the value rules, the prepack op), `from_checkpoint` (a qpn.checkpoints NVFP4Line
 `qpn verify` hold one and call it; none of them asks which layout it is: `packed_weight_class(wf)`
 (the one table of layouts) turns a description into its class.
 
-Packing (`pack_nvfp4`, `pack_fp8`): checkpoint tensors -> a PackedWeight on the device the tensors
+Packing (`pack_nvfp4`, `pack_fp8`, `pack_mxfp4`): checkpoint tensors -> a PackedWeight on the device the tensors
 are on (torch tensors or numpy arrays; numpy goes to the CPU):
 
 - N is padded up to the layout's multiple (32; 128 for FP8 128x128 block scales) with zero
@@ -46,7 +46,8 @@ from .. import checkpoints, ref
 from ..checkpoints.packed import PackedLayer
 from ..checkpoints.packed.layers import NVFP4_PAD_SCALE_BYTE
 from ..ref.checks import require_nvfp4_block_scales
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
+from ..ref.codecs import E8M0_BIAS
+from ..ref.formats import MX_BLOCK, QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat, weight_format
 from ..ref.fp8 import fp8_block_grid
 from ..ref.geometry import GROUP_K, TILE_N
 from .buffers import buffer_dtype
@@ -57,6 +58,8 @@ from .ops import PAD_INPUT_FEATURES_FIX  # importing ops registers the torch.ops
 ArrayIn: TypeAlias = Tensor | np.ndarray | np.generic
 ScaleIn: TypeAlias = Tensor | np.ndarray | np.generic | float
 CheckpointLinear: TypeAlias = "checkpoints.NVFP4Linear | checkpoints.FP8Linear"
+# the e8m0 byte of QPNMX's pad scale 2^-127 (byte 0: e8m0 has no zero; +0 codes make the pad weights +0)
+MXFP4_PAD_SCALE_BYTE = int(np.log2(QPNMX.pad_scale)) + E8M0_BIAS
 
 
 
@@ -259,7 +262,24 @@ class QPN8BlockWeight(QPN8Weight):
     __slots__ = ()
 
 
-_CLASSES: dict[str, type[PackedWeight]] = {c.weight_format.key: c for c in (QPN2Weight, QPN8Weight, QPN8BlockWeight)}
+class QPNMXWeight(PackedWeight):
+    """MXFP4 in the QPNMX layout: codes u8 [N_pad, K/2], scales u8 [N_pad, K/32], tile_scale f32 [N_pad/32]."""
+
+    weight_format = QPNMX
+    __slots__ = ()
+
+    def reference_dequantize(self) -> np.ndarray:
+        codes, scales, tile_scale = (t.cpu().numpy() for t in self.tensors())
+        return ref.qpnmx_dequantize(codes, scales, tile_scale, self.padded_out_features, self.in_features)[
+            : self.out_features]
+
+    @classmethod
+    def _quantize(cls, w: np.ndarray, granularity: str | None) -> PackedWeight:
+        return pack_mxfp4(*ref.mxfp4_quantize(w))
+
+
+_CLASSES: dict[str, type[PackedWeight]] = {c.weight_format.key: c for c in (QPN2Weight, QPN8Weight, QPN8BlockWeight,
+                                                                            QPNMXWeight)}
 
 
 def packed_weight_class(wf: WeightFormat) -> type[PackedWeight]:
@@ -401,4 +421,29 @@ def pack_fp8(weight: ArrayIn, weight_scale: ScaleIn, granularity: str | None = N
         group_scales = group_scales[:, :1].expand(block_shape).contiguous()
     packed = packed_weight_class(wf)({"codes": codes, "group_scales": group_scales}, k, n)
     assert isinstance(packed, QPN8Weight)  # the table's FP8 classes (QPN8BlockWeight is one)
+    return packed
+
+
+def pack_mxfp4(blocks: ArrayIn, scales: ArrayIn) -> QPNMXWeight:
+    """OCP MXFP4 -> QPNMXWeight on blocks' device.
+
+    blocks uint8 [N, K/32, 16] (gpt-oss's *_blocks of one weight; element 2j of a block in the low
+    nibble) or [N, K/2] (the same bytes row by row); scales e8m0 uint8 [N, K/32]. K % 64 == 0 (QPNMX).
+    Pad rows get code 0x00 and scale byte 0x00 (2^-127: +0 weights that never raise a tile's 2^T).
+    The prepack refuses e8m0 NaN bytes (0xFF); no value overflows (docs/DESIGN.md, "MXFP4 weight").
+    """
+    b = as_tensor("blocks", blocks)
+    device = b.device
+    s = as_tensor("scales", scales, device)
+    if b.dtype != torch.uint8 or s.dtype != torch.uint8 or b.dim() not in (2, 3) or b.shape[0] == 0:
+        raise ValueError(f"blocks must be uint8 [N, K/32, 16] or [N, K/2] and scales uint8 [N, K/32], got blocks "
+                         f"{b.dtype} {tuple(b.shape)} and scales {s.dtype} {tuple(s.shape)}; pass the checkpoint's "
+                         "tensors unchanged")
+    n, k = int(b.shape[0]), QPNMX.k_of_codes(int(b[0].numel()))
+    require_k("K (2 * bytes per row of blocks)", k, QPNMX)
+    b = b.reshape(n, k // MX_BLOCK, MX_BLOCK // 2)
+    n_pad = QPNMX.padded_n(n)
+    codes, packed_scales, tile_scale = torch.ops.qpn.mxfp4_prepack(_pad_rows(b, n_pad, QPNMX.pad_code),
+                                                                   _pad_rows(s, n_pad, MXFP4_PAD_SCALE_BYTE))
+    packed = QPNMXWeight({"codes": codes, "scales": packed_scales, "tile_scale": tile_scale}, k, n)
     return packed
