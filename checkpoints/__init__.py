@@ -6,6 +6,9 @@
   by the reader of the producer their config names: modelopt.py (ModelOpt) or
   compressed_tensors.py (compressed-tensors), each a `Producer` of producer.py, which also holds
   what the two share (grouping tensors into layers, the explicit-entry rules).
+- gpt_oss.py: gpt-oss's own MXFP4 checkpoints (quant_method "mxfp4"): `is_gpt_oss_mxfp4`,
+  `read_gpt_oss_config`, `gpt_oss_expert_layers`, `read_gpt_oss_experts` (one `MXFP4Experts` per layer,
+  gate / up in qpn's order).
 - packed/: the packed checkpoint format that `qpn pack` writes (docs/FORMATS.md).
 - safetensors_io.py: a strict, memory-mapped safetensors reader and an atomic writer.
 - atomic.py: atomic folder writes that survive SIGTERM and never replace what qpn did not write.
@@ -16,8 +19,17 @@ The reference (qpn.ref) is the executable spec; this part moves bytes between it
 from .checkpoint import Checkpoint, CheckpointError, FP8Linear, NVFP4Linear
 from .folder import load_checkpoint, save_checkpoint
 from .fused import fuse_fp8_shards, fuse_nvfp4_shards
+from .gpt_oss import (
+    GptOssMXFP4Config,
+    MXFP4Experts,
+    gpt_oss_expert_layers,
+    is_gpt_oss_mxfp4,
+    read_gpt_oss_config,
+    read_gpt_oss_experts,
+)
 from .safetensors_io import SafetensorsError, StoredTensor, read_safetensors, read_safetensors_header, write_safetensors
 
-__all__ = ["Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear", "SafetensorsError", "StoredTensor",
-           "fuse_fp8_shards", "fuse_nvfp4_shards", "load_checkpoint", "read_safetensors", "read_safetensors_header",
-           "save_checkpoint", "write_safetensors"]
+__all__ = ["Checkpoint", "CheckpointError", "FP8Linear", "GptOssMXFP4Config", "MXFP4Experts", "NVFP4Linear",
+           "SafetensorsError", "StoredTensor", "fuse_fp8_shards", "fuse_nvfp4_shards", "gpt_oss_expert_layers",
+           "is_gpt_oss_mxfp4", "load_checkpoint", "read_gpt_oss_config", "read_gpt_oss_experts", "read_safetensors",
+           "read_safetensors_header", "save_checkpoint", "write_safetensors"]
