@@ -134,6 +134,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         quantized_bytes += nbytes
         rows.append((name, format_name(fmt, granularity), str(n), str(k), _scale_summary(scale),
                      size_text(nbytes), status))
+    for name, mx in getattr(c, "experts", {}).items():  # stacked experts (gpt-oss's MXFP4): one row per projection
+        for stem, (n, k) in (("w13", (2 * mx.intermediate, mx.hidden)), ("w2", (mx.hidden, mx.intermediate))):
+            blocks, scales, bias = (getattr(mx, f"{stem}_{part}") for part in ("blocks", "scales", "bias"))
+            nbytes = blocks.nbytes + scales.nbytes + bias.nbytes
+            quantized_bytes += nbytes
+            top = ref.mxfp4.mxfp4_tile_exponents(scales).astype(np.float64)  # each tile's T: 2^T leaves W16 in fp16
+            rows.append((f"{name}.{stem}", f"mxfp4 x{mx.experts}", str(n), str(k), _scale_summary(np.exp2(top)),
+                         size_text(nbytes), "ok (QPNMX experts: load_quantized, vLLM; qpn pack: not yet)"))
     print(source.describe())
     print(format_table(("layer", "format", "N", "K", "global scale", "bytes", "status"), rows))
     other = sum(t.nbytes for t in c.tensors.values())
@@ -144,7 +152,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{plural(len(rows), 'quantized layer')} ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}), "
           f"{size_text(quantized_bytes)}; {plural(len(c.tensors), 'other tensor')}, {size_text(other)}"
           + (f"; {plural(blocked, 'layer')} cannot be packed" if blocked else ""))
-    print("(global scale: NVFP4 weight_scale_2 multiplier; FP8: the weight_scale, min..max over channels/blocks)")
+    print("(global scale: NVFP4 weight_scale_2 multiplier; FP8: the weight_scale, min..max over channels/blocks; "
+          "MXFP4: the tiles' 2^T)")
     return EXIT_OK
 
 

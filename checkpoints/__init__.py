@@ -8,7 +8,8 @@
   what the two share (grouping tensors into layers, the explicit-entry rules).
 - gpt_oss.py: gpt-oss's own MXFP4 checkpoints (quant_method "mxfp4"): `is_gpt_oss_mxfp4`,
   `read_gpt_oss_config`, `gpt_oss_expert_layers`, `read_gpt_oss_experts` (one `MXFP4Experts` per layer,
-  gate / up in qpn's order).
+  gate / up in qpn's order), `load_gpt_oss` (the folder as a Checkpoint with stacked experts).
+- load.py: `load_checkpoint`, the one entry for every folder kind above (gpt-oss's, or folder.py's).
 - packed/: the packed checkpoint format that `qpn pack` writes (docs/FORMATS.md).
 - safetensors_io.py: a strict, memory-mapped safetensors reader and an atomic writer.
 - atomic.py: atomic folder writes that survive SIGTERM and never replace what qpn did not write.
@@ -17,7 +18,7 @@ The reference (qpn.ref) is the executable spec; this part moves bytes between it
 """
 
 from .checkpoint import Checkpoint, CheckpointError, FP8Linear, NVFP4Linear
-from .folder import load_checkpoint, save_checkpoint
+from .folder import save_checkpoint
 from .fused import fuse_fp8_shards, fuse_nvfp4_shards
 from .gpt_oss import (
     GptOssMXFP4Config,
@@ -27,6 +28,7 @@ from .gpt_oss import (
     read_gpt_oss_config,
     read_gpt_oss_experts,
 )
+from .load import load_checkpoint
 from .safetensors_io import SafetensorsError, StoredTensor, read_safetensors, read_safetensors_header, write_safetensors
 
 __all__ = ["Checkpoint", "CheckpointError", "FP8Linear", "GptOssMXFP4Config", "MXFP4Experts", "NVFP4Linear",

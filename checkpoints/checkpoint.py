@@ -18,13 +18,15 @@ Data model (frozen dataclasses; arrays are numpy, e4m3 travels as uint8 bit patt
   scale for a weight of one block: both accepted and reshaped, same values, same order).
   `scale_name` is the on-disk name, "weight_scale" or "weight_scale_inv" (block checkpoints in
   the DeepSeek style; a multiplier despite the name), kept so saving writes it back.
-- `Checkpoint(format, quant_algo, linears, tensors, config, hf_quant_config=None)`:
-  format "modelopt" | "compressed-tensors"; quant_algo as the config says it, upper-cased
+- `Checkpoint(format, quant_algo, linears, tensors, config, hf_quant_config=None, experts={})`:
+  format "modelopt" | "compressed-tensors" | "gpt-oss"; quant_algo as the config says it, upper-cased
   ("NVFP4", "W4A16_NVFP4", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MIXED_PRECISION";
   always "NVFP4" for compressed-tensors); linears {layer name: NVFP4Linear | FP8Linear};
   tensors {name: StoredTensor} = everything else (biases, embeddings, norms, unquantized
   weights, kv-cache scales), kept with their dtype tags; config = config.json as a dict ({} if
-  absent); hf_quant_config = hf_quant_config.json as a dict, or None.
+  absent); hf_quant_config = hf_quant_config.json as a dict, or None; experts {experts path:
+  MXFP4Experts} = stacked experts stored as such (gpt-oss's MXFP4, quant_algo "MXFP4": gpt_oss.py;
+  their tensors are not in `tensors`), empty for the per-linear producers.
 
 The value rules each linear checks: exact dtypes, weight_scale shape [N, K/16] for weight
 [N, K/2], FP8 scale shape by granularity, no NaN e4m3 codes (0x7F/0xFF) in block scales or FP8
@@ -37,8 +39,8 @@ one raises `FieldError`, whose `role` lets a reader name the tensor and file beh
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Literal, overload
+from dataclasses import dataclass, field
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -48,7 +50,7 @@ from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from ..ref.geometry import GROUP_K
 from .safetensors_io import StoredTensor, as_stored_tensor
 
-CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
+CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors", "gpt-oss")
 # the quant_algo names of a Checkpoint (ModelOpt's; a compressed-tensors checkpoint is "NVFP4")
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 FP8_GRANULARITY_OF_ALGO = {"FP8": "tensor", "FP8_PER_CHANNEL_PER_TOKEN": "channel", "FP8_PB_WO": "block"}
@@ -244,6 +246,7 @@ class Checkpoint:
     tensors: Mapping[str, StoredTensor]
     config: Mapping
     hf_quant_config: Mapping | None = None
+    experts: Mapping[str, Any] = field(default_factory=dict)  # {path: gpt_oss.MXFP4Experts} (gpt_oss imports this)
 
     @property
     def quantized_layers(self) -> Mapping[str, NVFP4Linear | FP8Linear]:
@@ -271,6 +274,7 @@ class Checkpoint:
             raise ValueError(f"hf_quant_config must be a mapping or None, got {type(self.hf_quant_config).__name__}")
         object.__setattr__(self, "linears", dict(sorted(linears.items())))
         object.__setattr__(self, "tensors", dict(sorted(tensors.items())))
+        object.__setattr__(self, "experts", dict(sorted(dict(self.experts).items())))
 
 
 

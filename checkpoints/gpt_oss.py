@@ -47,10 +47,10 @@ from ..ref.codecs import E8M0_NAN
 from ..ref.formats import MX_BLOCK
 from ..ref.gpt_oss import SWIGLU_LIMIT, deinterleave
 from ..ref.mxfp4 import MXFP4Weight
-from .checkpoint import CheckpointError, FieldError
+from .checkpoint import Checkpoint, CheckpointError, FieldError
 from .folder import CONFIG_FILE, _gather, _read_json, weight_files
 from .producer import config_error, str_list
-from .safetensors_io import SafetensorsFile, TensorInfo, read_safetensors_header
+from .safetensors_io import SafetensorsFile, TensorInfo, read_safetensors, read_safetensors_header
 
 QUANT_METHOD = "mxfp4"
 EXPERTS_PREFIX = "model.layers.{layer}.mlp.experts"
@@ -302,3 +302,17 @@ def read_gpt_oss_experts(folder: str | os.PathLike[str], layers: Iterable[str] |
 
 __all__ = ["EXPERTS_PREFIX", "QUANT_METHOD", "GptOssMXFP4Config", "MXFP4Experts", "gpt_oss_expert_layers",
            "is_gpt_oss_mxfp4", "read_gpt_oss_config", "read_gpt_oss_experts"]
+
+
+def load_gpt_oss(folder: str | os.PathLike[str], *, mmap: bool = True) -> Checkpoint:
+    """A gpt-oss MXFP4 folder as a Checkpoint (format "gpt-oss", quant_algo "MXFP4"): its experts read and checked
+    by read_gpt_oss_experts, every other tensor (attention, router, sinks, norms, embeddings, lm_head: bf16) as
+    stored, memory-mapped when `mmap`; no per-linear quantized layers."""
+    folder = os.fspath(folder)
+    experts = read_gpt_oss_experts(folder)
+    files, weight_map, index_path = weight_files(folder)
+    stored, _ = _gather(folder, files, weight_map, index_path, lambda path: read_safetensors(path, mmap=mmap).tensors)
+    taken = {f"{prefix}.{suffix}" for prefix in experts for suffix in ON_DISK.values()}
+    config = dict(_config_of(folder)[0])
+    return Checkpoint("gpt-oss", QUANT_METHOD.upper(), {}, {n: t for n, t in stored.items() if n not in taken},
+                      config, experts=experts)

@@ -186,7 +186,8 @@ def test_the_cuda_backend_runs_the_layouts_launches_on_the_chosen_path(monkeypat
 
     monkeypatch.setattr(_cuda, "_layout_kernels", Recorder)
     monkeypatch.setattr(_cuda, "_on_torch_stream", lambda device: contextlib.nullcontext(lambda t: t))
-    monkeypatch.setattr(_cuda, "_mm_rn16", lambda x, w16, scale=None: torch.zeros(x.shape[0], w16.shape[0], dtype=torch.float16))
+    monkeypatch.setattr(_cuda, "_mm_rn16",
+                        lambda x, w16, scale=None: torch.zeros(x.shape[0], w16.shape[0], dtype=torch.float16))
     paths = {1: "decode", 48: "gemm"}
     monkeypatch.setattr(dispatch, "choose", lambda device, wf, m, n, k, gated: paths.get(m, "dense"))
 

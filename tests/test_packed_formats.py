@@ -80,7 +80,8 @@ def test_a_format_that_is_not_a_name_is_a_damaged_manifest(tmp_path, value):
     folder = str(tmp_path / "qpn")
     packed.pack_checkpoint(write(tmp_path, "nvfp4"), folder)
     _edit_manifest(folder, Q, "format", value)
-    with pytest.raises(packed.PackError, match=r"has format .*; expected 'nvfp4' or 'fp8' or 'mxfp4'; the manifest is damaged"):
+    with pytest.raises(packed.PackError,
+                       match=r"has format .*; expected 'nvfp4' or 'fp8' or 'mxfp4'; the manifest is damaged"):
         packed.load_packed(folder)
 
 

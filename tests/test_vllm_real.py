@@ -516,3 +516,29 @@ def test_llm_serves_a_mixed_precision_moe(tmp_path):
     logits = np.load(os.path.join(FIXTURES, "qwen3moe_fp8", "reference_logits.npy"))[0]
     worst = max(abs(a - b) for a, b in zip(got["prompt_logprobs"][0][1:], dense["prompt_logprobs"][0][1:], strict=True))
     assert worst <= MOE_TWIN_FACTOR * float(np.abs(logits).max())
+
+
+# gpt-oss in MXFP4 (issue 23): a tiny gpt-oss checkpoint in gpt-oss's own on-disk format (experts as
+# *_blocks / *_scales, gate and up interleaved, bf16 biases; tests/fixtures/make_gpt_oss_fixture.py), which
+# upstream vLLM cannot run on Turing, served with quantization="qpn": the experts through qpn's MXFP4 MoE
+# method (swigluoai and the biases in qpn's epilogue), attention and router unquantized. The MoE fixtures'
+# bounds apply: the same two MoE layers and stages (measured 2026-12-02: 0.92 * 2^-11 * max|logit| against
+# transformers' own MXFP4 dequantization, 1.09 * 2^-11 against the bf16 twin).
+GPT_OSS = os.path.join(HERE, "fixtures", "gpt_oss")
+
+
+def test_llm_serves_gpt_oss_mxfp4_like_transformers(tmp_path):
+    folder = os.path.join(GPT_OSS, "tiny_mxfp4")
+    with open(os.path.join(folder, "reference_input_ids.json")) as f:
+        ids = json.load(f)["input_ids"][0]
+    logits = np.load(os.path.join(folder, "reference_logits.npy"))[0].astype(np.float64)
+    got = _vllm_run(folder, tmp_path / "mxfp4.json", "--quantization", "qpn", "--prompts", json.dumps([ids]))
+    experts = {k: v for k, v in got["quant_methods"].items() if ".experts" in k}
+    assert experts and set(experts.values()) == {"QPNGptOssMoEMethod"}, got["quant_methods"]
+    attention = {k: v for k, v in got["quant_methods"].items() if k.endswith(("qkv_proj", "o_proj"))}
+    assert attention and set(attention.values()) == {"UnquantizedLinearMethod"}, attention
+    worst, bound = _worst_logprob_error(got, ids, logits), MOE_LOGPROB_FACTOR * float(np.abs(logits).max())
+    assert worst <= bound, f"gpt-oss: teacher-forced log-probs differ from transformers' by {worst} > {bound}"
+    # the unquantized twin (every expert weight the exact MXFP4 value, in bf16) through vLLM's own MoE
+    twin = _vllm_run(os.path.join(GPT_OSS, "tiny_bf16_twin"), tmp_path / "twin.json", "--prompts", json.dumps([ids]))
+    _assert_logprobs_close(got, twin, MOE_TWIN_FACTOR * float(np.abs(logits).max()))

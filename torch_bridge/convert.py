@@ -10,7 +10,8 @@
   compressed-tensors checkpoint (read and validated by qpn.ref.load_checkpoint) into the model
   as QPNLinear layers - checkpoint layer names are module paths; per-expert linears
   (`<block>.experts.<e>.<gate_proj | up_proj | down_proj | w1 | w3 | w2>`) as one QPNExperts per
-  experts module - and copies every other
+  experts module; a gpt-oss MXFP4 folder's stacked experts as one QPNExperts each (QPNMX, biases,
+  swigluoai) - and copies every other
   checkpoint tensor into the parameter or buffer of the same name. A load that quantizes nothing
   or leaves model tensors unfilled is an error unless `allow_partial=True`. A folder written by
   `qpn pack` (checkpoints/packed/) is read with qpn.checkpoints.packed.load_packed and its QPN2 / QPN8 buffers go
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 from .. import checkpoints
 from ..checkpoints import packed
 from ..ref.formats import FORMAT_NAMES
-from .experts import QPNExperts, is_experts_module, model_names, new_experts
+from .experts import QPNExperts, is_experts_module, model_names, new_experts, stacked_experts
 from .module import QPNLinear, format_of
 from .packed_weight import PackedWeight, replacement_device
 
@@ -167,6 +168,8 @@ def _new_linears(model: nn.Module, checkpoint: Loaded, device: Device) -> tuple[
     layers = checkpoint.quantized_layers
     experts, expert_names = new_experts(model, layers, _packed_weight_of, device)
     new: dict[str, nn.Module] = dict(experts)
+    if isinstance(checkpoint, checkpoints.Checkpoint):  # stacked experts (gpt-oss's MXFP4)
+        new.update(stacked_experts(model, checkpoint.experts, device))
     consumed: set[str] = set()
     for name, linear in layers.items():
         if name in expert_names:

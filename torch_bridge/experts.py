@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..checkpoints.gpt_oss import MXFP4Experts
 from ..ref.formats import WeightFormat
 from ..ref.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
 from .packed_experts import PackedExperts
-from .packed_weight import PackedWeight, device_moves_only, packed_weight_class, replacement_device
+from .packed_weight import PackedWeight, device_moves_only, pack_mxfp4, packed_weight_class, replacement_device
 
 # role of a per-expert linear on disk -> its place in the fused experts: gate, up (w13), down (w2)
 EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -146,6 +147,30 @@ def new_experts(model: nn.Module, layers: Mapping[str, object], packed_weight_of
         old_device = next(iter(old.buffers() if isinstance(old, QPNExperts) else old.parameters())).device
         new[path] = QPNExperts(packed.to(replacement_device(device, old_device)))
     return new, taken
+
+
+def stacked_experts(model: nn.Module, experts: Mapping[str, MXFP4Experts], device: torch.device | str | None
+                    ) -> dict[str, QPNExperts]:
+    """{model path: a new QPNExperts} for a checkpoint's stacked MXFP4 experts (gpt-oss: w13 gate rows then up,
+    float32 biases, swigluoai), each matching the model's experts module (E, H, I); the model is not touched."""
+    new = {}
+    for disk_path, mx in experts.items():
+        path = module_path(model, disk_path)
+        old = model.get_submodule(path)
+        if not (is_experts_module(old) or isinstance(old, QPNExperts)):
+            raise ValueError(f"checkpoint experts {disk_path!r} are quantized but the model's {path} is a "
+                             f"{type(old).__name__}, not a transformers experts module (gate_up_proj, down_proj)")
+        shape = (mx.experts, mx.hidden, mx.intermediate)
+        if shape != _experts_shape(old):
+            raise ValueError(f"checkpoint experts {disk_path!r} are (E, H, I) = {shape} but the model's {path} is "
+                             f"{_experts_shape(old)}")
+        packed = PackedExperts.stack(
+            [(pack_mxfp4(mx.w13_blocks[e], mx.w13_scales[e]), pack_mxfp4(mx.w2_blocks[e], mx.w2_scales[e]))
+             for e in range(mx.experts)],
+            torch.from_numpy(np.array(mx.w13_bias)), torch.from_numpy(np.array(mx.w2_bias)), "swigluoai")
+        old_device = next(iter(old.buffers() if isinstance(old, QPNExperts) else old.parameters())).device
+        new[path] = QPNExperts(packed.to(replacement_device(device, old_device)))
+    return new
 
 
 def _experts_shape(module: nn.Module) -> tuple[int, int, int]:

@@ -163,7 +163,7 @@ def no_quantized_layer(checkpoint: Checkpoint | PackedCheckpoint) -> str | None:
             return None
         return (f"no quantized layer: looked for the layers its {MANIFEST_FILE} lists, found none listed; pack the "
                 "original checkpoint again")
-    if checkpoint.linears:
+    if checkpoint.linears or checkpoint.experts:
         return None
     config = "config.json quantization_config" if "quantization_config" in checkpoint.config else \
         "hf_quant_config.json"

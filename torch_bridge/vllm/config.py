@@ -1,5 +1,9 @@
-"""QPNConfig, the vLLM quantization config "qpn" (ModelOpt config parsing, which method each layer
-gets), and register(), the plugin entry point.
+"""QPNConfig, the vLLM quantization config "qpn" (ModelOpt and gpt-oss MXFP4 config parsing, which method
+each layer gets), and register(), the plugin entry point.
+
+gpt-oss (issue 23): a checkpoint whose quantization_config has quant_method "mxfp4" is claimed when the
+user asks for "qpn" (upstream vLLM's MXFP4 method needs capability 8.0 and bf16 activations); its
+experts run QPNGptOssMoEMethod (moe_method.py), everything else unquantized (MXFP4_ALGO).
 
 The checkpoint is unchanged: it keeps its own ModelOpt quantization config (config.json
 `quantization_config`, or the older `hf_quant_config.json`), which `QPNConfig.from_config` parses.
@@ -34,7 +38,7 @@ from typing import Any
 import torch
 
 from ...checkpoints.checkpoint import FP8_GRANULARITY_OF_ALGO, NVFP4_ALGOS
-from ...ref.formats import QPN2, QPN8
+from ...ref.formats import QPN2, QPN8, QPNMX
 from ._compat import VLLM_AVAILABLE, QuantizationConfig, QuantizeMethod, _VllmLinearBase
 from .methods import (
     NVFP4_GROUP_SIZE,
@@ -46,6 +50,11 @@ from .methods import (
 from .sharding import shard_layer_names
 
 QUANT_NAME = "qpn"
+# gpt-oss's quantization_config {"quant_method": "mxfp4", "modules_to_not_convert": [...]} (vLLM renames it
+# "gpt_oss_mxfp4" in places) is read as quant_algo MXFP4 with those modules excluded; its format quantizes
+# the experts only, so its linear layers run unquantized, as under vLLM's own Mxfp4Config
+MXFP4_ALGO = "MXFP4"
+MXFP4_METHODS = ("mxfp4", "gpt_oss_mxfp4")
 MIN_CAPABILITY = 75  # Turing (sm_75); newer cards run the compute_75 PTX
 CONFIG_FILENAMES: list[str] = []  # none: vLLM has read both ModelOpt forms already (module docstring)
 NOT_QUANTIZED = ("{path} is not a quantized checkpoint (no hf_quant_config.json and no quantization_config in "
@@ -54,7 +63,8 @@ NOT_QUANTIZED = ("{path} is not a quantized checkpoint (no hf_quant_config.json 
 # ModelOpt per-layer algorithm -> qpn method kind ("nvfp4", "fp8_<granularity>"): the checkpoint
 # reader's own algorithm table (qpn.checkpoints.checkpoint), so both read the same algorithms the same way
 LAYER_ALGOS = {**dict.fromkeys(NVFP4_ALGOS, QPN2.format),
-               **{algo: f"{QPN8.format}_{g}" for algo, g in FP8_GRANULARITY_OF_ALGO.items()}}
+               **{algo: f"{QPN8.format}_{g}" for algo, g in FP8_GRANULARITY_OF_ALGO.items()},
+               MXFP4_ALGO: QPNMX.format}
 EMBEDDING_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}  # ParallelLMHead subclasses the former
 ATTENTION_CLASSES = {"Attention", "MLAAttention"}  # vLLM's attention layers (KV-cache scales)
 QUANT_ALGOS = tuple(LAYER_ALGOS) + ("MIXED_PRECISION",)
@@ -83,8 +93,9 @@ def is_linear_layer(layer: object) -> bool:
 
 
 def _modelopt_section(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
-    """(section holding quant_algo, form): hf_quant_config.json {"quantization": {...}} or config.json
-    quantization_config {"quant_method": "modelopt", "quant_algo": ...}."""
+    """(section holding quant_algo, form): hf_quant_config.json {"quantization": {...}}, config.json
+    quantization_config {"quant_method": "modelopt", "quant_algo": ...}, or gpt-oss's {"quant_method":
+    "mxfp4", "modules_to_not_convert": [...]} read as {"quant_algo": MXFP4_ALGO, "exclude_modules": [...]}."""
     if not isinstance(config, Mapping):
         raise ValueError(f"the quantization config must be a dict, got {type(config).__name__}")
     if "quantization" in config:
@@ -93,6 +104,9 @@ def _modelopt_section(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str
             raise ValueError(f"'quantization' in hf_quant_config.json must be an object, got {section!r}")
         return section, "hf_quant_config.json"
     method = str(config.get("quant_method", "")).lower()
+    if method in MXFP4_METHODS:
+        return {"quant_algo": MXFP4_ALGO, "exclude_modules": list(config.get("modules_to_not_convert") or [])}, \
+            "quantization_config (mxfp4)"
     if method and not method.startswith("modelopt"):
         raise ValueError(f"qpn's vLLM plugin reads ModelOpt checkpoints (quant_method 'modelopt'), got quant_method "
                          f"{config.get('quant_method')!r}; run this checkpoint without quantization='qpn'")
@@ -206,6 +220,8 @@ class QPNConfig(QuantizationConfig):
         if user_quant != QUANT_NAME or not isinstance(hf_quant_cfg, Mapping):
             return None
         method = str(hf_quant_cfg.get("quant_method", "modelopt"))
+        if method.lower() in MXFP4_METHODS:
+            return QUANT_NAME
         if not method.lower().startswith("modelopt"):
             raise ValueError(f"quantization='qpn' runs ModelOpt checkpoints (quant_method 'modelopt'); this one has "
                              f"quant_method {method!r}. Serve it without quantization='qpn' (vLLM's own method), or "
@@ -241,6 +257,8 @@ class QPNConfig(QuantizationConfig):
             if algo is None:
                 return _unquantized_method(self)
             kind = LAYER_ALGOS[algo]
+            if kind == QPNMX.format:  # gpt-oss's format holds MXFP4 experts only (MXFP4_ALGO)
+                return _unquantized_method(self)
             if kind == QPN2.format:
                 return QPNNVFP4LinearMethod(self)
             return QPNFP8LinearMethod(self, kind.removeprefix(f"{QPN8.format}_"))
@@ -266,13 +284,17 @@ class QPNConfig(QuantizationConfig):
         if algo is None:
             return None
         kind = LAYER_ALGOS[algo]
+        if not VLLM_AVAILABLE:
+            raise ValueError(f"MoE layer {prefix!r}: qpn's FusedMoE method subclasses vLLM's MoE base, and vLLM is not "
+                             "importable here; in PyTorch, load the checkpoint with qpn.torch_bridge.load_quantized")
+        if kind == QPNMX.format:
+            from .moe_method import QPNGptOssMoEMethod  # noqa: PLC0415  (vLLM only)
+
+            return QPNGptOssMoEMethod(self, layer.moe_config)
         granularity = None if kind == QPN2.format else kind.removeprefix(f"{QPN8.format}_")
         if granularity == "block":
             raise ValueError(f"layer {prefix!r}: FP8 experts with 128x128 block scales (FP8_PB_WO) are not served by "
                              "qpn's MoE method yet; serve this checkpoint with vLLM's ModelOpt path")
-        if not VLLM_AVAILABLE:
-            raise ValueError(f"MoE layer {prefix!r}: qpn's FusedMoE method subclasses vLLM's MoE base, and vLLM is not "
-                             "importable here; in PyTorch, load the checkpoint with qpn.torch_bridge.load_quantized")
         from .moe_method import QPNFusedMoEMethod  # noqa: PLC0415  (subclasses vLLM's MoE base: vLLM only)
 
         return QPNFusedMoEMethod(self, layer.moe_config, granularity)

@@ -1,5 +1,6 @@
-"""qpn's FusedMoE method for vLLM (issue 22): ModelOpt NVFP4 and FP8 (per tensor, per channel) experts of
-Qwen3-MoE / Mixtral checkpoints, run weight-only through torch.ops.qpn.{nvfp4,fp8}_moe.
+"""qpn's FusedMoE methods for vLLM: ModelOpt NVFP4 and FP8 (per tensor, per channel) experts of Qwen3-MoE /
+Mixtral checkpoints (issue 22), and gpt-oss's MXFP4 experts (issue 23, QPNGptOssMoEMethod at the end), run
+weight-only through torch.ops.qpn.{nvfp4,fp8,mxfp4}_moe.
 
 Imported only inside vLLM (config.get_quant_method meets a FusedMoE layer): the class subclasses vLLM's
 FusedMoEMethodBase. Along vLLM 0.32's MoE seam:
@@ -30,11 +31,22 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.utils import set_weight_attrs
 
-from ...ref.formats import QPN2, QPN8, WeightFormat, weight_format
+from ...ref.formats import MX_BLOCK, QPN2, QPN8, QPNMX, WeightFormat, weight_format
 from ...ref.geometry import TILE_N
+from ..epilogue import ACTIVATIONS
 from ..packed_experts import PackedExperts
-from ..packed_weight import PackedWeight, pack_fp8, pack_nvfp4
+from ..packed_weight import PackedWeight, pack_fp8, pack_mxfp4, pack_nvfp4
 from .methods import NVFP4_GROUP_SIZE, replace_parameters
+
+
+def _activation(moe_config: Any) -> str:
+    """The MoE ops' name of the layer's gated activation (vLLM's MoEActivation value: "silu", "swigluoai"); one
+    the kernels do not run is refused before any weight loads."""
+    activation = getattr(getattr(moe_config, "activation", None), "value", "silu")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"vLLM MoE activation {activation!r}: qpn's MoE kernels run {sorted(ACTIVATIONS)}; serve this "
+                         "checkpoint without quantization='qpn'")
+    return activation
 
 
 def _data(layer: torch.nn.Module, name: str) -> Tensor:
@@ -53,6 +65,7 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
         self.granularity = granularity
         self.weight_format: WeightFormat = weight_format(QPN2.format) if granularity is None else \
             weight_format(QPN8.format, granularity)
+        self.activation = _activation(moe_config)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None  # no vLLM modular kernel: apply runs qpn's op
@@ -134,7 +147,8 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
                       for name in ("weight", "weight_scale", "weight_scale_2", "input_scale")]
         w13 = replace_parameters(layer, checkpoint, packed.w13, "w13_")
         w2 = replace_parameters(layer, (), packed.w2, "w2_")
-        experts = PackedExperts(packed.weight_class, w13, w2, packed.hidden_size, packed.intermediate_size)
+        experts = PackedExperts(packed.weight_class, w13, w2, packed.hidden_size, packed.intermediate_size,
+                                activation=self.activation)
         setattr(layer, "qpn_experts", experts)  # noqa: B010 (a plain attribute: no Module, no Parameter)
 
     def apply(self, layer: torch.nn.Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor,
@@ -143,3 +157,80 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
         experts: PackedExperts = getattr(layer, "qpn_experts")  # noqa: B009 (typed)
         out = experts.forward(x16, topk_weights.float().contiguous(), topk_ids.contiguous())
         return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- gpt-oss (MXFP4)
+
+
+def _whole_experts_loader(param: Parameter, loaded_weight: Tensor, weight_name: str | None = None,
+                          shard_id: str | None = None, expert_id: int | None = None,
+                          return_success: bool = False) -> bool | None:
+    """vLLM's gpt-oss loader (`_load_weights_mxfp4`) hands over every expert at once, already narrowed to this
+    rank ([E, 2I_part, ...] for w13, [E, H, I_part / ...] for w2, biases [E, ...]); vLLM's own FusedMoE loader
+    takes that form only under its "gpt_oss_mxfp4" config, so the parameters carry this one."""
+    del weight_name, shard_id, expert_id
+    param.data[tuple(slice(0, size) for size in loaded_weight.shape)].copy_(loaded_weight)
+    return True if return_success else None
+
+
+def _deinterleave_rows(t: Tensor) -> Tensor:
+    """gpt-oss's w13 rows (2i gate, 2i + 1 up) -> gate rows, then up rows (qpn.ref.gpt_oss.deinterleave)."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+
+
+class QPNGptOssMoEMethod(QPNFusedMoEMethod):
+    """gpt-oss's MXFP4 experts (quantization_config.quant_method "mxfp4"): vLLM's gpt-oss loader fills
+    w13_weight [E, 2I, H/2] and w13_weight_scale [E, 2I, H/32] (uint8 codes and e8m0 bytes, gate and up
+    rows interleaved), w2_weight [E, H, I/2], w2_weight_scale [E, H, I/32], and the bf16 biases w13_bias
+    [E, 2I] (interleaved) / w2_bias [E, H] (tensor parallel: rank 0 only, vLLM zeroes the rest), kept in
+    float32 here (exact). process_weights_after_loading moves gate and up apart (a permutation), packs
+    every expert into QPNMX and keeps the biases; apply runs qpn::mxfp4_moe with the layer's activation
+    (gpt-oss: swigluoai, the same alpha 1.702 and limit 7 as vLLM's kernel)."""
+
+    def __init__(self, quant_config: Any, moe_config: Any) -> None:
+        super().__init__(quant_config, moe_config, None)
+        self.weight_format = QPNMX
+
+    def uses_weight_scale_2_pattern(self) -> bool:
+        return False
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
+        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        self._require_layout(layer, h, i)
+        attrs = {**extra_weight_attrs, "weight_loader": _whole_experts_loader}
+
+        def register(name: str, data: Tensor) -> None:
+            param = Parameter(data, requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, attrs)
+
+        register("w13_weight", torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8))
+        register("w13_weight_scale", torch.zeros(e, 2 * i, h // MX_BLOCK, dtype=torch.uint8))
+        register("w2_weight", torch.zeros(e, h, i // 2, dtype=torch.uint8))
+        register("w2_weight_scale", torch.zeros(e, h, i // MX_BLOCK, dtype=torch.uint8))
+        register("w13_bias", torch.zeros(e, 2 * i, dtype=torch.float32))
+        register("w2_bias", torch.zeros(e, h, dtype=torch.float32))
+
+    def _pack_expert(self, layer: torch.nn.Module, e: int) -> tuple[PackedWeight, PackedWeight]:
+        w13 = _deinterleave_rows(_data(layer, "w13_weight")[e:e + 1])[0]
+        s13 = _deinterleave_rows(_data(layer, "w13_weight_scale")[e:e + 1])[0]
+        return pack_mxfp4(w13, s13), pack_mxfp4(_data(layer, "w2_weight")[e], _data(layer, "w2_weight_scale")[e])
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        prefix = getattr(layer, "layer_name", type(layer).__name__)
+        try:
+            packed = PackedExperts.stack([self._pack_expert(layer, e)
+                                          for e in range(_data(layer, "w13_weight").shape[0])])
+        except ValueError as exc:
+            raise ValueError(f"vLLM MoE layer {prefix!r}: {exc}") from exc
+        b13 = _deinterleave_rows(_data(layer, "w13_bias").float())
+        b2 = _data(layer, "w2_bias").float().contiguous()
+        checkpoint = [f"{stem}_{name}" for stem in ("w13", "w2") for name in ("weight", "weight_scale", "bias")]
+        w13 = replace_parameters(layer, checkpoint, {**packed.w13, "bias": b13}, "w13_")
+        w2 = replace_parameters(layer, (), {**packed.w2, "bias": b2}, "w2_")
+        b13_param, b2_param = w13.pop("bias"), w2.pop("bias")
+        experts = PackedExperts(packed.weight_class, w13, w2, packed.hidden_size, packed.intermediate_size,
+                                b13_param, b2_param, self.activation)
+        setattr(layer, "qpn_experts", experts)  # noqa: B010 (a plain attribute: no Module, no Parameter)
