@@ -106,3 +106,11 @@ def test_vllm_config_reads_gpt_oss_quantization_config():
     assert config.quant_algo == "MXFP4" and config.exclude_modules == section["modules_to_not_convert"]
     assert config.layer_algo("model.layers.0.mlp.router") is None
     assert config._algo_of("model.layers.0.mlp.experts.3.gate_proj") == "MXFP4"
+
+
+def test_qpn_pack_says_it_does_not_pack_stacked_experts_and_writes_nothing(tmp_path, capsys):
+    from qpn.apps.cli import main
+
+    assert main(["pack", FIXTURE, str(tmp_path / "out")]) == 2
+    assert "qpn pack does not write stacked experts yet; use the original folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

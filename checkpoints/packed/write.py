@@ -13,6 +13,7 @@ from ... import __version__
 from .. import safetensors_io
 from ..atomic import TargetRules, atomic_folder, recover_interrupted, require_writable_target, write_json
 from ..folder import INDEX_FILE, SAFETENSORS_METADATA, OpenCheckpoint, open_checkpoint, weight_files
+from ..gpt_oss import is_gpt_oss_mxfp4
 from .layers import prepack_layer, unpackable_reason
 from .manifest import (
     COPIED_CONFIG_FILES,
@@ -169,6 +170,10 @@ def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[st
     target = os.path.abspath(os.fspath(target))
     if is_packed(source):
         raise PackError(source, None, "is already a qpn packed checkpoint; pack the original checkpoint instead")
+    if is_gpt_oss_mxfp4(source):
+        raise PackError(source, None, "is a gpt-oss MXFP4 checkpoint: its stacked experts load from the folder as it "
+                                      "is (load_quantized; vLLM with quantization='qpn'), and qpn pack does not write "
+                                      "stacked experts yet; use the original folder")
     with open_checkpoint(source) as checkpoint:
         return _pack(checkpoint, source, target, overwrite, progress)
 
