@@ -1,7 +1,7 @@
-"""Model-level decode benchmark: a Llama-3.1-8B-shaped or Qwen3-30B-A3B-shaped decoder in fp16, NVFP4 and FP8
-(a GPU script).
+"""Model-level decode benchmark: a Llama-3.1-8B-shaped or Qwen3-30B-A3B-shaped decoder in fp16, NVFP4 and FP8,
+or a gpt-oss-20b-shaped one in fp16 and MXFP4 (a GPU script).
 
-    python benchmarks/bench_model.py [--model llama8b|qwen3moe] [--layers N] [--batches 1,8,32]
+    python benchmarks/bench_model.py [--model llama8b|qwen3moe|gptoss20b] [--layers N] [--batches 1,8,32]
                                      [--graphs manual,compile] [--tiny] [--out benchmarks/results] [--name NAME]
 
 What it measures: greedy decoding tokens per second, and the model's resident bytes, of transformers'
@@ -18,7 +18,17 @@ CUDA graph per decode step, at each batch size, for the same model three ways:
 - nvfp4 / fp8: every decoder linear (q, k, v, o, and Llama's gate, up, down) replaced by a QPNLinear
   made by `qpn.torch_bridge.convert(..., "nvfp4" | "fp8")` (FP8 with per-channel scales), every experts
   module by a QPNExperts (the fused MoE op); the embedding, the norms, the MoE router and lm_head stay
-  fp16, as in ModelOpt exports.
+  fp16, as in ModelOpt exports;
+- gpt-oss-20b (--model gptoss20b: `GptOssForCausalLM` with GPT_OSS_20B's dims, openai/gpt-oss-20b's
+  config.json: hidden 2880, 24 layers, 64 heads of 64, 8 KV heads, 32 experts, top-4, expert intermediate
+  2880, vocabulary 201088, a 128-token sliding window on every other layer, attention biases and sinks):
+  fp16 and mxfp4, where only the experts change: each a QPNExperts in MXFP4 (QPNMX, float32 biases,
+  gpt-oss's clamped SwiGLU), as gpt-oss ships them; attention, sinks, router, embedding, norms and
+  lm_head stay fp16 in both (gpt-oss keeps them bf16: its modules_to_not_convert). Attention is
+  transformers' eager implementation (its only one with sinks here: no SDPA for gpt-oss). The static
+  cache gives every layer the whole session (static_cache: transformers' sliding-window cache layer keeps
+  its length in a Python int, which a replayed CUDA graph would never advance); the sliding layers' masks,
+  built from the model's own config, still restrict them to 128 tokens, so the function is gpt-oss's.
 Ratios ("x fp16") divide times of the same run, method and batch.
 
 Quantizing billions of random weights with the numpy reference would take minutes, and decode speed
@@ -46,7 +56,8 @@ static cache attends over its whole length every step (masked), so the cost per 
 grow as the runs advance through it.
 
 --tiny (TINY dims, CPU or GPU) and --layers N exist so that the script runs end to end in a test
-without a GPU (tests/test_bench_model.py); there, no CUDA graphs exist and the eager loop runs.
+without a GPU (tests/test_bench_model.py, tests/test_bench_gpt_oss.py); there, no CUDA graphs exist and the
+eager loop runs.
 """
 
 from __future__ import annotations
@@ -78,20 +89,35 @@ QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_
 TINY_MOE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
                 num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=64, vocab_size=512, rope_theta=1000000.0, rms_norm_eps=1e-6)
+# openai/gpt-oss-20b's config.json (benchmarks/gpt_oss_memory.py cites its copies); layer_types default to
+# transformers' alternation (sliding_attention first), rope to its YaRN (theta 150000, factor 32), as the config
+GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                   num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                   vocab_size=201088, sliding_window=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                   swiglu_limit=7.0)
+# QPNMX needs H and I multiples of 64; a window of 16 < PROMPT_LEN, so the sliding masks matter in the tests
+TINY_GPT_OSS = dict(hidden_size=128, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512,
+                    sliding_window=16, rms_norm_eps=1e-5, swiglu_limit=7.0)
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 LINEARS = (*ATTENTION, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # Llama's
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder family: transformers' model class, its full and tiny dims, its per-layer linears and (a
-    mixture of experts) its experts module."""
+    """A decoder family: transformers' model class, its full and tiny dims, its per-layer linears (those the
+    quantized variants convert) and (a mixture of experts) its experts module; the formats compared (fp16
+    first), transformers' attention implementation, and the family's name in the tables."""
 
     model_class: str
     dims: dict
     tiny: dict
     linears: tuple
     experts: str | None = None
+    formats: tuple = ("fp16", "nvfp4", "fp8")
+    attn_implementation: str = "sdpa"
+    family: str = "Llama-3.1-8B"
+    short: str = "Llama"  # the tiny tables' name
 
     @property
     def modules(self) -> tuple:
@@ -99,8 +125,12 @@ class Shape:
 
 
 MODELS = {"llama8b": Shape("LlamaForCausalLM", LLAMA_8B, TINY, LINEARS),
-          "qwen3moe": Shape("Qwen3MoeForCausalLM", QWEN3_30B_A3B, TINY_MOE, ATTENTION, "mlp.experts")}
-FORMATS = ("fp16", "nvfp4", "fp8")
+          "qwen3moe": Shape("Qwen3MoeForCausalLM", QWEN3_30B_A3B, TINY_MOE, ATTENTION, "mlp.experts",
+                            family="Qwen3-30B-A3B", short="Qwen3"),
+          # gpt-oss: the experts only (attention, sinks and router stay fp16), eager attention (sinks: no SDPA)
+          "gptoss20b": Shape("GptOssForCausalLM", GPT_OSS_20B, TINY_GPT_OSS, (), "mlp.experts", ("fp16", "mxfp4"),
+                             "eager", "gpt-oss-20b", "gpt-oss")}
+FORMATS = MODELS["llama8b"].formats
 BATCHES = (1, 8, 32)
 GRAPH_METHODS = ("manual", "compile")
 PROMPT_LEN = 32  # prefill tokens: M = batch * 32 > 32 takes the dense (dequantize + cuBLAS) path
@@ -121,8 +151,8 @@ def build_model(dims: dict, layers: int, device, shape: Shape = MODELS["llama8b"
     import transformers
 
     model_class = getattr(transformers, shape.model_class)
-    config = model_class.config_class(**{**dims, "num_hidden_layers": layers}, tie_word_embeddings=False,
-                                      max_position_embeddings=4096, attn_implementation="sdpa")
+    config = model_class.config_class(**{"max_position_embeddings": 4096, **dims, "num_hidden_layers": layers},
+                                      tie_word_embeddings=False, attn_implementation=shape.attn_implementation)
     torch.manual_seed(SEED)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(torch.float16)  # parameters born fp16 on the device: no fp32 copy of the weights
@@ -133,6 +163,13 @@ def build_model(dims: dict, layers: int, device, shape: Shape = MODELS["llama8b"
         torch.set_default_dtype(saved)
     if any(p.dtype != torch.float16 for p in model.parameters()):  # a transformers that ignored the default dtype
         model = model.half()
+    if shape.experts:  # gpt-oss's expert biases: transformers inits them to 0; random ones make the bias path count
+        gen = torch.Generator(device=device).manual_seed(SEED)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for name, p in layer.get_submodule(shape.experts).named_parameters(recurse=False):
+                    if name.endswith("_bias"):
+                        p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
     if shape.experts and device.type == "cuda" and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("batched_mm")
     return model.eval()
@@ -177,7 +214,8 @@ def quantized_layer(layer, fmt: str, shape: Shape = MODELS["llama8b"]) -> dict:
 
 def replicated_experts(module, fmt: str):
     """A QPNExperts of `module`'s shape whose every expert holds its own copy of expert 0 quantized (FP8: per
-    channel): QPNExperts.from_module on a one-expert view, then each stacked buffer repeated E times."""
+    channel; gpt-oss: MXFP4 with its biases and activation): QPNExperts.from_module on a one-expert view
+    (every parameter's expert 0, and gpt-oss's alpha and limit), then each stacked buffer repeated E times."""
     import torch
 
     from qpn.torch_bridge import PackedExperts
@@ -185,35 +223,44 @@ def replicated_experts(module, fmt: str):
     from qpn.torch_bridge.module import format_of
 
     one = torch.nn.Module()
-    one.gate_up_proj = torch.nn.Parameter(module.gate_up_proj[:1].detach(), requires_grad=False)
-    one.down_proj = torch.nn.Parameter(module.down_proj[:1].detach(), requires_grad=False)
+    for name, p in module.named_parameters(recurse=False):
+        setattr(one, name, torch.nn.Parameter(p[:1].detach(), requires_grad=False))
+    for name in ("alpha", "limit"):  # gpt-oss's SwiGLU constants (experts_weights checks them)
+        if hasattr(module, name):
+            setattr(one, name, getattr(module, name))
     wf = format_of(fmt, "channel")
     first = QPNExperts.from_module(one, wf, "channel" if wf.granularities else None).packed_experts
     experts = int(module.gate_up_proj.shape[0])
-    w13, w2 = ({name: t.repeat(experts, *(1,) * (t.dim() - 1)) for name, t in b.items()} for b in (first.w13, first.w2))
-    return QPNExperts(PackedExperts(first.weight_class, w13, w2, first.hidden_size, first.intermediate_size))
+
+    def repeated(t):
+        return None if t is None else t.repeat(experts, *(1,) * (t.dim() - 1))
+
+    w13, w2 = ({name: repeated(t) for name, t in b.items()} for b in (first.w13, first.w2))
+    return QPNExperts(PackedExperts(first.weight_class, w13, w2, first.hidden_size, first.intermediate_size,
+                                    repeated(first.w13_bias), repeated(first.w2_bias), first.activation))
 
 
 def variants(model, shape: Shape = MODELS["llama8b"]) -> dict:
-    """{format: [per layer {module name: module}]}: fp16 = the model's own modules, each layer's weights
-    overwritten with layer 0's (each expert's with layer 0's expert 0); nvfp4 / fp8 = layer 0 converted once,
-    every other layer a deep copy of those packed buffers. So the three models differ only by quantization
-    (the logits cosine measures that), and every layer still reads its own bytes."""
+    """{format: [per layer {module name: module}]} over shape.formats: fp16 = the model's own modules, each
+    layer's weights overwritten with layer 0's (each expert's with layer 0's expert 0); nvfp4 / fp8 / mxfp4 =
+    layer 0 converted once, every other layer a deep copy of those packed buffers. So the models differ only by
+    quantization (the logits cosine measures that), and every layer still reads its own bytes. (gpt-oss: the
+    attention is not among shape.linears: each layer keeps its own random fp16 attention, shared by every
+    variant, since only the experts are swapped.)"""
     import torch
 
     layers = model.model.layers
     out = {"fp16": [{name: layer.get_submodule(name) for name in shape.modules} for layer in layers]}
-    with torch.no_grad():  # fp16 gets layer 0's weights everywhere too: the three models are one function
-        if shape.experts:  # expert 0 of layer 0 in every expert of every layer
-            first = out["fp16"][0][shape.experts]
-            gate_up, down = first.gate_up_proj[:1].clone(), first.down_proj[:1].clone()
+    with torch.no_grad():  # fp16 gets layer 0's weights everywhere too: the models are one function
+        if shape.experts:  # expert 0 of layer 0 in every expert of every layer (every parameter: gpt-oss's biases)
+            first = {name: p[:1].clone() for name, p in out["fp16"][0][shape.experts].named_parameters(recurse=False)}
             for modules in out["fp16"]:
-                modules[shape.experts].gate_up_proj.copy_(gate_up.expand_as(first.gate_up_proj))
-                modules[shape.experts].down_proj.copy_(down.expand_as(first.down_proj))
+                for name, p in modules[shape.experts].named_parameters(recurse=False):
+                    p.copy_(first[name].expand_as(p))
         for modules in out["fp16"][1:]:
             for name in shape.linears:
                 modules[name].weight.copy_(out["fp16"][0][name].weight)
-    for fmt in FORMATS[1:]:
+    for fmt in shape.formats[1:]:
         t0 = time.perf_counter()
         first = quantized_layer(layers[0], fmt, shape)
         out[fmt] = [first] + [{name: copy.deepcopy(m) for name, m in first.items()} for _ in layers[1:]]
@@ -257,12 +304,25 @@ def _accepted(fn) -> set:
 
 def static_cache(model, batch: int, max_len: int, device):
     """transformers StaticCache across its versions (4.4x: batch / device / dtype up front; >= 4.56:
-    sized at the first update)."""
+    sized at the first update).
+
+    A model with sliding-window layers (gpt-oss) gets full-length static layers everywhere: transformers'
+    StaticSlidingWindowLayer keeps its length in a Python int (its update's branch, the sliding mask's query
+    offset), which a replayed CUDA graph never advances (its tensor write position would run past the window,
+    out of bounds); a StaticLayer keeps it in a tensor. The masks still come from the model's own config, so
+    the sliding layers attend to their last `sliding_window` tokens only: the same function (checked against
+    transformers' DynamicCache in tests/test_bench_gpt_oss.py), over max_len masked slots instead of a
+    window-sized ring."""
     import torch
     from transformers import StaticCache
 
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        config = copy.deepcopy(config)
+        config.layer_types = ["full_attention"] * len(layer_types)
     params = _accepted(StaticCache.__init__)
-    kwargs = {"config": model.config, "max_cache_len": max_len}
+    kwargs = {"config": config, "max_cache_len": max_len}
     # transformers 4.4x: one of the two names is deprecated
     batch_kw = next((name for name in ("max_batch_size", "batch_size") if name in params), None)
     for name, value in ((batch_kw, batch), ("device", device), ("dtype", torch.float16)):
@@ -408,7 +468,7 @@ def run_method(method: str, model, linears: dict, batches, device, args, sec, bu
     steps, repeats = (TINY_STEPS, TINY_REPEATS) if args.tiny else (STEPS, REPEATS)
     for batch in batches:
         reference, base, base_bytes = None, None, None
-        for fmt in FORMATS:
+        for fmt in shape.formats:
             install(model, linears[fmt])
             resident = resident_bytes(model)
             base_bytes = resident if fmt == "fp16" else base_bytes
@@ -471,8 +531,7 @@ def environment(device, dims: dict, layers: int, shape: Shape) -> dict:
 
 
 def new_section(tiny: bool, shape: Shape) -> bk.Section:
-    family = "Qwen3-30B-A3B" if shape.experts else "Llama-3.1-8B"
-    shapes = f"tiny {family.split('-')[0]} shapes (--tiny)" if tiny else f"{family} shapes"
+    shapes = f"tiny {shape.short} shapes (--tiny)" if tiny else f"{shape.family} shapes"
     return bk.Section("model", f"Decode tokens per second, {shapes} (random weights), static KV cache", [
         bk.Column("method", "method"), bk.Column("batch", "batch"), bk.Column("format", "format"),
         bk.Column("ms", "ms / step", "{:.3f}"), bk.Column("tok_s", "tokens / s", "{:.1f}"),
@@ -494,7 +553,9 @@ def write(env: dict, sec: bk.Section, out: Path, name: str) -> tuple:
         f"kernels built as {env['kernel_build']['built_as']}. {env['model_class']}, hidden {model['hidden_size']}, "
         + (f"{model['num_experts']} experts, top-{model['num_experts_per_tok']}, expert intermediate "
            f"{model['moe_intermediate_size']}, " if "num_experts" in model else
-           f"intermediate {model['intermediate_size']}, ")
+           f"{model['num_local_experts']} experts, top-{model['num_experts_per_tok']}, expert intermediate "
+           f"{model['intermediate_size']}, sliding window {model['sliding_window']} on every other layer, "
+           if "num_local_experts" in model else f"intermediate {model['intermediate_size']}, ")
         + f"{model['num_hidden_layers']} layers, "
         f"{model['num_attention_heads']} / {model['num_key_value_heads']} heads, vocabulary {model['vocab_size']}; "
         f"prompt {env['prompt_len']} tokens, then greedy decode steps (median of {env['repeats']} runs of "
@@ -517,15 +578,31 @@ NOTES = (
     "last logits with fp16's (same prompt): quantization error, not a kernel check against a reference. "
     "set-up s = prefill + warm-up steps (torch.compile's compile included) + capture.",
 )
+GPT_OSS_NOTES = (
+    "Weights are random: layer 0's expert 0 is quantized with qpn (QPNExperts.from_module, MXFP4) and every "
+    "expert of every layer gets its own copy of those packed buffers (the fp16 model holds that expert's weights "
+    "in every expert); speed depends on shapes, not values.",
+    "mxfp4 = every experts module a QPNExperts in MXFP4 (QPNMX, float32 biases, gpt-oss's clamped SwiGLU fused in "
+    "the MoE op); attention (q, k, v, o with their biases, the sinks), routers, embedding, norms and lm_head fp16 "
+    "in both rows (gpt-oss ships them bf16: modules_to_not_convert). fp16 experts: transformers' GptOssExperts "
+    "through its batched_mm implementation (biases and the clamped SwiGLU included). Attention: transformers' "
+    "eager implementation (sinks; transformers has no SDPA path for gpt-oss). KV cache: a full-length static "
+    "layer per decoder layer (a replayed CUDA graph cannot advance transformers' sliding-window cache layer); "
+    "the sliding layers' masks keep their 128-token window. resident GB = every parameter and buffer of the "
+    "model as loaded (embedding and lm_head included); memory x fp16 = that over fp16's. weights GB / step = "
+    "decoder layers + lm_head as stored (a mixture's step reads the hit experts only).",
+    NOTES[2],
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The arguments (`qpn bench model` checks them before it looks for a GPU: a typo exits 2, not 3)."""
     parser = argparse.ArgumentParser(prog="bench_model.py", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="llama8b",
-                        help="llama8b (Llama-3.1-8B shapes, default) or qwen3moe (Qwen3-30B-A3B shapes)")
+                        help="llama8b (Llama-3.1-8B shapes, default), qwen3moe (Qwen3-30B-A3B shapes) or gptoss20b "
+                        "(gpt-oss-20b shapes: fp16 vs MXFP4 experts)")
     parser.add_argument("--layers", type=_positive, default=None,
-                        help="decoder layers (default: the model's, 32 / 48; --tiny: 2)")
+                        help="decoder layers (default: the model's, 32 / 48 / 24; --tiny: 2)")
     parser.add_argument("--batches", type=_batches, default=BATCHES,
                         help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--graphs", type=_methods, default=GRAPH_METHODS, help="comma-separated: manual,compile")
@@ -573,7 +650,7 @@ def main(argv=None) -> int:
     print(f"fp16 model built on {device} in {time.perf_counter() - t0:.1f} s", flush=True)
     linears = variants(model, shape)
     sec = new_section(args.tiny, shape)
-    sec.notes.extend(NOTES)
+    sec.notes.extend(GPT_OSS_NOTES if args.model == "gptoss20b" else NOTES)
     json_path = md_path = None
     for method in args.graphs:
         budget = time.perf_counter() + args.compile_budget_s

@@ -1,11 +1,15 @@
 """The gpt-oss parts of the benchmarks on the CPU (issue 23, part 5; no timings asserted):
 benchmarks/bench_moe.py's gpt-oss layers (random MXFP4 experts packed by qpn, their exact fp16 twin, the fp16
 baselines with biases and the clamped SwiGLU, qpn's MoE op, the check before timing, the targets and the
-table) at a tiny shape."""
+table) at a tiny shape, and benchmarks/bench_model.py --model gptoss20b end to end in its tiny configuration
+(MXFP4 experts copied from expert 0, the static cache that a CUDA graph can replay)."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,9 +22,18 @@ torch = pytest.importorskip("torch")
 from qpn.ref.formats import QPNMX  # noqa: E402
 from qpn.ref.mxfp4 import mxfp4_values  # noqa: E402
 from qpn.torch_bridge.epilogue import swigluoai_and_mul  # noqa: E402
+from qpn.torch_bridge.experts import QPNExperts  # noqa: E402
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 MS = (1, 8)
+BATCHES = (1, 2)
+DECODE_STEPS = 6
+# prefill logits cosine of the tiny gpt-oss with MXFP4 experts against fp16 (measured 0.991): a broken kernel
+# or a wrong copy gives a different model (~0.3) or NaN
+MIN_COS = {"fp16": 1.0 - 1e-12, "mxfp4": 0.95}
+# fp16 step logits through two caches: the attention sums run over different lengths (max_len masked slots
+# against the window), a few fp16 ulps of |logit| <= 1; a lost window moves them by ~1 (measured 1.1)
+CACHE_ATOL = 1e-2
 
 
 def load(name: str):
@@ -34,6 +47,11 @@ def load(name: str):
 @pytest.fixture(scope="module")
 def moe():
     return load("bench_moe")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load("bench_model")
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +171,100 @@ def test_bench_moe_without_a_gpu_exits_3_and_checks_its_arguments(moe, capsys):
     if not torch.cuda.is_available():
         assert moe.main(["--layers", "gptoss20b,gptoss120b"]) == 3
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- bench_model --model gptoss20b
+
+
+def test_the_gpt_oss_model_is_gpt_oss_20b_shaped(bench):
+    shape = bench.MODELS["gptoss20b"]
+    dims = shape.dims
+    assert shape.model_class == "GptOssForCausalLM" and shape.formats == ("fp16", "mxfp4")
+    assert shape.linears == () and shape.experts == "mlp.experts" and shape.attn_implementation == "eager"
+    assert (dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]) == (2880, 2880, 24)
+    assert (dims["num_attention_heads"], dims["head_dim"], dims["num_key_value_heads"]) == (64, 64, 8)
+    assert (dims["num_local_experts"], dims["num_experts_per_tok"], dims["vocab_size"]) == (32, 4, 201088)
+    assert dims["sliding_window"] == 128
+    assert shape.tiny["sliding_window"] < bench.PROMPT_LEN  # the tests below cross the window
+
+
+def test_every_layer_gets_its_own_mxfp4_copy_of_expert_0(bench):
+    shape = bench.MODELS["gptoss20b"]
+    model = bench.build_model(shape.tiny, 2, torch.device("cpu"), shape)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    modules = bench.variants(model, shape)
+    assert set(modules) == {"fp16", "mxfp4"}
+    fp16 = [layer[shape.experts] for layer in modules["fp16"]]
+    for experts in fp16:
+        for name, p in experts.named_parameters(recurse=False):
+            assert torch.equal(p, fp16[0].get_parameter(name)[:1].expand_as(p)), name
+    assert fp16[0].gate_up_proj_bias.abs().max() > 0  # random biases: the bias path carries values
+    first, second = (layer[shape.experts] for layer in modules["mxfp4"])
+    assert isinstance(first, QPNExperts) and first.weight_format is QPNMX and first.activation == "swigluoai"
+    assert first.num_experts == shape.tiny["num_local_experts"] and first.w13_bias is not None
+    for key, tensor in first.state_dict().items():
+        assert torch.equal(tensor, tensor[:1].expand_as(tensor)), key  # expert 0 everywhere
+        other = second.state_dict()[key]
+        assert torch.equal(other, tensor) and other.data_ptr() != tensor.data_ptr(), key
+    torch.testing.assert_close(first.w13_bias[0].half()[:2], fp16[0].gate_up_proj_bias[0, :4:2], rtol=0, atol=0)
+
+
+def test_the_replayable_cache_decodes_as_transformers_dynamic_cache(bench):
+    """bench_model's static cache (full-length layers, the model's sliding masks) against transformers'
+    DynamicCache (a real sliding window) past the window: the same step logits; a model that loses its window
+    is told apart."""
+    from transformers import DynamicCache
+
+    shape = bench.MODELS["gptoss20b"]
+    model = bench.build_model(shape.tiny, 2, torch.device("cpu"), shape)
+    session = bench.Session(model, model, 2, bench.PROMPT_LEN + DECODE_STEPS + 1, torch.device("cpu"))
+    assert all(not layer.is_sliding for layer in session.cache.layers)
+    logits, tokens = [session.prefill()], [session.ids.clone()]
+    for _ in range(DECODE_STEPS):
+        logits.append(session.step().float())
+        tokens.append(session.ids.clone())
+
+    def reference(config):
+        model.config.layer_types, saved = config, model.config.layer_types
+        try:
+            cache, out = DynamicCache(config=model.config), []
+            with torch.no_grad():
+                positions = torch.arange(bench.PROMPT_LEN).expand(2, -1)
+                out.append(model(input_ids=session.prompt, cache=cache, use_cache=True,
+                                 position_ids=positions).logits[:, -1].float())
+                for step, ids in enumerate(tokens[:-1]):
+                    position = torch.full((2, 1), bench.PROMPT_LEN + step)
+                    out.append(model(input_ids=ids, cache=cache, use_cache=True,
+                                     position_ids=position).logits[:, -1].float())
+            return torch.stack(out)
+        finally:
+            model.config.layer_types = saved
+
+    ours = torch.stack(logits)
+    torch.testing.assert_close(ours, reference(model.config.layer_types), rtol=0, atol=CACHE_ATOL)
+    windowless = reference(["full_attention"] * 2)
+    assert (ours - windowless).abs().max() > 10 * CACHE_ATOL
+
+
+def test_tiny_gpt_oss_run_writes_fp16_and_mxfp4_rows(bench, tmp_path, capsys):
+    assert bench.main(["--model", "gptoss20b", "--tiny", "--device", "cpu", "--graphs", "manual", "--batches",
+                       ",".join(map(str, BATCHES)), "--out", str(tmp_path), "--name", "tiny"]) == 0
+    rows = json.loads((tmp_path / "tiny.json").read_text())["sections"]["model"]["rows"]
+    assert [(r["batch"], r["format"]) for r in rows] == [(b, f) for b in BATCHES for f in ("fp16", "mxfp4")]
+    for row in rows:
+        assert row["finite"] is True and row["graphs"].startswith("eager loop (no CUDA)"), row
+        assert math.isfinite(row["ms"]) and row["ms"] > 0 and row["cos"] >= MIN_COS[row["format"]], row
+        assert row["tok_s"] == pytest.approx(row["batch"] / row["ms"] * 1e3)
+        assert row["mem_x_fp16"] < 0.7 if row["format"] == "mxfp4" else row["mem_x_fp16"] == 1.0, row
+    md = (tmp_path / "tiny.md").read_text()
+    assert "GptOssForCausalLM" in md and "sliding window 16 on every other layer" in md
+    assert "tiny gpt-oss shapes" in md and "MXFP4" in md
+    assert "| manual | 2 | mxfp4 |" in capsys.readouterr().out
+
+
+def test_the_gpt_oss_cache_copy_leaves_the_model_config_alone(bench):
+    shape = bench.MODELS["gptoss20b"]
+    model = bench.build_model(shape.tiny, 2, torch.device("cpu"), shape)
+    before = copy.deepcopy(model.config.layer_types)
+    bench.static_cache(model, 1, 40, torch.device("cpu"))
+    assert model.config.layer_types == before
