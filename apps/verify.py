@@ -267,9 +267,9 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
     if weights is None:
         return result
     w16, checkpoint_w16 = weights
-    packed = _packed_on_backends(result, layer, backends)
+    packed = _packed_on_backends(result, lambda device: _packed_weight(layer, device), backends)
     _check_backend_dequantize(result, packed, w16)
-    _check_linear(result, name, layer, w16, packed, ms, seed)
+    _check_linear(result, name, w16, packed, ms, seed, _linear_bounds, "ref.linear_bounds_of_fp32_sums")
     if upstream:
         result.upstream = _upstream_shares(layer, w16, checkpoint_w16)
     return result
@@ -351,17 +351,17 @@ def _check_reference(result: LayerResult, layer: packing.PackedLayer,
     return w16, checkpoint_w16
 
 
-def _packed_on_backends(result: LayerResult, layer: packing.PackedLayer, backends: Backends
+def _packed_on_backends(result: LayerResult, build: Callable[[torch.device], PackedWeight], backends: Backends
                         ) -> dict[str, PackedWeight]:
-    """The layer's packed weight on every backend present, built once (steps 2b and 3 share it); a backend
-    that cannot hold it fails its cell."""
+    """The layer's packed weight, build(device), on every backend present, built once (steps 2b and 3 share
+    it); a backend that cannot hold it fails its cell."""
     packed: dict[str, PackedWeight] = {}
     for backend in ("cpu", "cuda"):
         if backend not in backends.devices:
             result.cells[backend] = ABSENT
             continue
         try:
-            packed[backend] = _packed_weight(layer, backends.devices[backend])
+            packed[backend] = build(backends.devices[backend])
         except Exception as exc:  # a backend that raises on valid buffers is a failure to report, not a crash
             result.fail(backend, f"packing raised {type(exc).__name__}: {exc}")
     return packed
@@ -379,17 +379,19 @@ def _check_backend_dequantize(result: LayerResult, packed: dict[str, PackedWeigh
             result.fail(backend, f"dequantize differs from the reference in {100 * _share_differing(got, w16):.3g} % "
                                  "of weights")
         else:
-            result.cells[backend] = OK
+            result.cells.setdefault(backend, OK)  # a FAIL an earlier step found stays
 
 
-def _check_linear(result: LayerResult, name: str, layer: packing.PackedLayer, w16: np.ndarray,
-                  packed: dict[str, PackedWeight], ms: Sequence[int], seed: int) -> None:
-    """Step 3: the linear on random activations, inside the derived fp32-accumulation bound around the exact
-    reference, on every backend present."""
+def _check_linear(result: LayerResult, name: str, w16: np.ndarray, packed: dict[str, PackedWeight],
+                  ms: Sequence[int], seed: int,
+                  bounds: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]], bound_name: str) -> None:
+    """Step 3: the linear on random activations (seeded by `seed` and `name`), inside the derived
+    fp32-accumulation bound around the exact reference (bounds(x16, w16) -> (lo, hi), named `bound_name` in a
+    failure), on every backend present."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    xs = [rng.standard_normal((m, layer.k), dtype=np.float32).astype(np.float16) for m in ms]
-    # one fp32 bound for all M at once (w16 is widened once, not per M in float64)
-    lo_all, hi_all = _linear_bounds(np.concatenate(xs), w16)
+    xs = [rng.standard_normal((m, w16.shape[1]), dtype=np.float32).astype(np.float16) for m in ms]
+    # one bound for all M at once (w16 is widened once, not per M)
+    lo_all, hi_all = bounds(np.concatenate(xs), w16)
     rows = np.cumsum([0, *ms])
     linear_cell = ABSENT
     for m, x, start, stop in zip(ms, xs, rows[:-1], rows[1:], strict=True):
@@ -403,7 +405,7 @@ def _check_linear(result: LayerResult, name: str, layer: packing.PackedLayer, w1
             outside = ~((lo <= y) & (y <= hi))
             if outside.any():
                 result.fail("linear", f"{backend} M={m}: {int(outside.sum())} outputs outside the fp32-accumulation "
-                                      "bound of ref.linear_bounds_of_fp32_sums")
+                                      f"bound of {bound_name}")
             elif linear_cell != FAIL:
                 linear_cell = OK
     result.cells.setdefault("linear", linear_cell)
