@@ -329,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="For an original or packed checkpoint: unpack every layer and compare it with "
                                    "the checkpoint's bytes, dequantize it on every backend present (numpy "
                                    "reference, numba CPU, CUDA) and require identical fp16 bytes, and run its "
-                                   "linear on random activations against the exact reference. Exit 1 on any "
-                                   "mismatch.")
+                                   "linear on random activations against the exact reference. Stacked MXFP4 "
+                                   "experts (gpt-oss) are one row per projection (w13, w2), each check run on "
+                                   "every expert. Exit 1 on any mismatch.")
     p.add_argument("path", metavar="PATH")
     p.add_argument("--m", type=_parse_ms, default=DEFAULT_MS, metavar="M1,M2",
                    help=f"activation rows for the linear check (default {','.join(map(str, DEFAULT_MS))})")

@@ -2,6 +2,10 @@
 unpacked and compared with the checkpoint's bytes, dequantized on every backend present (numpy
 reference, numba CPU, CUDA) to byte-identical fp16, and its linear run inside the derived fp32
 bound (README, "Pack a checkpoint"). apps/cli.py prints the results; apps/demo.py runs it too.
+
+Stacked experts (gpt-oss's MXFP4: Checkpoint.experts) are checked as layers too, one row per
+projection of a stack ("{experts path}.w13", ".w2"): the same steps, expert by expert (verify_experts),
+on the QPNMX buffers qpnmx_prepack / each backend's pack_mxfp4 build from the checkpoint's bytes.
 """
 
 from __future__ import annotations
@@ -10,18 +14,20 @@ import os
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from .. import checkpoints, ref
 from ..checkpoints import packed as packing
-from ..ref.formats import QPN2
+from ..ref.formats import MX_BLOCK, QPN2
+from . import mxfp4_checks
 from .output import NO_BARS, UsageError, plural, table_line, table_rule
 
 if TYPE_CHECKING:  # annotations only: torch is imported where a check needs it (the reference runs without)
     import torch
 
+    from ..checkpoints.gpt_oss import MXFP4Experts
     from ..torch_bridge import PackedWeight
 
 OK, FAIL, ABSENT = "ok", "FAIL", "-"
@@ -34,6 +40,8 @@ def format_name(format: str, granularity: str | None) -> str:
 
 DEFAULT_MS = (1, 40)  # activation rows for the linear check: a decode M and one past the decode/prefill split (32)
 DEFAULT_SEED = 0
+EXPERT_PROJECTIONS = ("w13", "w2")  # MXFP4Experts' two weights: gate then up [2I, H], down [H, I]
+T = TypeVar("T")
 
 
 def cuda_status(need_torch: bool = True) -> tuple[bool, str]:
@@ -101,11 +109,28 @@ class Source:
         c = self.checkpoint
         return sorted(c.quantized_layers)
 
+    @property
+    def expert_rows(self) -> dict[str, tuple[MXFP4Experts, str]]:
+        """"{experts path}.{w13 | w2}" -> (the stack, the projection): verify's rows of stacked experts
+        (gpt-oss's MXFP4; a packed folder holds none)."""
+        stacks = getattr(self.checkpoint, "experts", {})
+        return {f"{path}.{stem}": (stack, stem) for path, stack in stacks.items() for stem in EXPERT_PROJECTIONS}
+
+    @property
+    def verify_names(self) -> list[str]:
+        """What `qpn verify` checks, one table row each: the quantized layers, then the stacked experts' projections."""
+        return self.layer_names + list(self.expert_rows)
+
     def describe(self) -> str:
         c = self.checkpoint
         kind = "qpn packed checkpoint of a" if self.packed else "original"
+        rows = self.expert_rows
+        sizes = " / ".join(map(str, sorted({stack.experts for stack, _ in rows.values()})))
+        experts = (f" ({f'{len(rows)} of them ' if self.layer_names else ''}w13 and w2 of "
+                   f"{plural(len(rows) // len(EXPERT_PROJECTIONS), 'stack')} of {sizes} MXFP4 experts)" if rows else "")
         return (f"{self.path}: {kind} {c.format} {c.quant_algo} checkpoint, "
-                f"{plural(len(self.layer_names), 'quantized layer')}, {plural(len(c.tensors), 'other tensor')}")
+                f"{plural(len(self.verify_names), 'quantized layer')}{experts}, "
+                f"{plural(len(c.tensors), 'other tensor')}")
 
 
 def open_source(path: str, *, check_values: bool = True) -> Source:
@@ -237,6 +262,10 @@ def _packed_layer_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear) ->
 def _new_result(source: Source, name: str) -> LayerResult:
     """The layer's name, format, N and K, before any check (the table can be laid out from these)."""
     c = source.checkpoint
+    if name in source.expert_rows:
+        stack, stem = source.expert_rows[name]
+        blocks = getattr(stack, stem).blocks  # [E, N, K/32, 16]
+        return LayerResult(name, f"MXFP4 x{stack.experts}", int(blocks.shape[1]), MX_BLOCK * int(blocks.shape[2]))
     if isinstance(c, packing.PackedCheckpoint):
         layer = c.layers[name]
         return LayerResult(name, format_name(layer.format, layer.granularity), layer.n, layer.k)
@@ -249,7 +278,9 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
                  upstream: bool) -> LayerResult:
     """Every check of one layer (module docstring of the `verify` command in README / --help), in order:
     unpack, the reference's dequantization, every backend's, the linear; a step that cannot give the
-    next its input ends the layer's checks."""
+    next its input ends the layer's checks. A row of stacked experts goes to verify_experts."""
+    if name in source.expert_rows:
+        return verify_experts(name, source, backends, ms, seed)
     c = source.checkpoint
     result = _new_result(source, name)
     if isinstance(c, packing.PackedCheckpoint):
@@ -379,7 +410,7 @@ def _check_backend_dequantize(result: LayerResult, packed: dict[str, PackedWeigh
             result.fail(backend, f"dequantize differs from the reference in {100 * _share_differing(got, w16):.3g} % "
                                  "of weights")
         else:
-            result.cells.setdefault(backend, OK)  # a FAIL an earlier step found stays
+            result.cells.setdefault(backend, OK)  # a FAIL found before (a stacked expert's prepack bytes) stays
 
 
 def _check_linear(result: LayerResult, name: str, w16: np.ndarray, packed: dict[str, PackedWeight],
@@ -424,6 +455,61 @@ def _upstream_shares(layer: packing.PackedLayer, w16: np.ndarray, checkpoint_w16
     return {"ckpt": _share_differing(w16, checkpoint_w16)}
 
 
+# ---------------------------------------------------------------------------------------------- stacked experts
+
+
+def verify_experts(name: str, source: Source, backends: Backends, ms: Sequence[int], seed: int) -> LayerResult:
+    """Every check of one projection of a stack of MXFP4 experts (a row "{path}.w13" / ".w2"): verify_layer's
+    steps on each expert in turn into the row's one result (a cell fails if it fails for any expert: a step sets
+    ok only where nothing failed), the linear on mxfp4_checks.linear_experts(E) of them; no upstream shares."""
+    stack, stem = source.expert_rows[name]
+    weight = getattr(stack, stem)  # ref.mxfp4.MXFP4Weight: blocks [E, N, K/32, 16], scales [E, N, K/32]
+    result = _new_result(source, name)
+    with_linear = set(mxfp4_checks.linear_experts(stack.experts))
+    problems = []  # per expert
+    for e in range(stack.experts):
+        _verify_expert(result, f"{name}[{e}]", weight.blocks[e], weight.scales[e], backends,
+                       ms if e in with_linear else (), seed)
+        problems.append(result.problems)
+        result.problems = []
+    result.problems = mxfp4_checks.expert_problems(problems)
+    return result
+
+
+def _verify_expert(result: LayerResult, name: str, blocks: np.ndarray, scales: np.ndarray, backends: Backends,
+                   ms: Sequence[int], seed: int) -> None:
+    """verify_layer's steps on one expert's weight (gpt-oss's blocks [N, K/32, 16], scales [N, K/32]): the
+    reference side from mxfp4_checks, the backends and the linear as a layer's; no linear when `ms` is empty."""
+    buffers = _expert_step(result, "unpack", mxfp4_checks.qpnmx_round_trip, blocks, scales)
+    weights = None if buffers is None else _expert_step(result, "ref", mxfp4_checks.mxfp4_reference, blocks,
+                                                        scales, buffers)
+    if buffers is None or weights is None:
+        return
+    w16, tile_scale = weights
+    packed = _packed_on_backends(result, lambda device: mxfp4_checks.pack_on(blocks, scales, device), backends)
+    for backend, weight in packed.items():
+        for problem in mxfp4_checks.prepack_problems(weight, buffers):
+            result.fail(backend, problem)
+    _check_backend_dequantize(result, packed, w16)
+    if ms:
+        _check_linear(result, name, w16, packed, ms, seed,
+                      lambda x16, w: ref.mxfp4.mxfp4_linear_bounds(x16, w, tile_scale), "ref.mxfp4_linear_bounds")
+
+
+def _expert_step(result: LayerResult, column: str, check: Callable[..., tuple[T, list[str]]], *args: object
+                 ) -> T | None:
+    """One check of mxfp4_checks, (value, problems), recorded under `column`; one that raised ValueError gives None."""
+    try:
+        value, problems = check(*args)
+    except ValueError as exc:
+        result.fail(column, str(exc))
+        return None
+    for problem in problems:
+        result.fail(column, problem)
+    result.cells.setdefault(column, OK)
+    return value
+
+
 def _u8(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
@@ -437,7 +523,7 @@ def verify_source(source: Source, *, ms: Sequence[int] = DEFAULT_MS, seed: int =
     on_result(result) is called as each layer finishes (`qpn verify` prints its row there).
     """
     backends = backends or Backends.find()
-    names = source.layer_names
+    names = source.verify_names
     results = []
     for name in progress(names, desc="verify", total=len(names), unit="layer"):
         results.append(verify_layer(name, source, backends, ms, seed, upstream))
@@ -460,7 +546,7 @@ class VerifyTable:
     """The per-layer table of `qpn verify`, laid out before the checks run so rows print as layers finish."""
 
     def __init__(self, source: Source, upstream: bool) -> None:
-        firsts = [_new_result(source, name) for name in source.layer_names]
+        firsts = [_new_result(source, name) for name in source.verify_names]
         self.headers = ["layer", "format", "N", "K", *VERIFY_CHECKS] + (["upstream differs"] if upstream else [])
         columns = [[r.name for r in firsts], [r.fmt for r in firsts], [str(r.n) for r in firsts],
                    [str(r.k) for r in firsts]] + [[OK, FAIL, ABSENT]] * len(VERIFY_CHECKS) + [[]] * upstream
@@ -476,9 +562,11 @@ class VerifyTable:
 
 
 def verify_report_head(source: Source, backends: Backends, ms: Sequence[int]) -> list[str]:
+    sizes = [stack.experts for stack, _ in source.expert_rows.values()]
     return [source.describe(), "backends:", *(f"  {line}" for line in backends.lines),
             f"checks: unpack = packed bytes <-> checkpoint bytes; ref / cpu / cuda = fp16 weights byte-equal to the "
-            f"reference; linear = x[M, K] @ W16^T with M in {list(ms)} inside the fp32-accumulation bound"]
+            f"reference; linear = x[M, K] @ W16^T with M in {list(ms)} inside the fp32-accumulation bound",
+            *([mxfp4_checks.checks_line(sizes)] if sizes else [])]
 
 
 def verify_report_tail(source: Source, results: Sequence[LayerResult], other: Sequence[str],
