@@ -11,15 +11,22 @@ capturable; docs/DESIGN.md, "Mixture of experts"):
    hold, with the build of c + 1 token blocks (or passes of a smaller build: CLASS_PASSES), grid
    (class_blocks x passes, parts, output tiles), fixed by (E, M, top_k): a block finds its expert and
    piece in the route, reads that expert's weight tiles once for the piece's tokens (x rows through the
-   route) and writes h = silu_and_mul(gate, up) to their slots; the pieces of one expert are neighbours
-   in the grid, so they read each tile at the same time (from DRAM once). Blocks without a piece exit
-   before any load: the experts nobody hits are never read.
+   route) and writes h = silu_and_mul(gate, up) (or swigluoai, below) to their slots; the pieces of one
+   expert are neighbours in the grid, so they read each tile at the same time (from DRAM once). Blocks
+   without a piece exit before any load: the experts nobody hits are never read.
 3. down: the same builds, not gated, on the slot-ordered h -> y per slot (fp16).
 4. qpn_moe_combine: y weighted and summed per token in top-k order, one RN16 (qpn.ref.moe.combine).
 
+Epilogue (launch_moe's keyword arguments, kernel arguments of the same builds: docs/DESIGN.md, "gpt-oss
+experts"): optional fp32 biases, w13_bias [E, 2I] (gate rows, then up) and w2_bias [E, H], each added to its
+output's fp32 sum (MXFP4: after the exact 2^T) with one RN32 before the one RN16; the gated activation
+"silu" (silu_and_mul, the default) or "swigluoai" (gpt-oss's clamped SwiGLU, qpn.ref.gpt_oss.swigluoai_and_mul
+op for op, alpha and limit as fp32 arguments). Without biases and with "silu" the bits are the bias-free ones.
+
 Numerics: each expert's two linears run the dense decode kernels' own code and split (decode_split: from
 N, K and the SM count), so every slot's h and y equal, bit for bit, the dense decode kernels' rows for
-that expert and token (tests/test_cupy_moe.py), whatever the counts, the piece or the chunk: a token's
+that expert and token (tests/test_cupy_moe.py; with a bias or swigluoai, the same fp32 sums through the
+epilogue above: tests/test_cupy_moe_bias.py), whatever the counts, the piece or the chunk: a token's
 output never depends on the other tokens of the call or on the experts they hit.
 
 Limits (require_routable): E <= ROUTE_LIMIT and MAX_M * top_k <= ROUTE_LIMIT (the route kernel is one
@@ -35,7 +42,8 @@ import numpy as np
 
 from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat
 from ..ref.geometry import TILE_N
-from ._validate import CupyArray, require_aligned
+from ..ref.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
+from ._validate import CupyArray, require_aligned, require_cupy
 from .layouts import Buffers, LayoutKernels
 from .linear import FALLBACK_STACK_BYTES, MAX_M, decode_macros, decode_split, require_x_aligned
 from .loader import kernel
@@ -46,6 +54,8 @@ MOE_CLASSES = MAX_M // TOKENS_PER_BLOCK  # token classes: the 8-token blocks of 
 PIECE_ROWS = MAX_M  # an expert's slots are cut into pieces of the largest build's rows
 ROUTE_LIMIT = 1024  # the route kernel's threads: most experts, and most choices M * top_k, per chunk
 COMBINE_THREADS = 256  # two columns each
+ACTIVATIONS = ("silu", "swigluoai")  # the gated epilogues; the kernels' activation argument is the index
+                                     # (qpn_mma.cuh: QPN_ACT_SILU 0, QPN_ACT_SWIGLUOAI 1)
 
 # The decode builds over stacked experts, per (layout key, 8-token blocks, gated): the dense builds with x
 # read as rows through the route. Row pointers (2 registers per 8-token block) and the route's arguments
@@ -155,20 +165,51 @@ def moe_workspace_size(family_format: str, m: int, top_k: int, h: int, inter: in
     return sum(p + t for *_, p, t in _projections(family_format, chunk_rows(m, top_k) * top_k, h, inter, experts))
 
 
+def require_epilogue(experts: int, h: int, inter: int, w13_bias: CupyArray | None, w2_bias: CupyArray | None,
+                     activation: str, swiglu_alpha: float, swiglu_limit: float) -> tuple[int, np.float32, np.float32]:
+    """The expert epilogue's arguments (module docstring, "Epilogue") -> (activation index, alpha, limit): the
+    biases float32 C-contiguous [E, 2I] / [E, H] on the current device (or None), a known activation, finite
+    swigluoai constants."""
+    for name, bias, shape, rows in (("w13_bias", w13_bias, (experts, 2 * inter), "[E, 2I] (gate rows, then up)"),
+                                    ("w2_bias", w2_bias, (experts, h), "[E, H]")):
+        if bias is None:
+            continue
+        require_cupy(name, bias, np.float32, ndim=2)
+        if tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must have shape {rows} = {shape}, one fp32 bias per expert and output row, got "
+                             f"{tuple(bias.shape)}; stack the experts' biases along a leading E (gpt-oss's gate_up "
+                             "bias de-interleaved first: qpn.ref.gpt_oss.deinterleave)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}; gpt-oss's experts use "
+                         "'swigluoai', Mixtral's and Qwen3-MoE's 'silu'")
+    alpha, limit = np.float32(swiglu_alpha), np.float32(swiglu_limit)
+    if not (np.isfinite(alpha) and np.isfinite(limit) and limit >= 0):
+        raise ValueError(f"swiglu_alpha must be finite and swiglu_limit finite and >= 0 (as fp32), got "
+                         f"swiglu_alpha = {swiglu_alpha}, swiglu_limit = {swiglu_limit}; pass the model config's "
+                         "swiglu_alpha / swiglu_limit (gpt-oss: 1.702, 7.0)")
+    return ACTIVATIONS.index(activation), alpha, limit
+
+
 def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, inter: int,
                topk_weights: CupyArray, topk_ids: CupyArray, route: CupyArray, workspace: CupyArray | None,
-               hidden: CupyArray, y: CupyArray, out: CupyArray) -> None:
+               hidden: CupyArray, y: CupyArray, out: CupyArray, *, w13_bias: CupyArray | None = None,
+               w2_bias: CupyArray | None = None, activation: str = "silu", swiglu_alpha: float = SWIGLU_ALPHA,
+               swiglu_limit: float = SWIGLU_LIMIT) -> None:
     """Queue the fused MoE decode (module docstring) over an M-token call in chunks of chunk_rows tokens (a
     token's bits do not depend on its chunk: rows never share a sum). The caller validated the metadata
     (torch_bridge/moe_ops.py): x fp16 [M, H], M >= 1, w13 / w2 the layout's buffers stacked [E, ...] for
     [2I, H] / [H, I] weights, topk_weights fp32 and topk_ids int32 / int64 [M, top_k], out fp16 [M, H];
     one chunk's buffers, reused in stream order: route int32 [route_size(E, S)], hidden fp16 [S, I], y fp16
-    [S, H] with S = chunk_rows(M) * top_k, workspace fp32 [moe_workspace_size] (None: allocated here)."""
+    [S, H] with S = chunk_rows(M) * top_k, workspace fp32 [moe_workspace_size] (None: allocated here).
+    The epilogue (module docstring, "Epilogue"; checked here, require_epilogue): w13_bias fp32 [E, 2I] (gate
+    rows, then up) and w2_bias fp32 [E, H], None for no bias; activation "silu" | "swigluoai" with
+    swiglu_alpha / swiglu_limit (default gpt-oss's, qpn.ref.gpt_oss)."""
     m, h = x.shape
     top_k = int(topk_ids.shape[1])
     chunk = chunk_rows(m, top_k)
     slots_max, experts = chunk * top_k, int(w13[0].shape[0])
     require_routable(experts, top_k)
+    act, alpha, limit = require_epilogue(experts, h, inter, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
     require_x_aligned(x)
     require_aligned("hidden", hidden, 8)
     family = kernels.family
@@ -178,22 +219,23 @@ def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, 
     tickets = np.uint64(0) if workspace is None else workspace[partials:partials + ticket_count].view(np.uint32)
     launches = []  # per projection: its build's leading arguments, x source, output, split-K state, ...
     partial_at, ticket_at = 0, 0
-    for (n, k, gated, splits, p_size, t_size), (buffers, src, dst, map_x) in zip(
-            projections, ((w13, x, hidden, 1), (w2, hidden, y, 0)), strict=True):
+    for (n, k, gated, splits, p_size, t_size), (buffers, src, dst, map_x, bias) in zip(
+            projections, ((w13, x, hidden, 1, w13_bias), (w2, hidden, y, 0, w2_bias)), strict=True):
         wf, weights, scale_stride = kernels.expert_weights(buffers, n, k)
         state: tuple[object, object] = (np.uint64(0), np.uint64(0))  # one part: no split-K state
         if workspace is not None and t_size:  # t_size > 0 only where ticket_count gave a workspace
             state = (workspace[partial_at:partial_at + p_size], tickets[ticket_at:ticket_at + t_size])
         partial_at, ticket_at = partial_at + p_size, ticket_at + t_size
-        launches.append((wf, n, k, gated, splits, weights, src, dst, state, map_x, scale_stride))
+        epilogue = (np.uint64(0) if bias is None else bias, np.int32(act), alpha, limit)  # null: no bias
+        launches.append((wf, n, k, gated, splits, weights, src, dst, state, map_x, scale_stride, epilogue))
     for i in range(0, m, chunk):
         rows = min(chunk, m - i)
         slots = rows * top_k
         kernel(ROUTE)((1,), (ROUTE_LIMIT,), (topk_ids[i:i + rows], np.int32(topk_ids.dtype == np.int64),
                                               np.int32(slots), np.int32(top_k), np.int32(experts), route, tickets,
                                               np.int32(ticket_count)))
-        for wf, n, k, gated, (parts, split, groups_per_warp), weights, src, dst, state, map_x, scale_stride in \
-                launches:
+        for wf, n, k, gated, (parts, split, groups_per_warp), weights, src, dst, state, map_x, scale_stride, \
+                epilogue in launches:
             for cls in range(MOE_CLASSES):
                 z = class_blocks(cls, rows, experts, slots)
                 if z == 0:
@@ -203,7 +245,7 @@ def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, 
                 kernel(EXPERT_DECODE[wf.key, nb, gated])(blocks, (32 * split,), (
                     *weights, src[i:i + rows] if map_x else src, dst, np.int32(0), np.int32(n), np.int32(k),
                     np.int32(groups_per_warp), *state, route, np.int32(experts), np.int32(slots), np.int32(cls),
-                    np.int32(passes), np.int32(map_x), np.int64(scale_stride)))
+                    np.int32(passes), np.int32(map_x), np.int64(scale_stride), *epilogue))
         kernel(COMBINE)((-(-h // (2 * COMBINE_THREADS)), rows), (COMBINE_THREADS,), (
             y, topk_weights[i:i + rows], route, np.int32(experts), np.int32(slots), np.int32(top_k), np.int32(h),
             out[i:i + rows]))

@@ -6,7 +6,8 @@
 //          QPN_WARPS          most warps per block (launch bound, shared-memory size)
 //          QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   the load batches (qpn_mma.cuh)
 //          QPN_X_FRAG         0: x as [M][K] rows;  1: x as fragments (x_fragments.cu, qpn_mma.cuh)
-//          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py)
+//          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py);
+//                             per launch, a bias and the gated activation (qpn_mma.cuh, QpnEpilogue)
 //          QPN_MX             1: MXFP4 in the QPNMX layout (docs/QPNMX.md): e8m0 scale bytes, one per 32 k,
 //                             gscale = the tiles' 2^T; the block constant {2^F, 0} (below, "MXFP4")
 //
@@ -404,6 +405,11 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 
 #if QPN_GEMM
     qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval));
+#elif QPN_MOE
+    const QpnEpilogue ep = qpn_moe_epilogue(route, experts, slots, route_class, passes, bias, n, activation,
+                                            swiglu_alpha, swiglu_limit);  // bias, swigluoai: qpn_mma.cuh
+    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval)
+                     QPN_EPILOGUE_ARG(ep));
 #else
     qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval));
 #endif

@@ -3,7 +3,8 @@
 // Kernel:  qpn8_linear
 // Macros:  QPN_NB, QPN_GATED, QPN_WARPS, QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH, QPN_X_FRAG   qpn_mma.cuh
 //          QPN8_BLOCK_SCALES  0: channel / tensor scales S16[0, n];  1: 128x128 block S16[kb, t]
-//          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py)
+//          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py);
+//                             per launch, a bias and the gated activation (qpn_mma.cuh, QpnEpilogue)
 //
 // Reads   codes   [tile N/32][group G=K/16][lane 32][16 bytes]  QPN8 order (docs/QPN8.md):
 //                 lane byte p holds W[32t + col(lane)][16g + KORDER[p]]
@@ -166,6 +167,12 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #else
     __shared__ float red[QPN_RED_WARPS][QPN_HT][2][4][32];  // split-K rounds (qpn_reduce_store)
     __shared__ float red_sum[QPN_HT][256];
+#if QPN_MOE
+    const QpnEpilogue ep = qpn_moe_epilogue(route, experts, slots, route_class, passes, bias, n, activation,
+                                            swiglu_alpha, swiglu_limit);  // bias, swigluoai: qpn_mma.cuh
+    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_EPILOGUE_ARG(ep));
+#else
     qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
+#endif
 #endif
 }

@@ -432,16 +432,71 @@ __device__ __forceinline__ qpn_u16 qpn_silu_mul(qpn_u16 gate16, qpn_u16 up16) {
 #define QPN_OUT_SCALE_ARG(v)
 #endif
 
-// The slot's outputs from their fp32 sums s[h] (gate, up when gated): one RN16, the epilogue.
-__device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT] QPN_OUT_SCALE_PARAM) {
-#if QPN_MX
+// The MoE builds' epilogue (QPN_MOE = 1; gpt-oss's experts, docs/DESIGN.md "gpt-oss experts"), chosen per
+// launch by kernel arguments, not builds (moe.py, launch_moe): an optional fp32 bias per output row added
+// to the (2^T-scaled) fp32 sum with one RN32 before the one RN16, and, gated, silu_and_mul or gpt-oss's
+// clamped SwiGLU. A null bias and QPN_ACT_SILU are the bias-free MoE epilogue, bit for bit. The dense
+// builds take none of it (the macros below are empty there).
+#define QPN_ACT_SILU 0       // moe.py ACTIVATIONS lists the activations in this order
+#define QPN_ACT_SWIGLUOAI 1
+#if QPN_MOE
+struct QpnEpilogue {
+    const float* __restrict__ bias;  // the expert's N biases (gated: gate rows [0, N/2), up [N/2, N)), or null
+    int up;                          // gated: the up rows' offset in bias (N/2 = y_cols)
+    int act;                         // QPN_ACT_SILU / QPN_ACT_SWIGLUOAI (gated builds)
+    float alpha, limit;              // swigluoai's constants (qpn.ref.gpt_oss SWIGLU_ALPHA / SWIGLU_LIMIT)
+};
+#define QPN_EPILOGUE_PARAM , const QpnEpilogue& ep
+#define QPN_EPILOGUE_ARG(ep) , ep
+#define QPN_EPILOGUE_COL_PARAM , const QpnEpilogue& ep, int col
+#define QPN_EPILOGUE_COL_ARG(ep, col) , ep, col
+#else
+#define QPN_EPILOGUE_PARAM
+#define QPN_EPILOGUE_ARG(ep)
+#define QPN_EPILOGUE_COL_PARAM
+#define QPN_EPILOGUE_COL_ARG(ep, col)
+#endif
+
+// gpt-oss's clamped SwiGLU on the rounded gate / up (vLLM's swigluoai_and_mul, qpn.ref.gpt_oss op for op,
+// each fp32 operation rounded once): g = min(gate, limit), u = clamp(up, -limit, limit) (the ternaries keep
+// a NaN a NaN, as the reference's np.minimum / np.clip), s = 1 / (1 + expf(-(g * alpha))), glu = g * s,
+// out = RN16((u + 1) * glu).
+__device__ __forceinline__ qpn_u16 qpn_swigluoai_mul(qpn_u16 gate16, qpn_u16 up16, float alpha, float limit) {
+    const float gate = qpn_half_to_float(gate16), up = qpn_half_to_float(up16);
+    const float g = gate > limit ? limit : gate;
+    const float u = up > limit ? limit : (up < -limit ? -limit : up);
+    const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(g, alpha))));  // IEEE division
+    const float glu = __fmul_rn(g, s);
+    return qpn_float_to_half_rn(__fmul_rn(__fadd_rn(u, 1.0f), glu));
+}
+
+// The slot's outputs from their fp32 sums s[h] (gate, up when gated): one RN16, the epilogue. MoE builds:
+// `col` is the output's y column (its gate / down bias row; gated, the up row is col + ep.up).
+__device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT] QPN_OUT_SCALE_PARAM QPN_EPILOGUE_COL_PARAM) {
+#if QPN_MX || QPN_MOE
     float t[QPN_HT];
 #pragma unroll
-    for (int h = 0; h < QPN_HT; ++h) t[h] = __fmul_rn(s[h], out_scale[h]);
+    for (int h = 0; h < QPN_HT; ++h) {
+#if QPN_MX
+        t[h] = __fmul_rn(s[h], out_scale[h]);  // exact: a power of two
+#else
+        t[h] = s[h];
+#endif
+    }
 #else
     const float (&t)[QPN_HT] = s;
 #endif
+#if QPN_MOE
+    if (ep.bias != nullptr) {  // uniform: one RN32 before the RN16
+#pragma unroll
+        for (int h = 0; h < QPN_HT; ++h) t[h] = __fadd_rn(t[h], ep.bias[col + h * ep.up]);
+    }
+#endif
 #if QPN_GATED
+#if QPN_MOE
+    if (ep.act == QPN_ACT_SWIGLUOAI)
+        return qpn_swigluoai_mul(qpn_float_to_half_rn(t[0]), qpn_float_to_half_rn(t[1]), ep.alpha, ep.limit);
+#endif
     return qpn_silu_mul(qpn_float_to_half_rn(t[0]), qpn_float_to_half_rn(t[1]));
 #else
     return qpn_float_to_half_rn(t[0]);
@@ -462,7 +517,7 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT] QPN_OUT_S
 __device__ __forceinline__ void qpn_reduce_store(
     float (*red)[QPN_HT][2][4][32], float (*red_sum)[256], const QpnAcc (&acc)[QPN_HT],
     qpn_u16* __restrict__ y, int m_rows, int y_cols, float* __restrict__ partial, unsigned* __restrict__ tickets
-    QPN_OUT_SCALE_PARAM)
+    QPN_OUT_SCALE_PARAM QPN_EPILOGUE_PARAM)
 {
     __shared__ unsigned last_part;
     const int lane = threadIdx.x & 31;
@@ -511,7 +566,7 @@ __device__ __forceinline__ void qpn_reduce_store(
                 }
                 const long long at = (long long)m * y_cols + col0 + c;
                 if (parts == 1) {
-                    y[at] = qpn_output(s QPN_OUT_SCALE_ARG(out_scale));
+                    y[at] = qpn_output(s QPN_OUT_SCALE_ARG(out_scale) QPN_EPILOGUE_COL_ARG(ep, col0 + c));
                 } else {
 #pragma unroll
                     for (int h = 0; h < QPN_HT; ++h)
@@ -538,7 +593,7 @@ __device__ __forceinline__ void qpn_reduce_store(
             for (int p = 1; p < parts; ++p)
                 s[h] = __fadd_rn(s[h], __ldcg(partial + ((long long)p * QPN_HT + h) * m_rows * y_cols + at));
         }
-        y[at] = qpn_output(s QPN_OUT_SCALE_ARG(out_scale));
+        y[at] = qpn_output(s QPN_OUT_SCALE_ARG(out_scale) QPN_EPILOGUE_COL_ARG(ep, col0 + (v & 31)));
     }
 }
 

@@ -58,9 +58,12 @@ __host__ __device__ __forceinline__ QpnRoute qpn_route_layout(int experts, int s
 // The MoE build's extra kernel parameters: the route; its E and S; the class this launch serves and the
 // passes it takes (blocks x = list index * passes + pass, each pass 8 * QPN_NB of the piece's rows);
 // map_x = 1: x row r of the expert is token slot_token[off[e] + r] (gate/up reads the tokens),
-// 0: row off[e] + r (down reads the slot-ordered hidden rows); the scale buffer's per-expert stride.
+// 0: row off[e] + r (down reads the slot-ordered hidden rows); the scale buffer's per-expert stride; the
+// epilogue's (qpn_mma.cuh, QpnEpilogue): fp32 biases [E][N] (null: none), the gated activation
+// (QPN_ACT_SILU / QPN_ACT_SWIGLUOAI) and swigluoai's alpha and limit.
 #define QPN_MOE_PARAMS , const int* __restrict__ route, int experts, int slots, int route_class, int passes, \
-    int map_x, long long scale_expert_stride
+    int map_x, long long scale_expert_stride, const float* __restrict__ bias, int activation, float swiglu_alpha, \
+    float swiglu_limit
 
 struct QpnExpert {
     int e;               // the expert
@@ -98,6 +101,31 @@ __device__ __forceinline__ void qpn_moe_rows(const QpnExpert& ex, int y_cols, in
         partial += (long long)ex.row0 * gridDim.y * QPN_HT * y_cols;
         tickets += (long long)ex.row0 * QPN_BLOCK_TILES;
     }
+}
+
+// The epilogue of the block's [N, K] projection: its expert's row of the [E][N] biases, the activation and its
+// constants. The expert is read from the route again here (uniform, an L1 hit), from inputs made opaque:
+// held through the K loop (or re-derived from the prologue's values, which the compiler then keeps), it grew
+// the K loops of 12 of the 28 MoE builds by 2-33 sm_75 SASS instructions; re-read, only one loop moved, by 3
+// (qpn8 block scales, gated, 8 tokens: 311; tests/fixtures/turing_loop_counts.json).
+__device__ __forceinline__ QpnEpilogue qpn_moe_epilogue(const int* __restrict__ route, int experts, int slots, int cls,
+                                                        int passes, const float* __restrict__ bias, int n,
+                                                        int activation, float alpha, float limit) {
+    QpnEpilogue ep;
+    ep.bias = nullptr;
+    if (bias != nullptr) {
+        int block;
+        asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
+        asm volatile("" : "+r"(experts), "+r"(slots), "+r"(cls), "+r"(passes));
+        const QpnRoute r = qpn_route_layout(experts, slots);
+        const int e = route[r.class_list + cls * r.list_len + block / passes] & ((1 << QPN_PIECE_SHIFT) - 1);
+        ep.bias = bias + (long long)e * n;
+    }
+    ep.up = n / 2;
+    ep.act = activation;
+    ep.alpha = alpha;
+    ep.limit = limit;
+    return ep;
 }
 #else
 #define QPN_MOE_PARAMS
