@@ -405,12 +405,12 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 
 #if QPN_GEMM
     qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval));
-#elif QPN_MOE
+#else
+#if QPN_MOE
     const QpnEpilogue ep = qpn_moe_epilogue(route, experts, slots, route_class, passes, bias, n, activation,
                                             swiglu_alpha, swiglu_limit);  // bias, swigluoai: qpn_mma.cuh
+#endif
     qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval)
                      QPN_EPILOGUE_ARG(ep));
-#else
-    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval));
 #endif
 }

@@ -170,9 +170,7 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #if QPN_MOE
     const QpnEpilogue ep = qpn_moe_epilogue(route, experts, slots, route_class, passes, bias, n, activation,
                                             swiglu_alpha, swiglu_limit);  // bias, swigluoai: qpn_mma.cuh
-    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_EPILOGUE_ARG(ep));
-#else
-    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
 #endif
+    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_EPILOGUE_ARG(ep));
 #endif
 }
