@@ -309,8 +309,9 @@ def static_cache(model, batch: int, max_len: int, device):
     A model with sliding-window layers (gpt-oss) gets full-length static layers everywhere: transformers'
     StaticSlidingWindowLayer keeps its length in a Python int (its update's branch, the sliding mask's query
     offset), which a replayed CUDA graph never advances (its tensor write position would run past the window,
-    out of bounds); a StaticLayer keeps it in a tensor. The masks still come from the model's own config, so
-    the sliding layers attend to their last `sliding_window` tokens only: the same function (checked against
+    out of bounds); a StaticLayer keeps it in a tensor. The masks keep the model's config (the prefill's are the
+    model's own, the decode step's Session._step_masks), so the sliding layers attend to their last
+    `sliding_window` tokens only: the same function (checked against
     transformers' DynamicCache in tests/test_bench_gpt_oss.py), over max_len masked slots instead of a
     window-sized ring."""
     import torch
@@ -349,9 +350,29 @@ class Session:
         self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.position_ids = torch.full((batch, 1), PROMPT_LEN, dtype=torch.long, device=device)
         self.cache_position = torch.full((1,), PROMPT_LEN, dtype=torch.long, device=device)
+        # sliding-window models (gpt-oss): the step's masks built here, on the device, from cache_position;
+        # transformers' eager_mask makes its 0.0 with torch.tensor(0.0, device=...), a host-to-device copy a
+        # CUDA graph cannot capture (transformers on the H200 image, 2026-12-02)
+        self.window = getattr(model.config, "sliding_window", None) if any(
+            kind == "sliding_attention" for kind in getattr(model.config, "layer_types", None) or ()) else None
+        if self.window is not None:
+            dtype = next(model.parameters()).dtype
+            self.kv_index = torch.arange(max_len, device=device)
+            self.zero = torch.zeros((), dtype=dtype, device=device)
+            self.masked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
 
-    def _call(self, forward, ids, position_ids, cache_position):
+    def _step_masks(self) -> dict:
+        """{"full_attention", "sliding_attention"}: additive [1, 1, 1, max_len] masks of the step's query at
+        cache_position (transformers' causal and sliding-window mask functions: kv <= q, and q - window < kv)."""
+        seen = self.kv_index <= self.cache_position
+        window = seen & (self.kv_index > self.cache_position - self.window)
+        return {kind: self.zero.where(allowed, self.masked).view(1, 1, 1, -1)
+                for kind, allowed in (("full_attention", seen), ("sliding_attention", window))}
+
+    def _call(self, forward, ids, position_ids, cache_position, masks=None):
         kwargs = {self.cache_kw: self.cache, "use_cache": True, "position_ids": position_ids}
+        if masks is not None:
+            kwargs["attention_mask"] = masks
         if self.with_cache_position:
             kwargs["cache_position"] = cache_position
         return forward(input_ids=ids, **kwargs).logits[:, -1, :]
@@ -372,7 +393,8 @@ class Session:
         import torch
 
         with torch.no_grad():
-            logits = self._call(self.forward, self.ids, self.position_ids, self.cache_position)
+            masks = self._step_masks() if self.window is not None else None
+            logits = self._call(self.forward, self.ids, self.position_ids, self.cache_position, masks)
             self.ids.copy_(logits.argmax(-1, keepdim=True))
             self.position_ids.add_(1)
             self.cache_position.add_(1)

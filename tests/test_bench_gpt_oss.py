@@ -210,9 +210,9 @@ def test_every_layer_gets_its_own_mxfp4_copy_of_expert_0(bench):
 
 
 def test_the_replayable_cache_decodes_as_transformers_dynamic_cache(bench):
-    """bench_model's static cache (full-length layers, the model's sliding masks) against transformers'
-    DynamicCache (a real sliding window) past the window: the same step logits; a model that loses its window
-    is told apart."""
+    """bench_model's static cache (full-length layers) and its decode step's own masks (Session._step_masks,
+    built on the device so the step captures) against transformers' DynamicCache (a real sliding window, the
+    model's masks) past the window: the same step logits; a model that loses its window is told apart."""
     from transformers import DynamicCache
 
     shape = bench.MODELS["gptoss20b"]
