@@ -465,7 +465,7 @@ def test_config_reads_both_modelopt_config_forms():
         assert config.layer_algo("model.layers.1.mlp.gate_up_proj") == "NVFP4"
     assert nested.kv_cache_quant_algo == "FP8"
     assert (vm.QPNConfig.get_name(), vm.QPNConfig.get_min_capability()) == ("qpn", 75)
-    assert vm.QPNConfig.get_supported_act_dtypes() == [torch.float16]
+    assert vm.QPNConfig.get_supported_act_dtypes() == [torch.float16, torch.bfloat16]
     assert vm.QPNConfig.get_config_filenames() == []  # vLLM reads both forms itself (config.py docstring)
 
 

@@ -4,10 +4,10 @@ Use (qpn installed next to vLLM; its `vllm.general_plugins` entry point makes ev
 call `register()`; if VLLM_PLUGINS is set, it must list "qpn"):
 
     vllm serve ./Llama-3.1-8B-Instruct-NVFP4 --quantization qpn --dtype half
-    LLM(model="./Llama-3.1-8B-Instruct-NVFP4", quantization="qpn", dtype="half")
+    LLM(model="./Llama-3.1-8B-Instruct-NVFP4", quantization="qpn", dtype="half")  # or dtype="bfloat16"
 
 Public names:
-- `QPNConfig` (a vLLM `QuantizationConfig`): name "qpn", activations fp16, minimum capability 75,
+- `QPNConfig` (a vLLM `QuantizationConfig`): name "qpn", activations fp16 or bf16, minimum capability 75,
   config files [] (vLLM reads config.json's quantization_config or hf_quant_config.json itself; a
   checkpoint with neither is refused: "<path> is not a quantized checkpoint ..."), `from_config`,
   `get_quant_method(layer, prefix)`.

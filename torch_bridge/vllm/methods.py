@@ -42,12 +42,14 @@ apply(layer, x, bias): module.qpn_linear(x, layer.qpn_weight, bias), the forward
 x [..., K_part] float16 -> flattened to [M, K_part] -> the layout's op (fp32 accumulation, one RN16;
 the decode / GEMM / dense path is chosen inside the op) -> padding cropped -> bias added as RN16(y + b)
 (computed in fp32 and rounded once: exact sum of two fp16 values rounded to fp16, because fp32 holds
-24 >= 2 * 11 + 2 bits, so the double rounding is innocuous) -> [..., N_part].
+24 >= 2 * 11 + 2 bits, so the double rounding is innocuous) -> [..., N_part]. A bfloat16 model
+(dtype="bfloat16", QPNConfig.get_supported_act_dtypes) hands apply bf16 x: the result is bf16 too, with
+the rounding module.qpn_linear's docstring states for bf16 x (the same W16 bytes either way).
 
 KV cache: attention layers get `QPNKVCacheMethod`, vLLM's own BaseKVCacheMethod, as vLLM's ModelOpt
 method does: the checkpoint's k_scale / v_scale (ModelOpt `kv_cache_quant_algo: FP8`, stored as
 self_attn.k_proj.k_scale / v_proj.v_scale and renamed by vLLM) reach the fp8 KV cache that vLLM picks
-from the same config. Activations stay fp16: only the cache is fp8.
+from the same config. Activations stay in the model's dtype (fp16 or bf16): only the cache is fp8.
 """
 
 from __future__ import annotations

@@ -17,7 +17,11 @@ FusedMoEMethodBase. Along vLLM 0.32's MoE seam:
   K = I % 64).
 - apply runs the MoE op on vLLM's routing (topk_weights fp32, topk_ids): fp16 activations, the
   combine in top-k order, a token's output independent of the batch (docs/DESIGN.md, "Mixture of
-  experts"); the result in x's dtype.
+  experts"); the result in x's dtype. The MoE ops take fp16 x, so a bf16 model's x (dtype="bfloat16")
+  is rounded to fp16 first (RN16: 8 significant bits into 11, exact inside fp16's normal range; a
+  |x| beyond 65504 would become inf, one below 2^-24 zero) and the op's fp16 output (one RN16 of
+  the fp32 combine) is rounded to bf16: two roundings, at most 2^-11 + 2^-8 relative, where a
+  native bf16 op would round once (2^-8).
 """
 
 from __future__ import annotations
@@ -153,7 +157,7 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor,
               shared_experts: Any = None, shared_experts_input: Tensor | None = None) -> Tensor:
-        x16 = x.to(torch.float16).contiguous()
+        x16 = x.to(torch.float16).contiguous()  # fp16 and bf16 x alike (module docstring)
         experts: PackedExperts = getattr(layer, "qpn_experts")  # noqa: B009 (typed)
         out = experts.forward(x16, topk_weights.float().contiguous(), topk_ids.contiguous())
         return out.to(x.dtype)
