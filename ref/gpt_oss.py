@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import require_array
+from .dtypes import FP16, require_activations, round_to, storage
 from .linear import _expf, _float64_sums
 from .moe import _check_experts, _check_routing, combine
 
@@ -48,10 +49,11 @@ def route(router_logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray
 
 
 def swigluoai_and_mul(gate16: np.ndarray, up16: np.ndarray, alpha: float = SWIGLU_ALPHA,
-                      limit: float = SWIGLU_LIMIT) -> np.ndarray:
-    """vLLM's swigluoai_and_mul on fp16 tensors of one shape (module docstring)."""
-    gate16 = require_array("gate16", gate16, np.float16)
-    up16 = require_array("up16", up16, np.float16)
+                      limit: float = SWIGLU_LIMIT, *, dtype: str = FP16) -> np.ndarray:
+    """vLLM's swigluoai_and_mul on fp16 tensors of one shape (module docstring); dtype "bfloat16": on bf16
+    values (float32 arrays), the one rounding RN_bf16 (vLLM's kernel for scalar_t = bf16)."""
+    gate16 = require_activations("gate16", gate16, dtype)
+    up16 = require_activations("up16", up16, dtype)
     if gate16.shape != up16.shape:
         raise ValueError(f"gate16 and up16 must have one shape, got {gate16.shape} and {up16.shape}")
     a, lim = np.float32(alpha), np.float32(limit)
@@ -60,7 +62,7 @@ def swigluoai_and_mul(gate16: np.ndarray, up16: np.ndarray, alpha: float = SWIGL
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         s = np.float32(1.0) / (np.float32(1.0) + _expf(-(g * a)))  # each op one RN32
         glu = g * s
-        return ((u + np.float32(1.0)) * glu).astype(np.float16)
+        return round_to(dtype, (u + np.float32(1.0)) * glu)
 
 
 def deinterleave(gate_up: np.ndarray, axis: int) -> np.ndarray:
@@ -75,17 +77,17 @@ def deinterleave(gate_up: np.ndarray, axis: int) -> np.ndarray:
     return np.concatenate([gate_up[tuple(gates)], gate_up[tuple(ups)]], axis=axis)
 
 
-def _biased(x: np.ndarray, w16: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """RN16(S + b): the float64 sum of exact products plus the fp32 bias, rounded once."""
-    with np.errstate(over="ignore"):
-        return (_float64_sums(x, w16) + b.astype(np.float64)).astype(np.float16)
+def _biased(x: np.ndarray, w16: np.ndarray, b: np.ndarray, dtype: str = FP16) -> np.ndarray:
+    """RN16(S + b): the float64 sum of exact products plus the fp32 bias, rounded once (to `dtype`)."""
+    return round_to(dtype, _float64_sums(x, w16) + b.astype(np.float64))
 
 
 def moe(x: np.ndarray, w13: np.ndarray, b13: np.ndarray, w2: np.ndarray, b2: np.ndarray,
-        topk_weights: np.ndarray, topk_ids: np.ndarray) -> np.ndarray:
+        topk_weights: np.ndarray, topk_ids: np.ndarray, *, dtype: str = FP16) -> np.ndarray:
     """x fp16 [M, H]; w13 fp16 [E, 2I, H] (gate rows, then up), b13 float32 [E, 2I]; w2 fp16 [E, H, I],
-    b2 float32 [E, H]; the routing -> fp16 [M, H] (module docstring)."""
-    x, w13, w2 = _check_experts(x, w13, w2)
+    b2 float32 [E, H]; the routing -> fp16 [M, H] (module docstring). dtype "bfloat16": x and the result
+    bf16 values in float32 arrays, every rounding of the activations RN_bf16."""
+    x, w13, w2 = _check_experts(x, w13, w2, dtype)
     e, two_i, h = w13.shape
     b13 = require_array("b13", b13, np.float32, ndim=2)
     b2 = require_array("b2", b2, np.float32, ndim=2)
@@ -93,10 +95,10 @@ def moe(x: np.ndarray, w13: np.ndarray, b13: np.ndarray, w2: np.ndarray, b2: np.
         raise ValueError(f"b13 must be [E, 2I] = {(e, two_i)} and b2 [E, H] = {(e, h)}, got {b13.shape} and {b2.shape}")
     weights, ids = _check_routing(topk_weights, topk_ids, x.shape[0], e)
     inter = two_i // 2
-    y = np.zeros((*ids.shape, h), np.float16)
+    y = np.zeros((*ids.shape, h), storage(dtype))
     for expert in np.unique(ids):
         rows, choices = np.nonzero(ids == expert)
-        gate_up = _biased(x[rows], w13[expert], b13[expert])
-        hidden = swigluoai_and_mul(gate_up[:, :inter], gate_up[:, inter:])
-        y[rows, choices] = _biased(hidden, w2[expert], b2[expert])
-    return combine(y, weights)
+        gate_up = _biased(x[rows], w13[expert], b13[expert], dtype)
+        hidden = swigluoai_and_mul(gate_up[:, :inter], gate_up[:, inter:], dtype=dtype)
+        y[rows, choices] = _biased(hidden, w2[expert], b2[expert], dtype)
+    return combine(y, weights, dtype)

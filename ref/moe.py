@@ -40,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import require_array
+from .dtypes import FP16, require_activations, round_to, storage
 from .linear import (
     FP32_TRUNCATING_UNIT_ROUNDOFF,
     FP64_UNIT_ROUNDOFF,
@@ -71,8 +72,9 @@ def _check_routing(weights: np.ndarray, ids: np.ndarray, m: int, experts: int) -
     return weights, ids.astype(np.int64)
 
 
-def _check_experts(x: np.ndarray, w13: np.ndarray, w2: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    x = require_array("x", x, np.float16, ndim=2)
+def _check_experts(x: np.ndarray, w13: np.ndarray, w2: np.ndarray,
+                   dtype: str = FP16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x = require_activations("x", x, dtype, ndim=2)
     w13 = require_array("w13", w13, np.float16, ndim=3)
     w2 = require_array("w2", w2, np.float16, ndim=3)
     e, two_i, h = w13.shape
@@ -103,32 +105,36 @@ def route(router_logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.
     return weights.astype(np.float32), ids.astype(np.int64)
 
 
-def expert_outputs(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """fp16 [M, top_k, H]: y for every (token, choice), each expert run once on the tokens that chose it."""
-    y = np.zeros((*ids.shape, x.shape[1]), np.float16)
+def expert_outputs(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, ids: np.ndarray,
+                   dtype: str = FP16) -> np.ndarray:
+    """fp16 [M, top_k, H] (bf16: float32 of bf16 values): y for every (token, choice), each expert run once on
+    the tokens that chose it."""
+    y = np.zeros((*ids.shape, x.shape[1]), storage(dtype))
     for e in np.unique(ids):
         rows, choices = np.nonzero(ids == e)
-        h = linear_gated(x[rows], w13[e])
-        y[rows, choices] = linear(h, w2[e])
+        h = linear_gated(x[rows], w13[e], dtype=dtype)
+        y[rows, choices] = linear(h, w2[e], dtype=dtype)
     return y
 
 
-def combine(y: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """fp16 [M, H] = RN16 of the fp32 sum over j (in order) of RN32(weights[:, j] * y[:, j])."""
+def combine(y: np.ndarray, weights: np.ndarray, dtype: str = FP16) -> np.ndarray:
+    """fp16 [M, H] = RN16 of the fp32 sum over j (in order) of RN32(weights[:, j] * y[:, j]); dtype
+    "bfloat16": y float32 of bf16 values, the one rounding RN_bf16 (ref/dtypes.py)."""
     acc = np.zeros((y.shape[0], y.shape[2]), np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         for j in range(y.shape[1]):
             acc += weights[:, j:j + 1] * y[:, j].astype(np.float32)  # RN32 product, RN32 add
-        return acc.astype(np.float16)
+        return round_to(dtype, acc)
 
 
 def moe(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, topk_weights: np.ndarray,
-        topk_ids: np.ndarray) -> np.ndarray:
+        topk_ids: np.ndarray, *, dtype: str = FP16) -> np.ndarray:
     """x fp16 [M, H], w13 fp16 [E, 2I, H], w2 fp16 [E, H, I] (each expert's W16), topk_weights float32
-    [M, k], topk_ids int [M, k] -> fp16 [M, H] (module docstring)."""
-    x, w13, w2 = _check_experts(x, w13, w2)
+    [M, k], topk_ids int [M, k] -> fp16 [M, H] (module docstring); dtype "bfloat16": x and the result bf16
+    values in float32 arrays, every rounding of the activations RN_bf16."""
+    x, w13, w2 = _check_experts(x, w13, w2, dtype)
     weights, ids = _check_routing(topk_weights, topk_ids, x.shape[0], w13.shape[0])
-    return combine(expert_outputs(x, w13, w2, ids), weights)
+    return combine(expert_outputs(x, w13, w2, ids, dtype), weights, dtype)
 
 
 def _silu64(v: np.ndarray) -> np.ndarray:

@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from .checks import require_array, require_shape
 from .codecs import E8M0_BIAS, E8M0_NAN, decode_e2m1, encode_e2m1
+from .dtypes import FP16
 from .formats import MX_BLOCK, QPNMX
 from .geometry import TILE_N
 from .linear import FP32_TRUNCATING_UNIT_ROUNDOFF, linear, linear_bounds
@@ -153,17 +154,18 @@ def _tile_scale(t: np.ndarray) -> np.ndarray:
     return np.ldexp(np.float32(1.0), t).astype(np.float32)
 
 
-def mxfp4_linear(x: np.ndarray, w16: np.ndarray, tile_scale: np.ndarray) -> np.ndarray:
+def mxfp4_linear(x: np.ndarray, w16: np.ndarray, tile_scale: np.ndarray, *, dtype: str = FP16) -> np.ndarray:
     """The contract's linear for MXFP4: y = RN16(2^T(t) * sum_k x W16) (ref.linear with the tiles' 2^T as
-    its column scale); x float16 [M, K], W16 [N, K], tile_scale float32 [N/32]."""
-    return linear(x, w16, column_scale=_column_scale(w16, tile_scale))
+    its column scale); x float16 [M, K], W16 [N, K], tile_scale float32 [N/32]. dtype: as ref.linear."""
+    return linear(x, w16, column_scale=_column_scale(w16, tile_scale), dtype=dtype)
 
 
 def mxfp4_linear_bounds(x: np.ndarray, w16: np.ndarray, tile_scale: np.ndarray,
-                        unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
+                        unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF, *,
+                        dtype: str = FP16) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N]: every fp32 accumulation of x @ w16.T in any order, times the tile's 2^T
-    (exact), rounded once to fp16, lies in [lo, hi]: ref.linear_bounds with the tiles' 2^T."""
-    return linear_bounds(x, w16, unit_roundoff, column_scale=_column_scale(w16, tile_scale))
+    (exact), rounded once to fp16, lies in [lo, hi]: ref.linear_bounds with the tiles' 2^T. dtype: as there."""
+    return linear_bounds(x, w16, unit_roundoff, column_scale=_column_scale(w16, tile_scale), dtype=dtype)
 
 
 def _column_scale(w16: np.ndarray, tile_scale: np.ndarray) -> np.ndarray:
