@@ -41,7 +41,7 @@ from .. import __version__, checkpoints, ref
 from ..checkpoints import packed as packing
 from ..checkpoints.atomic import TargetError
 from ..checkpoints.packed import PackError
-from ..ref.formats import QPN2, QPN8
+from ..ref.formats import QPN2, QPN8, QPNMX
 from .output import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -117,7 +117,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             layer = c.layers[name]
             n, k = layer.n, layer.k
             fmt, granularity, n_padded = layer.format, layer.granularity, layer.n_padded
-            scale = layer.nvfp4_global_scale()[:1] if layer.weight_format is QPN2 else layer.fp8_weight_scale()
+            wf = layer.weight_format
+            scale = (layer.nvfp4_global_scale()[:1] if wf is QPN2 else
+                     layer.arrays[packing.TILE_SCALE] if wf is QPNMX else layer.fp8_weight_scale())
             nbytes = sum(a.nbytes for a in layer.buffers().values())
             status = f"packed {layer.entry['layout']}"
         else:  # the checkpoint's tensors, and whether `qpn pack` can take them
@@ -125,7 +127,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             n, k = linear.n, linear.k
             fmt, granularity, n_padded = linear.weight_format.format, getattr(linear, "granularity", None), \
                 packing.padded_rows(linear)
-            scale = linear.global_scale if isinstance(linear, checkpoints.NVFP4Linear) else linear.weight_scale
+            scale = (linear.global_scale if isinstance(linear, checkpoints.NVFP4Linear) else
+                     linear.tile_scale() if isinstance(linear, checkpoints.MXFP4Linear) else linear.weight_scale)
             nbytes = sum(t.nbytes for t in packing.source_tensors(linear).values())
             reason = packing.unpackable_reason(linear)
             status = f"cannot pack: {reason}" if reason else f"ok ({linear.weight_format.layout})"

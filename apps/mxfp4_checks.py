@@ -1,8 +1,9 @@
 """`qpn verify`'s MXFP4 checks of stacked experts (gpt-oss), one expert's weight at a time: gpt-oss's blocks uint8
 [N, K/32, 16] and scales uint8 [N, K/32] (ref/mxfp4.py). apps/verify.py (verify_experts) runs them on every
 expert of a stack and records what they find in the stack's row, next to the backend and linear steps it shares
-with the per-linear layers. Each check returns (what the next step needs, the problems found, as messages); a
-ValueError means the step could not run.
+with the per-linear layers; an MXFP4 linear (checkpoints.MXFP4Linear) runs them as one expert, on its weight
+padded to whole 32-row tiles (`padded`). Each check returns (what the next step needs, the problems found, as
+messages); a ValueError means the step could not run.
 
 - qpnmx_round_trip ("unpack"): qpnmx_prepack, then qpnmx_unpack, gives the checkpoint's bytes back;
 - mxfp4_reference ("ref"): mxfp4_w16 is the W16 contract evaluated another way, and qpnmx_dequantize of the
@@ -20,8 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import ref
+from ..checkpoints import MXFP4Linear
+from ..checkpoints.packed.layers import MXFP4_PAD_SCALE_BYTE
 from ..ref.codecs import E8M0_BIAS
-from ..ref.formats import MX_BLOCK
+from ..ref.formats import MX_BLOCK, QPNMX
 from ..ref.geometry import TILE_N
 from .output import plural
 
@@ -74,6 +77,16 @@ def expert_problems(per_expert: Sequence[list[str]]) -> list[str]:
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return np.array_equal(np.ascontiguousarray(a).reshape(-1).view(np.uint8),
                           np.ascontiguousarray(b).reshape(-1).view(np.uint8))
+
+
+def padded(linear: MXFP4Linear) -> tuple[np.ndarray, np.ndarray]:
+    """An MXFP4 linear's (blocks [N_pad, K/32, 16], scales [N_pad, K/32]), padded as qpn pack and pack_mxfp4 pad:
+    zero codes, scale byte MXFP4_PAD_SCALE_BYTE (pad weights +0; qpnmx_prepack takes whole 32-row tiles)."""
+    n, n_pad = linear.n, QPNMX.padded_n(linear.n)
+    blocks = np.full((n_pad, *linear.blocks.shape[1:]), QPNMX.pad_code, np.uint8)
+    scales = np.full((n_pad, linear.scales.shape[1]), MXFP4_PAD_SCALE_BYTE, np.uint8)
+    blocks[:n], scales[:n] = linear.blocks, linear.scales
+    return blocks, scales
 
 
 def qpnmx_round_trip(blocks: np.ndarray, scales: np.ndarray) -> tuple[QPNMXBuffers, list[str]]:

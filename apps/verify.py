@@ -5,7 +5,8 @@ bound (README, "Pack a checkpoint"). apps/cli.py prints the results; apps/demo.p
 
 Stacked experts (gpt-oss's MXFP4: Checkpoint.experts) are checked as layers too, one row per
 projection of a stack ("{experts path}.w13", ".w2"): the same steps, expert by expert (verify_experts),
-on the QPNMX buffers qpnmx_prepack / each backend's pack_mxfp4 build from the checkpoint's bytes.
+on the QPNMX buffers qpnmx_prepack / each backend's pack_mxfp4 build from the checkpoint's bytes. An MXFP4
+linear (compressed-tensors' mxfp4-pack-quantized) is unpacked as every layer is, then checked as one expert.
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.nda
     return ref.linear_bounds_fp32(x16, w16, fp32_sums=torch_fp32_sums if highest else None)
 
 
-def _packed_layer_of(linear: checkpoints.NVFP4Linear | checkpoints.FP8Linear) -> packing.PackedLayer:
+def _packed_layer_of(linear: checkpoints.QuantizedLinear) -> packing.PackedLayer:
     """Prepack an original layer with qpn.ref, as `qpn pack` would (for verifying an original folder)."""
     return packing.PackedLayer(linear.name, linear.weight_format.format, linear.n, linear.k,
                                packing.prepack_layer(linear), packing.scale_fields(linear))
@@ -294,6 +295,9 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
     original = _check_unpack(result, c, name, layer)
     if original is None:
         return result
+    if isinstance(original, checkpoints.MXFP4Linear):  # the rest as one expert's, on the weight padded to N_pad
+        _verify_expert(result, name, *mxfp4_checks.padded(original), backends, ms, seed)
+        return result
     weights = _check_reference(result, layer, original)
     if weights is None:
         return result
@@ -307,7 +311,7 @@ def verify_layer(name: str, source: Source, backends: Backends, ms: Sequence[int
 
 
 def _check_unpack(result: LayerResult, c: checkpoints.Checkpoint | packing.PackedCheckpoint, name: str,
-                  layer: packing.PackedLayer) -> checkpoints.NVFP4Linear | checkpoints.FP8Linear | None:
+                  layer: packing.PackedLayer) -> checkpoints.QuantizedLinear | None:
     """Step 1: the packed bytes give back the checkpoint's bytes, and prepacking those gives the packed
     bytes. Returns the unpacked layer (None: it could not be unpacked)."""
     try:
@@ -328,8 +332,7 @@ def _check_unpack(result: LayerResult, c: checkpoints.Checkpoint | packing.Packe
 
 
 def _check_against_manifest(result: LayerResult, name: str, layer: packing.PackedLayer,
-                            original: checkpoints.NVFP4Linear | checkpoints.FP8Linear,
-                            back: dict[str, np.ndarray]) -> None:
+                            original: checkpoints.QuantizedLinear, back: dict[str, np.ndarray]) -> None:
     """Step 1 of a packed folder: the unpacked tensors' sha256 and scalars are the manifest's, and a fresh
     prepack of them gives the stored buffers."""
     expected = layer.entry["source_tensors"]

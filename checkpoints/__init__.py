@@ -1,7 +1,7 @@
 """qpn.checkpoints: reading, writing and packing checkpoints (numpy and qpn.ref only).
 
 - checkpoint.py: the in-memory checkpoint, one validated object per linear layer (`Checkpoint`,
-  `NVFP4Linear`, `FP8Linear`); fused.py: q/k/v and gate/up shards stacked into one layer.
+  `NVFP4Linear`, `FP8Linear`, `MXFP4Linear`); fused.py: q/k/v and gate/up shards stacked into one layer.
 - folder.py: checkpoint folders (`load_checkpoint`, `open_checkpoint`, `save_checkpoint`), read
   by the reader of the producer their config names: modelopt.py (ModelOpt) or
   compressed_tensors.py (compressed-tensors), each a `Producer` of producer.py, which also holds
@@ -17,7 +17,15 @@
 The reference (qpn.ref) is the executable spec; this part moves bytes between it and the disk.
 """
 
-from .checkpoint import Checkpoint, CheckpointError, FP8Linear, NVFP4Linear
+from .checkpoint import (
+    QUANTIZED_LINEARS,
+    Checkpoint,
+    CheckpointError,
+    FP8Linear,
+    MXFP4Linear,
+    NVFP4Linear,
+    QuantizedLinear,
+)
 from .folder import save_checkpoint
 from .fused import fuse_fp8_shards, fuse_nvfp4_shards
 from .gpt_oss import (
@@ -31,7 +39,8 @@ from .gpt_oss import (
 from .load import load_checkpoint
 from .safetensors_io import SafetensorsError, StoredTensor, read_safetensors, read_safetensors_header, write_safetensors
 
-__all__ = ["Checkpoint", "CheckpointError", "FP8Linear", "GptOssMXFP4Config", "MXFP4Experts", "NVFP4Linear",
-           "SafetensorsError", "StoredTensor", "fuse_fp8_shards", "fuse_nvfp4_shards", "gpt_oss_expert_layers",
-           "is_gpt_oss_mxfp4", "load_checkpoint", "read_gpt_oss_config", "read_gpt_oss_experts", "read_safetensors",
-           "read_safetensors_header", "save_checkpoint", "write_safetensors"]
+__all__ = ["QUANTIZED_LINEARS", "Checkpoint", "CheckpointError", "FP8Linear", "GptOssMXFP4Config", "MXFP4Experts",
+           "MXFP4Linear", "NVFP4Linear", "QuantizedLinear", "SafetensorsError", "StoredTensor", "fuse_fp8_shards",
+           "fuse_nvfp4_shards", "gpt_oss_expert_layers", "is_gpt_oss_mxfp4", "load_checkpoint", "read_gpt_oss_config",
+           "read_gpt_oss_experts", "read_safetensors", "read_safetensors_header", "save_checkpoint",
+           "write_safetensors"]

@@ -18,36 +18,44 @@ Data model (frozen dataclasses; arrays are numpy, e4m3 travels as uint8 bit patt
   scale for a weight of one block: both accepted and reshaped, same values, same order).
   `scale_name` is the on-disk name, "weight_scale" or "weight_scale_inv" (block checkpoints in
   the DeepSeek style; a multiplier despite the name), kept so saving writes it back.
+- `MXFP4Linear(name, blocks, scales, input_scale=None)`: OCP MXFP4 (compressed-tensors'
+  mxfp4-pack-quantized): blocks uint8 [N, K/32, 16] as gpt-oss's `*_blocks` (element 2j of a
+  block in the LOW nibble; compressed-tensors' weight_packed [N, K/2] is accepted and viewed so,
+  `weight_packed` gives it back), scales uint8 e8m0 [N, K/32] (value = e2m1 * 2^(s - 127)); no
+  global scale. The e8m0 NaN byte 0xFF is refused.
 - `Checkpoint(format, quant_algo, linears, tensors, config, hf_quant_config=None, experts={})`:
   format "modelopt" | "compressed-tensors" | "gpt-oss"; quant_algo as the config says it, upper-cased
   ("NVFP4", "W4A16_NVFP4", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "MIXED_PRECISION";
-  always "NVFP4" for compressed-tensors); linears {layer name: NVFP4Linear | FP8Linear};
+  "NVFP4" or "MXFP4" for compressed-tensors); linears {layer name: QuantizedLinear, i.e.
+  NVFP4Linear | FP8Linear | MXFP4Linear};
   tensors {name: StoredTensor} = everything else (biases, embeddings, norms, unquantized
   weights, kv-cache scales), kept with their dtype tags; config = config.json as a dict ({} if
   absent); hf_quant_config = hf_quant_config.json as a dict, or None; experts {experts path:
   MXFP4Experts} = stacked experts stored as such (gpt-oss's MXFP4, quant_algo "MXFP4": gpt_oss.py;
   their tensors are not in `tensors`), empty for the per-linear producers.
 
-The value rules each linear checks: exact dtypes, weight_scale shape [N, K/16] for weight
-[N, K/2], FP8 scale shape by granularity, no NaN e4m3 codes (0x7F/0xFF) in block scales or FP8
-weights, global scales and FP8 weight scales finite and > 0 (as fp8_dequantize requires), NVFP4
-block scales non-negative (`checks.require_nvfp4_block_scales`: no sign bit). A field that breaks
-one raises `FieldError`, whose `role` lets a reader name the tensor and file behind it
-(`CheckpointError`).
+The value rules each linear checks: exact dtypes, weight_scale shape [N, K/16] for weight [N, K/2],
+MXFP4 scales [N, K/32] without the e8m0 NaN byte 0xFF, FP8 scale shape by granularity, no NaN e4m3
+codes (0x7F/0xFF) in block scales or FP8 weights, global scales and FP8 weight scales finite and > 0
+(as fp8_dequantize requires), NVFP4 block scales non-negative (`checks.require_nvfp4_block_scales`: no
+sign bit). A field that breaks one raises `FieldError`, whose `role` lets a reader name the tensor and
+file behind it (`CheckpointError`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypeAlias, overload
 
 import numpy as np
 
 from ..ref.checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
-from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES, QPN2, QPN8, WeightFormat, weight_format
+from ..ref.codecs import E8M0_NAN
+from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES, MX_BLOCK, QPN2, QPN8, QPNMX, WeightFormat, weight_format
 from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from ..ref.geometry import GROUP_K
+from ..ref.mxfp4 import mxfp4_tile_exponents
 from .safetensors_io import StoredTensor, as_stored_tensor
 
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors", "gpt-oss")
@@ -237,19 +245,86 @@ class FP8Linear:
 
 
 @dataclass(frozen=True, eq=False)
+class MXFP4Linear:
+    """One MXFP4 linear: e2m1 codes as blocks uint8 [N, K/32, 16] (low nibble first), e8m0 scales [N, K/32]."""
+
+    name: str
+    blocks: np.ndarray
+    scales: np.ndarray
+    input_scale: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        owner = f"MXFP4 layer {self.name!r}"
+        b = self.blocks
+        if isinstance(b, np.ndarray) and b.ndim == 2 and b.dtype == np.uint8 and b.shape[1] % (MX_BLOCK // 2) == 0:
+            b = b.reshape(b.shape[0], -1, MX_BLOCK // 2)  # compressed-tensors' weight_packed [N, K/2]: a view
+        if not isinstance(b, np.ndarray) or b.dtype != np.uint8 or b.ndim != 3 or b.shape[2] != MX_BLOCK // 2 \
+                or 0 in b.shape:
+            got = f"dtype {b.dtype}, shape {b.shape}" if isinstance(b, np.ndarray) else type(b).__name__
+            raise FieldError("blocks", f"{owner}: blocks must be uint8 [N, K/32, 16] or weight_packed [N, K/2] with "
+                                       f"K % {MX_BLOCK} == 0 (two e2m1 codes per byte), got {got}")
+        n, k_blocks = b.shape[:2]
+        s = _uint8_matrix(self.scales, owner, "scales", "[N, K/32] e8m0 bytes")
+        if s.shape != (n, k_blocks):
+            raise FieldError("scales", f"{owner}: scales must have shape (N, K/32) = ({n}, {k_blocks}) for K = "
+                                       f"{MX_BLOCK * k_blocks}, got {s.shape}; MXFP4 has one e8m0 scale per "
+                                       f"{MX_BLOCK} weights (group_size 32)")
+        bad = np.argwhere(s == E8M0_NAN)
+        if bad.size:
+            row, block = (int(i) for i in bad[0])
+            raise FieldError("scales", f"{owner}: scales holds the e8m0 NaN byte 0xFF at row {row}, block {block} "
+                                       f"(weights {MX_BLOCK * block}..{MX_BLOCK * block + MX_BLOCK - 1}; {len(bad)} "
+                                       "in all): those weights have no value; the checkpoint is corrupt there")
+        object.__setattr__(self, "blocks", b)
+        object.__setattr__(self, "input_scale",
+                           _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))
+
+    @property
+    def n(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.blocks.shape[1] * MX_BLOCK)
+
+    @property
+    def weight_packed(self) -> np.ndarray:
+        """The codes as compressed-tensors stores them, uint8 [N, K/2] (a view of blocks)."""
+        return self.blocks.reshape(self.n, self.k // 2)
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The layout it packs into (qpn.ref.formats): QPNMX."""
+        return QPNMX
+
+    def tile_scale(self) -> np.ndarray:
+        """float64 2^T per 32-row tile of the padded weight (ref/mxfp4.py, "W16"): what the kernels multiply
+        each tile's sums by (pad rows hold byte 0, which never raises a tile's T)."""
+        n_pad = QPNMX.padded_n(self.n)
+        padded = np.zeros((n_pad, self.scales.shape[1]), np.uint8)
+        padded[: self.n] = self.scales
+        return np.exp2(mxfp4_tile_exponents(padded).astype(np.float64))
+
+
+QuantizedLinear: TypeAlias = NVFP4Linear | FP8Linear | MXFP4Linear  # one quantized linear of any format
+QUANTIZED_LINEARS = (NVFP4Linear, FP8Linear, MXFP4Linear)
+
+
+@dataclass(frozen=True, eq=False)
 class Checkpoint:
     """A loaded (or to-be-saved) checkpoint; see the module docstring. Treat the dicts as read-only."""
 
     format: str
     quant_algo: str
-    linears: Mapping[str, NVFP4Linear | FP8Linear]
+    linears: Mapping[str, QuantizedLinear]
     tensors: Mapping[str, StoredTensor]
     config: Mapping
     hf_quant_config: Mapping | None = None
     experts: Mapping[str, Any] = field(default_factory=dict)  # {path: gpt_oss.MXFP4Experts} (gpt_oss imports this)
 
     @property
-    def quantized_layers(self) -> Mapping[str, NVFP4Linear | FP8Linear]:
+    def quantized_layers(self) -> Mapping[str, QuantizedLinear]:
         """The quantized layers by name: its linears (a PackedCheckpoint's are its packed layers), what a
         consumer of either kind of checkpoint iterates."""
         return self.linears
@@ -261,8 +336,9 @@ class Checkpoint:
             raise ValueError(f"quant_algo must be a non-empty string such as 'NVFP4', got {self.quant_algo!r}")
         linears = {}
         for key, linear in dict(self.linears).items():
-            if not isinstance(linear, (NVFP4Linear, FP8Linear)):
-                raise ValueError(f"linears[{key!r}] must be an NVFP4Linear or FP8Linear, got {type(linear).__name__}")
+            if not isinstance(linear, QUANTIZED_LINEARS):
+                raise ValueError(f"linears[{key!r}] must be an NVFP4Linear, FP8Linear or MXFP4Linear, got "
+                                 f"{type(linear).__name__}")
             if key != linear.name:
                 raise ValueError(f"linears[{key!r}] holds a layer named {linear.name!r}; key by the layer's name")
             linears[key] = linear
@@ -278,4 +354,5 @@ class Checkpoint:
 
 
 
-__all__ = ["CHECKPOINT_FORMATS", "Checkpoint", "CheckpointError", "FP8Linear", "NVFP4Linear"]
+__all__ = ["CHECKPOINT_FORMATS", "QUANTIZED_LINEARS", "Checkpoint", "CheckpointError", "FP8Linear", "MXFP4Linear",
+           "NVFP4Linear", "QuantizedLinear"]

@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .atomic import TargetRules, atomic_folder, require_writable_target, write_json
-from .checkpoint import Checkpoint, CheckpointError, FP8Linear, NVFP4Linear
+from .checkpoint import Checkpoint, CheckpointError, QuantizedLinear
 from .compressed_tensors import CompressedTensors
 from .modelopt import ModelOpt
 from .producer import Producer, Recipe, config_error, serialize, structure
@@ -109,7 +109,7 @@ def _producer_of(config: Mapping | None, config_path: str, hf_quant_config: Mapp
 def _assemble(stored: Mapping[str, StoredTensor], file_of: Mapping[str, str], producer: Producer,
               config: Mapping, hf_quant_config: Mapping | None) -> Checkpoint:
     """Group tensors into linears, validate everything against the config, return the Checkpoint."""
-    linears: dict[str, NVFP4Linear | FP8Linear] = {}
+    linears: dict[str, QuantizedLinear] = {}
 
     def build(recipe: Recipe) -> None:
         linears[recipe.prefix] = producer.build(recipe, lambda name: stored[name].array, file_of)
@@ -252,15 +252,15 @@ class OpenCheckpoint:
         """The tensor `name`, read now (a read-only array of its own)."""
         return self.files[self.file_of(name)].read(name)
 
-    def linear(self, name: str, *, codes: bool = True) -> NVFP4Linear | FP8Linear:
+    def linear(self, name: str, *, codes: bool = True) -> QuantizedLinear:
         """The quantized linear `name`, read now and checked as `load_checkpoint` checks it (CheckpointError).
 
-        codes=False skips an NVFP4 layer's codes (weight_packed), which no rule reads: it is then a
+        codes=False skips an NVFP4 or MXFP4 layer's codes (weight_packed), which no rule reads: it is then a
         read-only zero-stride placeholder of the right shape - for checks only (unpackable_reason),
         never for packing. An FP8 layer's codes are always read (NaN codes are an error).
         """
         recipe = self._recipes[name]
-        placeholder = recipe.names["weight_packed"] if recipe.nvfp4 and not codes else None
+        placeholder = recipe.codes if recipe.codes_role != "weight" and not codes else None
 
         def array_of(tensor: str) -> np.ndarray:
             if tensor == placeholder:

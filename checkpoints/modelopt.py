@@ -44,7 +44,9 @@ from .checkpoint import (
     NVFP4_ALGOS,
     Checkpoint,
     FP8Linear,
+    MXFP4Linear,
     NVFP4Linear,
+    QuantizedLinear,
 )
 from .producer import NVFP4_DTYPES, LayerTensors, Producer, Recipe, TensorMeta, build_linear, config_error, str_list
 from .safetensors_io import StoredTensor
@@ -193,7 +195,7 @@ class ModelOpt(Producer):
         return Recipe(prefix, names, FP8_GRANULARITY_OF_ALGO[algo], scale_names[0])
 
     def build(self, recipe: Recipe, array_of: Callable[[str], np.ndarray], file_of: Mapping[str, str]
-              ) -> NVFP4Linear | FP8Linear:
+              ) -> QuantizedLinear:
         names = recipe.names
         if recipe.nvfp4:
             arrays = {role: array_of(name) for role, name in names.items()}
@@ -205,9 +207,12 @@ class ModelOpt(Producer):
                             input_scale=array_of(names["input_scale"]) if "input_scale" in names else None,
                             scale_name=recipe.scale_name)
 
-    def linear_tensors(self, linear: NVFP4Linear | FP8Linear) -> dict[str, StoredTensor]:
+    def linear_tensors(self, linear: QuantizedLinear) -> dict[str, StoredTensor]:
         name = linear.name
         stored: dict[str, StoredTensor] = {}
+        if isinstance(linear, MXFP4Linear):
+            raise ValueError(f"linear {name!r} is MXFP4, which qpn writes as compressed-tensors "
+                             "mxfp4-pack-quantized only; save it as format='compressed-tensors'")
         if isinstance(linear, NVFP4Linear):
             for role in ("weight_packed", "weight_scale"):
                 stored[f"{name}.{NVFP4_LAYOUT[role]}"] = StoredTensor(getattr(linear, role), NVFP4_DTYPES[role])
@@ -237,6 +242,8 @@ class ModelOpt(Producer):
             for name, linear in checkpoint.linears.items():
                 if isinstance(linear, NVFP4Linear):
                     layers[name] = {"quant_algo": _nvfp4_algo(linear), "group_size": GROUP_K}
+                elif not isinstance(linear, FP8Linear):
+                    continue  # MXFP4: linear_tensors refuses it with the fix
                 elif linear.granularity == "block":
                     layers[name] = {"quant_algo": _fp8_algo(linear), "group_size": FP8_BLOCK}
                 else:

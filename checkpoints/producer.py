@@ -30,7 +30,16 @@ from typing import Any, ClassVar, NoReturn, Protocol, TypeVar
 import numpy as np
 
 from ..ref.formats import QPN2
-from .checkpoint import NVFP4_ALGOS, Checkpoint, CheckpointError, FieldError, FP8Linear, NVFP4Linear
+from .checkpoint import (
+    NVFP4_ALGOS,
+    Checkpoint,
+    CheckpointError,
+    FieldError,
+    FP8Linear,
+    MXFP4Linear,
+    NVFP4Linear,
+    QuantizedLinear,
+)
 from .safetensors_io import StoredTensor
 
 # every suffix that belongs to some quantized linear, of either producer (a tensor of another
@@ -40,7 +49,13 @@ LINEAR_SUFFIXES = ("weight", "weight_packed", "weight_scale", "weight_scale_2", 
                    "weight_global_scale", "input_scale", "input_global_scale")
 NVFP4_DTYPES = {**QPN2.source_tags, "global_scale": "F32", "input_scale": "F32"}  # role -> dtype tag, both producers
 
-_LinearT = TypeVar("_LinearT", NVFP4Linear, FP8Linear)  # one quantized linear of either format
+_LinearT = TypeVar("_LinearT", NVFP4Linear, FP8Linear, MXFP4Linear)  # one quantized linear of any format
+MXFP4_ALGO = "MXFP4"  # compressed-tensors' mxfp4-pack-quantized (its layers: MXFP4Linear)
+
+
+def layer_kind(algo: str) -> str:
+    """How a layer of quantization algorithm `algo` is stored: "NVFP4", "MXFP4" or "FP8"."""
+    return "NVFP4" if algo in NVFP4_ALGOS else MXFP4_ALGO if algo == MXFP4_ALGO else "FP8"
 
 
 def config_error(source: str, entry: str | None, message: str) -> CheckpointError:
@@ -76,9 +91,14 @@ class Recipe:
         return "weight_packed" in self.names
 
     @property
+    def codes_role(self) -> str:
+        """The role of the layer's codes tensor: "weight_packed" (NVFP4), "blocks" (MXFP4), "weight" (FP8)."""
+        return next(role for role in ("weight_packed", "blocks", "weight") if role in self.names)
+
+    @property
     def codes(self) -> str:
-        """The name of the layer's codes tensor (NVFP4 weight_packed, FP8 weight)."""
-        return self.names["weight_packed" if self.nvfp4 else "weight"]
+        """The name of the layer's codes tensor (NVFP4 and MXFP4 weight_packed, FP8 weight)."""
+        return self.names[self.codes_role]
 
     @property
     def tensors(self) -> list[str]:
@@ -114,11 +134,11 @@ class Producer(ABC):
 
     @abstractmethod
     def build(self, recipe: Recipe, array_of: Callable[[str], np.ndarray], file_of: Mapping[str, str]
-              ) -> NVFP4Linear | FP8Linear:
+              ) -> QuantizedLinear:
         """The linear of `recipe`, its arrays from `array_of(tensor name)`; the value checks run here."""
 
     @abstractmethod
-    def linear_tensors(self, linear: NVFP4Linear | FP8Linear) -> dict[str, StoredTensor]:
+    def linear_tensors(self, linear: QuantizedLinear) -> dict[str, StoredTensor]:
         """The tensors `linear` is stored as in this producer's checkpoints (ValueError if it cannot be)."""
 
     @staticmethod
@@ -157,12 +177,13 @@ class LayerTensors:
                             "tensors are inconsistent")
 
     def expect(self, prefix: str, kind: str, weight_name: str) -> str:
-        """The config's algorithm for a layer stored as `kind` ("NVFP4" / "FP8"); fails where they disagree."""
+        """The config's algorithm for a layer stored as `kind` ("NVFP4" / "MXFP4" / "FP8"); fails where they
+        disagree."""
         algo, _ = self.producer.algo_for(prefix)
         if algo is None:
             self.fail(weight_name, f"layer {prefix!r} is stored quantized ({kind}) but {self.producer.source} says it "
                                    "is unquantized (excluded, ignored, or not listed); fix the config or the weights")
-        if (algo in NVFP4_ALGOS) != (kind == "NVFP4"):
+        if layer_kind(algo) != kind:
             self.fail(weight_name, f"layer {prefix!r} is stored as {kind} but {self.producer.source} says {algo}")
         return algo
 
@@ -244,4 +265,5 @@ def serialize(producer: Producer, checkpoint: Checkpoint) -> dict[str, StoredTen
     return stored
 
 
-__all__ = ["LINEAR_SUFFIXES", "LayerTensors", "Producer", "Recipe", "build_linear", "serialize", "structure"]
+__all__ = ["LINEAR_SUFFIXES", "MXFP4_ALGO", "LayerTensors", "Producer", "Recipe", "build_linear", "layer_kind",
+           "serialize", "structure"]

@@ -144,10 +144,11 @@ def _stored_to_torch(stored: checkpoints.StoredTensor) -> torch.Tensor:
 
 
 def _packed_weight_of(layer: object) -> PackedWeight:
-    """A checkpoint layer (qpn.ref NVFP4Linear / FP8Linear, or a packed folder's PackedLayer) as its PackedWeight."""
+    """A checkpoint layer (NVFP4Linear / FP8Linear / MXFP4Linear, or a packed folder's PackedLayer) as its
+    PackedWeight."""
     if isinstance(layer, packed.PackedLayer):
         return PackedWeight.from_packed_layer(layer)
-    assert isinstance(layer, (checkpoints.NVFP4Linear, checkpoints.FP8Linear))  # what checkpoints' readers return
+    assert isinstance(layer, checkpoints.QUANTIZED_LINEARS)  # what checkpoints' readers return
     return PackedWeight.from_checkpoint(layer)
 
 

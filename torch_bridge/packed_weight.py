@@ -57,7 +57,7 @@ from .ops import PAD_INPUT_FEATURES_FIX  # importing ops registers the torch.ops
 # Python float too (read as fp32, _float32).
 ArrayIn: TypeAlias = Tensor | np.ndarray | np.generic
 ScaleIn: TypeAlias = Tensor | np.ndarray | np.generic | float
-CheckpointLinear: TypeAlias = "checkpoints.NVFP4Linear | checkpoints.FP8Linear"
+CheckpointLinear: TypeAlias = "checkpoints.QuantizedLinear"  # NVFP4Linear | FP8Linear | MXFP4Linear
 # the e8m0 byte of QPNMX's pad scale 2^-127 (byte 0: e8m0 has no zero; +0 codes make the pad weights +0)
 MXFP4_PAD_SCALE_BYTE = int(np.log2(QPNMX.pad_scale)) + E8M0_BIAS
 
@@ -272,6 +272,11 @@ class QPNMXWeight(PackedWeight):
         codes, scales, tile_scale = (t.cpu().numpy() for t in self.tensors())
         return ref.qpnmx_dequantize(codes, scales, tile_scale, self.padded_out_features, self.in_features)[
             : self.out_features]
+
+    @classmethod
+    def _from_checkpoint(cls, linear: CheckpointLinear) -> PackedWeight:
+        assert isinstance(linear, checkpoints.MXFP4Linear)  # the table's choice: its weight_format is QPNMX
+        return pack_mxfp4(linear.blocks, linear.scales)
 
     @classmethod
     def _quantize(cls, w: np.ndarray, granularity: str | None) -> PackedWeight:

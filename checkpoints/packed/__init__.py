@@ -1,4 +1,4 @@
-"""The qpn packed checkpoint: a quantized checkpoint whose linears are already in the QPN2 / QPN8 layout.
+"""The qpn packed checkpoint: a quantized checkpoint whose linears are already in the QPN2 / QPN8 / QPNMX layout.
 
 `qpn pack SRC OUT` writes one; `qpn verify` / `qpn inspect` read both kinds of folder;
 `qpn.torch_bridge.load_quantized(model, OUT)` fills a model from one without prepacking again.
@@ -34,11 +34,15 @@ or to 128 for FP8 128x128 block scales; pad rows are exact zeros and are cropped
                     X.qpn_weight_scale   F32  as in the source: () / [N] / [ceil(N/128), ceil(K/128)]
                                                                (the fp32 scale, kept because S16 is
                                                                rounded and cannot give it back)
-    both            X.qpn_input_scale    F32  []               the activation scale, if the source had one
+    MXFP4 -> QPNMX  X.qpn_codes          U8   [N_pad, K/2]     codes in QPN2 byte order (docs/QPNMX.md)
+                    X.qpn_scales         U8   [N_pad, K/32]    e8m0 bytes in QPNMX order
+                    X.qpn_tile_scale     F32  [N_pad/32]       2^T per 32-row tile (follows from the scales)
+    all             X.qpn_input_scale    F32  []               the activation scale, if the source had one
 
 The buffers are exactly `QPNLinear`'s (`codes`, `scales`, `global_scale` / `group_scales`),
 padding included: NVFP4 pad rows have code 0 and scale byte 0x00, FP8 pad rows code 0x00 and
-scale 1.0 (per channel). Every other source tensor (biases, embeddings, norms, unquantized
+scale 1.0 (per channel), MXFP4 pad rows code 0 and e8m0 byte 0x00 (2^-127: +0 weights that never raise a
+tile's 2^T). Every other source tensor (biases, embeddings, norms, unquantized
 weights) is copied through under its own name and dtype tag.
 
 qpn_manifest.json (sorted keys, 2-space indent):
@@ -48,7 +52,7 @@ qpn_manifest.json (sorted keys, 2-space indent):
                 "files": {file name: sha256 of the source file}},
      "copied_files": {file name: {"sha256": ..., "size": bytes}} (only if the source had such files:
                      a checkpoint without them packs to the same bytes as before this key existed),
-     "layers": {X: {"format": "nvfp4" | "fp8", "layout": "QPN2" | "QPN8", "n": N, "k": K,
+     "layers": {X: {"format": "nvfp4" | "fp8" | "mxfp4", "layout": "QPN2" | "QPN8" | "QPNMX", "n": N, "k": K,
                     "n_padded": N_pad, "file": shard, "global_scale": [g] (nvfp4),
                     "granularity": "tensor" | "channel" | "block", "scale_name": ...,
                     "weight_scale": [s] (fp8 per tensor), "input_scale": [s] (if any),
@@ -56,7 +60,8 @@ qpn_manifest.json (sorted keys, 2-space indent):
      "tensors": {name: {"file": ..., "dtype": ..., "shape": [...], "sha256": ...}}}
 
 `source_tensors` hashes the original bytes of the layer's quantized tensors (nvfp4: roles
-weight_packed and weight_scale; fp8: weight and weight_scale), so a packed folder verifies on its
+weight_packed and weight_scale; fp8: weight and weight_scale; mxfp4: blocks [N, K/32, 16] and scales, the
+bytes of compressed-tensors' weight_packed and weight_scale), so a packed folder verifies on its
 own: `PackedLayer.unpack()` is the exact inverse of the prepack and must give those bytes back.
 
 `load_packed` checks that every copied file is there with its recorded size; `qpn verify` also
@@ -84,6 +89,7 @@ from .layers import (
     INPUT_SCALE,
     PACKED_SUFFIXES,
     SCALES,
+    TILE_SCALE,
     WEIGHT_SCALE,
     PackedLayer,
     k_multiple,
@@ -111,8 +117,8 @@ from .write import pack_checkpoint, source_extras
 
 __all__ = [
     "CODES", "COPIED_CONFIG_FILES", "GLOBAL_SCALE", "GROUP_SCALES", "INPUT_SCALE", "MANIFEST_FILE", "PACKED_FORMAT",
-    "PACKED_SUFFIXES", "PACKED_VERSION", "SCALES", "WEIGHT_SCALE", "PackError", "PackedCheckpoint", "PackedLayer",
-    "Progress", "copied_file_problems", "is_packed", "k_multiple", "load_packed",
+    "PACKED_SUFFIXES", "PACKED_VERSION", "SCALES", "TILE_SCALE", "WEIGHT_SCALE", "PackError", "PackedCheckpoint",
+    "PackedLayer", "Progress", "copied_file_problems", "is_packed", "k_multiple", "load_packed",
     "no_quantized_layer", "pack_checkpoint", "padded_rows", "prepack_group_scales", "prepack_layer", "scale_fields",
     "sha256_array", "sha256_file", "source_extras", "source_tensors", "tensor_suffix", "unpackable_reason",
 ]

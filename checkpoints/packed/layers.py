@@ -1,9 +1,9 @@
-"""One linear, packed: the QPN2 / QPN8 buffers of a layer (`prepack_layer`) and their exact inverse
+"""One linear, packed: the QPN2 / QPN8 / QPNMX buffers of a layer (`prepack_layer`) and their exact inverse
 (`PackedLayer.unpack`), with the rules that pack, inspect and verify share.
 
 A packed linear X is stored as X.<suffix> tensors, the suffixes the kernel buffers of
-qpn.ref.formats (qpn_codes, qpn_scales, qpn_global_scale / qpn_group_scales) plus FP8's fp32 scale
-and the activation scale (the folder and its tensors: qpn.checkpoints.packed).
+qpn.ref.formats (qpn_codes, qpn_scales, qpn_global_scale / qpn_group_scales / qpn_tile_scale) plus FP8's
+fp32 scale and the activation scale (the folder and its tensors: qpn.checkpoints.packed).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from ... import ref
-from ...ref.formats import QPN2, QPN8, Buffer, WeightFormat, weight_format
+from ...ref.codecs import E8M0_BIAS
+from ...ref.formats import QPN2, QPN8, QPNMX, Buffer, WeightFormat, weight_format
 from .. import safetensors_io
-from ..checkpoint import FP8Linear, NVFP4Linear
+from ..checkpoint import FP8Linear, MXFP4Linear, NVFP4Linear, QuantizedLinear
 
 
 def tensor_suffix(buffer: Buffer) -> str:
@@ -29,29 +30,34 @@ def tensor_suffix(buffer: Buffer) -> str:
 # the kernels do not read (FP8's fp32 scale, which S16 rounds, and the activation scale)
 CODES, SCALES, GLOBAL_SCALE = (tensor_suffix(b) for b in QPN2.buffers)
 GROUP_SCALES = tensor_suffix(QPN8.buffer("group_scales"))
+TILE_SCALE = tensor_suffix(QPNMX.buffer("tile_scale"))  # QPNMX's codes and scales share QPN2's suffixes
 WEIGHT_SCALE, INPUT_SCALE = "qpn_weight_scale", "qpn_input_scale"
-PACKED_SUFFIXES = (CODES, SCALES, GLOBAL_SCALE, GROUP_SCALES, WEIGHT_SCALE, INPUT_SCALE)
+PACKED_SUFFIXES = (CODES, SCALES, GLOBAL_SCALE, GROUP_SCALES, TILE_SCALE, WEIGHT_SCALE, INPUT_SCALE)
 
 # the e4m3 byte of QPN2's pad scale (+0: every pad weight is +0 whatever its code); pad rows are
 # the same bytes QPNLinear writes (tests/test_cli.py compares the two)
 NVFP4_PAD_SCALE_BYTE = int(ref.encode_e4m3(np.float32(QPN2.pad_scale)))
+# the e8m0 byte of QPNMX's pad scale 2^-127 (byte 0: e8m0 has no zero; +0 codes make the pad weights +0, and
+# the byte never raises a tile's 2^T); pack_mxfp4 pads with the same byte
+MXFP4_PAD_SCALE_BYTE = int(np.log2(QPNMX.pad_scale)) + E8M0_BIAS
 
 
-def padded_rows(linear: NVFP4Linear | FP8Linear) -> int:
+def padded_rows(linear: QuantizedLinear) -> int:
     """N_pad: N rounded up to the layout's N multiple."""
     return linear.weight_format.padded_n(linear.n)
 
 
-def k_multiple(linear: NVFP4Linear | FP8Linear) -> int:
+def k_multiple(linear: QuantizedLinear) -> int:
     """The K rule of the layer's layout (qpn.ref.formats)."""
     return linear.weight_format.k_multiple
 
 
-def unpackable_reason(linear: NVFP4Linear | FP8Linear) -> str | None:
-    """Why `linear` (a qpn.ref NVFP4Linear / FP8Linear) cannot be packed, or None if it can.
+def unpackable_reason(linear: QuantizedLinear) -> str | None:
+    """Why `linear` (a qpn.checkpoints NVFP4Linear / FP8Linear / MXFP4Linear) cannot be packed, or None if it can.
 
     Reads shapes and scales only (never the codes), so it is cheap enough for `qpn inspect`.
-    N never blocks packing (it is padded); K does, and so do scales whose weights overflow fp16.
+    N never blocks packing (it is padded); K does, and so do scales whose weights overflow fp16
+    (MXFP4's never do: its W16 factors each tile's 2^T out, docs/DESIGN.md, "MXFP4 weight").
     """
     wf = linear.weight_format
     if linear.k % wf.k_multiple != 0:
@@ -60,7 +66,7 @@ def unpackable_reason(linear: NVFP4Linear | FP8Linear) -> str | None:
     try:
         if isinstance(linear, NVFP4Linear):
             ref.require_nvfp4_fits_fp16(linear.weight_scale, ref.global_scale_per_row(linear.global_scale, linear.n))
-        else:
+        elif isinstance(linear, FP8Linear):
             ref.require_qpn8_fits_fp16(linear.weight_scale)
     except ValueError as exc:
         return str(exc)
@@ -74,8 +80,9 @@ def _pad_rows(a: np.ndarray, rows: int, fill: float) -> np.ndarray:
     return np.concatenate([a, pad], axis=0)
 
 
-def prepack_layer(linear: NVFP4Linear | FP8Linear) -> dict[str, np.ndarray]:
-    """A qpn.ref NVFP4Linear / FP8Linear -> its packed buffers {suffix: array} (module docstring).
+def prepack_layer(linear: QuantizedLinear) -> dict[str, np.ndarray]:
+    """A qpn.checkpoints NVFP4Linear / FP8Linear / MXFP4Linear -> its packed buffers {suffix: array} (module
+    docstring).
 
     Raises ValueError if the layer cannot be packed (see `unpackable_reason`).
     """
@@ -88,6 +95,10 @@ def prepack_layer(linear: NVFP4Linear | FP8Linear) -> dict[str, np.ndarray]:
         out[CODES], out[SCALES] = ref.qpn2_prepack(wp, ws)
         out[GLOBAL_SCALE] = np.full(wf.buffer("global_scale").shape(n_pad, linear.k), linear.global_scale,
                                     dtype=np.float32)
+    elif isinstance(linear, MXFP4Linear):
+        blocks = _pad_rows(linear.blocks, n_pad, wf.pad_code)
+        out[CODES], out[SCALES], out[TILE_SCALE] = ref.qpnmx_prepack(
+            blocks, _pad_rows(linear.scales, n_pad, MXFP4_PAD_SCALE_BYTE))
     else:
         w = _pad_rows(linear.weight, n_pad, wf.pad_code)
         s = linear.weight_scale
@@ -99,17 +110,18 @@ def prepack_layer(linear: NVFP4Linear | FP8Linear) -> dict[str, np.ndarray]:
     return out
 
 
-def scale_fields(linear: NVFP4Linear | FP8Linear) -> dict[str, str]:
+def scale_fields(linear: QuantizedLinear) -> dict[str, str]:
     """The manifest fields that say how an FP8 layer's scale is stored (its granularity and tensor name);
-    none for NVFP4. PackedLayer.unpack reads them back."""
+    none for NVFP4 and MXFP4. PackedLayer.unpack reads them back."""
     if isinstance(linear, FP8Linear):
         return {"granularity": linear.granularity, "scale_name": linear.scale_name}
     return {}
 
 
-def source_tensors(linear: NVFP4Linear | FP8Linear) -> dict[str, safetensors_io.StoredTensor]:
-    """The layer's quantized tensors by role, with the bytes and dtype tag the checkpoint stores."""
-    # each role is the layer's attribute of that name (NVFP4Linear.weight_packed, FP8Linear.weight, ...)
+def source_tensors(linear: QuantizedLinear) -> dict[str, safetensors_io.StoredTensor]:
+    """The layer's quantized tensors by role, with the bytes and dtype tag the checkpoint stores (MXFP4's
+    blocks as [N, K/32, 16]: compressed-tensors' weight_packed [N, K/2], the same bytes)."""
+    # each role is the layer's attribute of that name (NVFP4Linear.weight_packed, MXFP4Linear.blocks, ...)
     return {role: safetensors_io.StoredTensor(getattr(linear, role), tag)
             for role, tag in linear.weight_format.source_tags.items()}
 
@@ -131,7 +143,8 @@ class PackedLayer:
     scale if any), plus what the manifest says about it.
 
     nvfp4: qpn_codes uint8 [N_pad, K/2], qpn_scales uint8 [N_pad, K/16], qpn_global_scale float32 [N_pad/32];
-    fp8: qpn_codes uint8 [N_pad, K], qpn_group_scales float16, qpn_weight_scale float32 (the source's).
+    fp8: qpn_codes uint8 [N_pad, K], qpn_group_scales float16, qpn_weight_scale float32 (the source's);
+    mxfp4: qpn_codes uint8 [N_pad, K/2], qpn_scales uint8 [N_pad, K/32] (e8m0), qpn_tile_scale float32 [N_pad/32].
     """
 
     name: str
@@ -160,7 +173,7 @@ class PackedLayer:
 
     @property
     def scales(self) -> np.ndarray:
-        """The layout's scale buffer: QPN2's e4m3 scales, QPN8's fp16 group scales."""
+        """The layout's scale buffer: QPN2's e4m3 scales, QPN8's fp16 group scales, QPNMX's e8m0 scales."""
         return self.arrays[tensor_suffix(self.weight_format.buffers[1])]
 
     @property
@@ -189,8 +202,8 @@ class PackedLayer:
                              "read the layer with load_packed")
         return self.arrays[WEIGHT_SCALE]
 
-    def unpack(self) -> NVFP4Linear | FP8Linear:
-        """The source layer (qpn.ref NVFP4Linear / FP8Linear): exact inverse of the prepack, pad rows cropped.
+    def unpack(self) -> QuantizedLinear:
+        """The source layer (NVFP4Linear / FP8Linear / MXFP4Linear): exact inverse of the prepack, pad rows cropped.
 
         Raises ValueError if the pad rows are not the padding qpn writes or the per-tile global
         scales differ (neither can come out of `qpn pack`: the folder is corrupt).
@@ -206,6 +219,12 @@ class PackedLayer:
                 raise ValueError(f"layer {self.name!r}: the per-tile global scales differ, but qpn pack writes one "
                                  "value per layer; the packed file is corrupt")
             return NVFP4Linear(self.name, wp[:n], ws[:n], g[0].copy(), self.input_scale)
+        if wf is QPNMX:  # tile_scale follows from the scales: the fresh prepack of qpn verify compares it
+            blocks, scales = ref.mxfp4.qpnmx_unpack(self.codes, self.scales, n_pad, k)
+            if np.any(blocks[n:] != wf.pad_code) or np.any(scales[n:] != MXFP4_PAD_SCALE_BYTE):
+                raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is "
+                                 "corrupt")
+            return MXFP4Linear(self.name, blocks[:n], scales[:n], self.input_scale)
         weight, _ = ref.qpn8_unpack(self.codes, self.scales, n_pad, k)
         if np.any(weight[n:] != wf.pad_code):
             raise ValueError(f"layer {self.name!r}: pad rows {n}..{n_pad - 1} are not zero; the packed file is corrupt")

@@ -15,6 +15,7 @@ from ... import ref
 from ...ref.formats import (
     FORMAT_NAMES,
     FP8_GRANULARITIES,
+    MX_BLOCK,
     QPN2,
     QPN8,
     WEIGHT_FORMATS,
@@ -23,7 +24,7 @@ from ...ref.formats import (
     weight_format,
 )
 from ...ref.geometry import GROUP_K
-from ..checkpoint import CHECKPOINT_FORMATS, FP8Linear, NVFP4Linear
+from ..checkpoint import CHECKPOINT_FORMATS, FP8Linear, NVFP4Linear, QuantizedLinear
 from ..folder import CONFIG_FILE, HF_QUANT_CONFIG_FILE
 from ..safetensors_io import sha256_stream
 from .layers import WEIGHT_SCALE, scale_fields, source_tensors, tensor_suffix
@@ -102,7 +103,7 @@ def is_weight_file(name: str) -> bool:
     return name.endswith(".safetensors") or name.endswith(".safetensors.index.json")
 
 
-def layer_entry(name: str, linear: NVFP4Linear | FP8Linear, file: str,
+def layer_entry(name: str, linear: QuantizedLinear, file: str,
                  buffers: Mapping[str, np.ndarray]) -> dict[str, Any]:
     wf = linear.weight_format
     entry: dict[str, Any] = {
@@ -120,7 +121,7 @@ def layer_entry(name: str, linear: NVFP4Linear | FP8Linear, file: str,
     entry |= scale_fields(linear)
     if isinstance(linear, NVFP4Linear):
         entry["global_scale"] = [float(linear.global_scale)]  # float32 -> float64 is exact; JSON keeps it
-    elif linear.granularity == "tensor":
+    elif isinstance(linear, FP8Linear) and linear.granularity == "tensor":
         entry["weight_scale"] = [float(linear.weight_scale)]
     if linear.input_scale is not None:
         entry["input_scale"] = [float(linear.input_scale)]
@@ -131,7 +132,7 @@ def layer_entry(name: str, linear: NVFP4Linear | FP8Linear, file: str,
 def expected_tensors(wf: WeightFormat, n_pad: int, k: int, entry: Mapping[str, Any]) -> dict[str, tuple[str, Shape]]:
     """suffix -> (dtype tag, shape) of a checked manifest entry's packed tensors (the input scale aside)."""
     expected = {tensor_suffix(b): (b.tag, b.shape(n_pad, k)) for b in wf.buffers}
-    if wf is not QPN2:  # FP8 also keeps the source's fp32 scale as it was (S16 is rounded)
+    if wf.format == QPN8.format:  # FP8 also keeps the source's fp32 scale as it was (S16 is rounded)
         source_shape = tuple(entry["source_tensors"]["weight_scale"]["shape"])
         expected[WEIGHT_SCALE] = (wf.source_tags["weight_scale"], source_shape)
     return expected
@@ -181,8 +182,9 @@ def check_layer_entry(name: str, entry: object) -> None:
         raise ValueError(f"source_tensors must describe exactly {sorted(wf.source_tags)}, got "
                          f"{sorted(sources) if isinstance(sources, dict) else sources!r}")
     shapes: dict[str, list[tuple[int, ...]]] = {
-        "weight_packed": [(n, k // 2)], "weight_scale": [(n, k // GROUP_K)], "weight": [(n, k)]}
-    if wf is not QPN2:
+        "weight_packed": [(n, k // 2)], "weight_scale": [(n, k // GROUP_K)], "weight": [(n, k)],
+        "blocks": [(n, k // MX_BLOCK, MX_BLOCK // 2)], "scales": [(n, k // MX_BLOCK)]}
+    if wf.format == QPN8.format:
         fp8_scale_shapes: dict[str, list[tuple[int, ...]]] = {"tensor": [(), (1,)], "channel": [(n,), (n, 1)],
                                                               "block": [ref.fp8.fp8_block_grid(n, k)]}
         shapes["weight_scale"] = fp8_scale_shapes[entry["granularity"]]

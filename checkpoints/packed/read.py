@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ... import ref
-from ...ref.formats import QPN2, weight_format
+from ...ref.formats import QPN2, QPNMX, weight_format
 from ...ref.geometry import TILE_N
 from .. import safetensors_io
 from ..checkpoint import Checkpoint
@@ -22,9 +22,11 @@ from .layers import (
     GLOBAL_SCALE,
     GROUP_SCALES,
     INPUT_SCALE,
+    MXFP4_PAD_SCALE_BYTE,
     NVFP4_PAD_SCALE_BYTE,
     PACKED_SUFFIXES,
     SCALES,
+    TILE_SCALE,
     WEIGHT_SCALE,
     PackedLayer,
     prepack_group_scales,
@@ -105,6 +107,8 @@ def _check_layer_values(layer: PackedLayer) -> None:
             pad = slice(rows - (n_pad - n), rows)
             if np.any(wp[pad] != wf.pad_code) or np.any(ws[pad] != NVFP4_PAD_SCALE_BYTE):
                 raise ValueError(f"pad rows {n}..{n_pad - 1} are not zero; qpn pack writes zeros there")
+    elif wf is QPNMX:
+        _check_mxfp4_values(layer, rows)
     else:
         s = layer.fp8_weight_scale()
         ref.checks.require_positive_scale(f"{name}.{WEIGHT_SCALE}", s)
@@ -124,6 +128,25 @@ def _check_layer_values(layer: PackedLayer) -> None:
         if not _same_f32(layer.input_scale, entry["input_scale"][0]) or not float(layer.input_scale) > 0:
             raise ValueError(f"{name}.{INPUT_SCALE} = {layer.input_scale} but the manifest says "
                              f"{entry['input_scale'][0]!r} (and it must be finite and > 0)")
+
+
+def _check_mxfp4_values(layer: PackedLayer, rows: int) -> None:
+    """An mxfp4 layer's share of `_check_layer_values`: no e8m0 NaN byte, each tile's 2^T the one its scales give
+    (the bytes are permutations, so the rules hold in packed order), zero pad rows; ValueError."""
+    name, n, k, n_pad = layer.name, layer.n, layer.k, layer.n_padded
+    tile_scale = layer.arrays[TILE_SCALE]
+    try:  # QPNMX permutes the scales within each 32-row tile: the packed rows of a tile hold its bytes
+        want = np.exp2(ref.mxfp4.mxfp4_tile_exponents(np.ascontiguousarray(layer.scales)).astype(np.float64))
+    except ValueError as exc:  # the e8m0 NaN byte
+        raise ValueError(f"{name}.{SCALES}: {exc}") from None
+    if not np.array_equal(tile_scale.astype(np.float64), want):
+        raise ValueError(f"{name}.{TILE_SCALE} is not 2^T of its tiles' scales (T = the tile's largest e8m0 exponent "
+                         f"- {ref.mxfp4.W16_TOP_EXP}), which qpn pack writes")
+    if rows:
+        blocks, raw = ref.mxfp4.qpnmx_unpack(layer.codes[-rows:], layer.scales[-rows:], rows, k)
+        pad = slice(rows - (n_pad - n), rows)
+        if np.any(blocks[pad] != QPNMX.pad_code) or np.any(raw[pad] != MXFP4_PAD_SCALE_BYTE):
+            raise ValueError(f"pad rows {n}..{n_pad - 1} are not zero; qpn pack writes zeros there")
 
 
 def _check_copied_files(folder: str, manifest_path: str, manifest: Mapping[str, Any]) -> None:
