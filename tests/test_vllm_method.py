@@ -403,8 +403,9 @@ def test_misaligned_input_partition_is_a_clear_error():
 
 @pytest.mark.parametrize("same_scale", (True, False))
 def test_shard_partitions_off_the_32_row_tile(tmp_path, same_scale):
-    """gate/up of 40 rows each: equal global scales run (N padded to 96 and cropped); different ones
-    cannot keep one scale per 32-row tile, and max() is never taken: a clear error."""
+    """gate/up of 40 rows each: equal global scales run (N padded to 96 and cropped); different ones cannot
+    share a 32-row tile (one global scale per tile; max() is never taken), so each shard is packed in its own
+    tiles (40 -> 64 rows each, 128 in all) and apply keeps the real rows: every W16 the contract's, exactly."""
     rng = np.random.default_rng(8)
     gate = rng.standard_normal((40, HIDDEN)).astype(np.float32)
     up = gate[::-1].copy() if same_scale else 3 * gate  # same amax -> same weight_scale_2
@@ -413,17 +414,22 @@ def test_shard_partitions_off_the_32_row_tile(tmp_path, same_scale):
     layer = st.MergedColumnParallelLinear(HIDDEN, [40, 40], quant_config=st.get_quant_config(str(tmp_path)),
                                           prefix=f"{MLP}.gate_up_proj")
     st.load_weights({f"{MLP}.gate_up_proj": layer}, st.checkpoint_weights(str(tmp_path)))
-    if not same_scale:
-        with pytest.raises(ValueError, match=r"different weight_scale_2.*multiple of 32, got \{0: 40, 1: 40\}"):
-            layer.quant_method.process_weights_after_loading(layer)
-        return
+    g = layer.weight_scale_2.data.clone()
+    assert bool(g[0] == g[1]) == same_scale
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.qpn_codes.shape[0] == 96  # padded inside, cropped in apply
+    # equal scales: one layer padded inside (96 rows), cropped in apply; different: each shard in its own tiles
+    assert layer.qpn_codes.shape[0] == (96 if same_scale else 128)
+    assert hasattr(layer, "qpn_row_index") != same_scale
     w16 = np.concatenate([st.contract_w16(quantized[f"{MLP}.{s}_proj"]) for s in ("gate", "up")])
+    got = layer.quant_method.dequantized_weight(layer).numpy()
+    assert np.array_equal(got.view(np.uint16), w16.view(np.uint16))
     x = x_of(3, HIDDEN)
     y = layer(x)
     assert y.shape == (3, 80)
     assert_within_linear_bounds(y, x, w16)
+    bias = torch.arange(80, dtype=torch.float16) / 8  # lands on the real rows: one rounding of y + b
+    with_bias = layer.quant_method.apply(layer, x, bias)
+    assert torch.equal(with_bias, (y.float() + bias.float()).half())
 
 
 def test_loader_rejects_wrong_tensors(block_checkpoints):

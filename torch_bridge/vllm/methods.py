@@ -28,8 +28,12 @@ process_weights_after_loading (every slot must have been loaded; ValueError othe
   (qpn.torch_bridge.pack_nvfp4 validates the values again). Global scale: if every shard's
   weight_scale_2 is the same fp32 value, that scalar (N_part is then padded to 32 inside and the
   padding cropped in apply); otherwise one value per 32-row tile, each shard's tiles carrying its
-  own scale, which needs every shard's N_part to be a multiple of 32 (ValueError otherwise). Different shard
-  scales are NEVER collapsed with max() (that makes the smaller shards 1.5-3x too large).
+  own scale, when every shard's N_part is a multiple of 32. Different scales with a shard off the tile
+  (a GDN in_proj_ba / in_proj_b, in_proj_a of few value heads): each shard is packed alone in its own
+  tiles (padded with +0 rows), and apply runs the padded layer and keeps the real rows (qpn_row_index;
+  a bias is placed on them first, so y + b is rounded once as elsewhere): exact, for at most 31 pad
+  rows per shard. Different shard scales are NEVER collapsed with max() (that makes the smaller shards
+  1.5-3x too large). Why two scales cannot share a tile exactly instead: docs/DESIGN.md, "NVFP4 weight".
 - FP8: per-shard scalars become a per-channel scale vector (each row keeps its shard's scale:
   exact), then torch.ops.qpn.fp8_prepack (per-channel QPN8: S16 = RN16(256 * s)); block scales
   prepack as they are (QPN8 block layout).
@@ -56,7 +60,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -93,6 +97,7 @@ from .sharding import (
     positive_scale_rule,
 )
 
+_Packed = TypeVar("_Packed")  # what a packing step returns (a PackedWeight, or one with its row index)
 NVFP4_GROUP_SIZE = GROUP_K  # 16: ModelOpt's NVFP4 group_size, the one qpn runs
 _UNLOADED = float("nan")  # initial value of per-shard slots (the loaded-slot bookkeeping is what counts)
 
@@ -121,7 +126,7 @@ def _begin_create(layer: QPNLayer, input_size_per_partition: int, output_partiti
     return geom
 
 
-def _packed_named(geom: ShardGeometry, pack: Callable[[], PackedWeight]) -> PackedWeight:
+def _packed_named(geom: ShardGeometry, pack: Callable[[], _Packed]) -> _Packed:
     """pack(), its ValueError prefixed with the vLLM layer (the values were judged at load time already;
     this catches what is left, such as a layout rule)."""
     try:
@@ -151,9 +156,16 @@ def _finish(layer: QPNLayer, packed: PackedWeight, deleted: tuple[str, ...]) -> 
 
 
 def _apply(layer: QPNLayer, x: Tensor, bias: Tensor | None, gated: bool = False) -> Tensor:
-    """module.qpn_linear on the layer's packed weight; an error names the vLLM layer."""
+    """module.qpn_linear on the layer's packed weight; an error names the vLLM layer. A layer packed shard by
+    shard in whole tiles (qpn_row_index, _pack_nvfp4_shards_in_own_tiles) runs on the padded rows, its bias
+    placed on them (zeros on the pad rows: the same one rounding of y + b), and keeps its real rows."""
+    rows = getattr(layer, "qpn_row_index", None)
     try:
-        return qpn_linear(x, layer.qpn_weight, bias, gated)
+        if rows is None:
+            return qpn_linear(x, layer.qpn_weight, bias, gated)
+        if bias is not None:
+            bias = bias.new_zeros(layer.qpn_weight.out_features).index_copy(0, rows, bias)
+        return qpn_linear(x, layer.qpn_weight, bias, gated).index_select(-1, rows)
     except ValueError as exc:
         raise ValueError(f"layer {layer.qpn_geometry.prefix!r}: {exc}") from exc
 
@@ -186,7 +198,9 @@ class _QPNLinearMethodBase(LinearMethodBase):
 
     def dequantized_weight(self, layer: QPNLayer) -> Tensor:
         """float16 [N_part, K_part]: the W16 this rank computes with (padding cropped)."""
-        return layer.qpn_weight.dequantize()
+        rows = getattr(layer, "qpn_row_index", None)
+        w16 = layer.qpn_weight.dequantize()
+        return w16 if rows is None else w16.index_select(0, rows)
 
 
 class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
@@ -213,7 +227,13 @@ class QPNNVFP4LinearMethod(_QPNLinearMethodBase):
         geom: ShardGeometry = layer.qpn_geometry
         _require_loaded(layer, geom, ("weight", "weight_scale", "weight_scale_2"))
         _require_shards_fit_fp16(layer, geom)
-        global_scale = _nvfp4_global_scale(geom, layer.weight_scale_2.data)
+        g = layer.weight_scale_2.data
+        if _needs_own_tiles(geom, g):
+            packed, rows = _packed_named(geom, lambda: _pack_nvfp4_shards_in_own_tiles(layer, geom))
+            _finish(layer, packed, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
+            replace_parameters(layer, (), {"row_index": rows})
+            return
+        global_scale = _nvfp4_global_scale(geom, g)
         packed = _packed_named(geom, lambda: pack_nvfp4(layer.weight.data, layer.weight_scale.data, global_scale))
         _finish(layer, packed, ("weight", "weight_scale", "weight_scale_2", "input_scale"))
 
@@ -290,21 +310,37 @@ def _require_shards_fit_fp16(layer: QPNLayer, geom: ShardGeometry) -> None:
             "smaller scale, or keep it unquantized (exclude_modules)")
 
 
+def _needs_own_tiles(geom: ShardGeometry, g: Tensor) -> bool:
+    """Shards with different weight_scale_2 of which one is off the 32-row tile (module docstring)."""
+    return not bool(torch.all(g == g[0])) and any(p % TILE_N for p in geom.partitions)
+
+
 def _nvfp4_global_scale(geom: ShardGeometry, g: Tensor) -> Tensor:
-    """The shards' weight_scale_2 [S] -> one scalar, or one value per 32-row tile (module docstring)."""
+    """The shards' weight_scale_2 [S] -> one scalar, or one value per 32-row tile (module docstring); shards off
+    the tile with different scales are _pack_nvfp4_shards_in_own_tiles' (ValueError here)."""
     if bool(torch.all(g == g[0])):
         return g[:1].clone()  # one value for the whole layer
-    misaligned = {geom.shard_ids[i]: p for i, p in enumerate(geom.partitions) if p % TILE_N != 0}
-    if misaligned:
-        raise ValueError(
-            f"layer {geom.prefix!r}: its shards {list(geom.shard_ids)} carry different weight_scale_2 "
-            f"{[float(v) for v in g.cpu()]}; qpn keeps one global scale per {TILE_N}-row tile (never the "
-            f"max(), which mis-scales the smaller shards), so every shard's rows on this rank must be a "
-            f"multiple of {TILE_N}, got {misaligned} (partitions {list(geom.partitions)}, tp_size "
-            f"{geom.tp_size}); use a tensor-parallel size that keeps them aligned, or requantize the shards "
-            "to one weight_scale_2")
+    if _needs_own_tiles(geom, g):
+        raise ValueError(f"layer {geom.prefix!r}: shards {list(geom.partitions)} with different weight_scale_2 are "
+                         "packed shard by shard (_pack_nvfp4_shards_in_own_tiles), not with one scale per tile")
     tiles = torch.tensor([p // TILE_N for p in geom.partitions], device=g.device)
     return torch.repeat_interleave(g, tiles)  # tile t: the scale of the shard holding its rows
+
+
+def _pack_nvfp4_shards_in_own_tiles(layer: QPNLayer, geom: ShardGeometry) -> tuple[PackedWeight, Tensor]:
+    """Shards with different weight_scale_2, one of them off the 32-row tile (a GDN in_proj_ba / in_proj_b,
+    in_proj_a of few value heads): each shard packed alone with its own scalar global scale, padded to whole
+    tiles (+0 codes), the padded parts stacked; returns (the packed weight of sum(padded) rows, the int64
+    index of the real rows in it, which apply keeps). Exact: every real row has its shard's W16 (module
+    docstring: why no re-expression inside a shared tile is)."""
+    w, s, g = layer.weight.data, layer.weight_scale.data, layer.weight_scale_2.data
+    parts, rows, start = [], [], 0
+    for i, (offset, n) in enumerate(zip(geom.offsets, geom.partitions, strict=True)):
+        part = pack_nvfp4(w.narrow(0, offset, n), s.narrow(0, offset, n), g[i:i + 1].clone())
+        parts.append(type(part).over(part.buffers, part.in_features, part.padded_out_features))
+        rows.append(torch.arange(start, start + n, device=w.device))
+        start += part.padded_out_features
+    return PackedWeight.stack_rows(parts), torch.cat(rows)
 
 
 def _block_scale_grid(geom: ShardGeometry) -> tuple[int, int]:
