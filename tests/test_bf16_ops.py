@@ -16,6 +16,10 @@ from qpn import ref
 from qpn.ref import gpt_oss
 from qpn.ref import mxfp4 as mx
 from qpn.ref.dtypes import BF16, BF16_MAX, BF16_OVERFLOW
+from qpn.ref.formats import QPN2, QPNMX, weight_format
+from qpn.torch_bridge import _cpu_ops, _cuda, dispatch, epilogue, pack_mxfp4, pack_nvfp4
+from qpn.torch_bridge.packed_experts import PackedExperts
+from qpn.torch_bridge.packed_weight import PackedWeight
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -184,3 +188,295 @@ def test_moe_combine_in_bf16_is_fp32_in_top_k_order_then_one_rounding():
     for j in range(3):
         acc = acc + weights[:, j:j + 1] * y[:, j]
     assert same_values(ref.moe.combine(y, weights, dtype=BF16), ref.bf16_round(acc))
+
+
+# ----------------------------------------------------------------------------- torch ops: inputs
+
+CPU_PATHS = ["cpu_fused", "cpu_blas", "op"]
+# (format, variant, N, K): NVFP4 with one global scale per tile and a scalar; FP8 per tensor, channel and
+# 128x128 block; MXFP4 with tiles of different 2^T
+LINEAR_CASES = [("nvfp4", "per_tile", 96, 192), ("nvfp4", "scalar", 64, 128), ("fp8", "tensor", 64, 128),
+                ("fp8", "channel", 96, 192), ("fp8", "block", 128, 256), ("mxfp4", "tiles", 96, 192)]
+MS = [1, 5, 33]
+
+
+def devices():
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def packed_case(fmt: str, variant: str, n: int, k: int, seed: int, device: str = "cpu"):
+    """(op, buffers on device, layout, W16 [N, K], column scale [N] or None): random bytes of every code, scales
+    that keep W16 finite (the recipes of tests/test_torch_ops.py and tests/test_mxfp4_ops.py)."""
+    rng = np.random.default_rng(seed)
+    if fmt == "nvfp4":
+        wp = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+        ws = rng.integers(0, 0x7F, (n, k // 16), dtype=np.uint8)  # positive, no NaN
+        g = np.exp2(rng.uniform(-8, 4, n // 32)).astype(np.float32) if variant == "per_tile" \
+            else np.array(0.75, np.float32)
+        codes, scales = ref.qpn2_prepack(wp, ws)
+        arrays, wf = (codes, scales, g), QPN2
+        w16, col = ref.qpn2_dequantize(codes, scales, g, n, k), None
+    elif fmt == "fp8":
+        w = rng.integers(0, 0x7F, (n, k), dtype=np.uint8) | (rng.integers(0, 2, (n, k), dtype=np.uint8) << 7)
+        s = {"tensor": np.array(0.01, np.float32),
+             "channel": np.exp2(rng.uniform(-12, 6, n)).astype(np.float32),
+             "block": np.exp2(rng.uniform(-12, 6, (n // 128, k // 128))).astype(np.float32)}[variant]
+        codes, group_scales = ref.qpn8_prepack(w, s)
+        arrays, wf = (codes, group_scales), weight_format("fp8", variant)
+        w16, col = ref.qpn8_dequantize(codes, group_scales, n, k), None
+    else:
+        scales = rng.integers(100, 131, (n, k // 32)).astype(np.uint8)
+        scales[:32] -= 9
+        blocks = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+        arrays, wf = mx.qpnmx_prepack(blocks, scales), QPNMX
+        w16, tile_scale = mx.mxfp4_w16(blocks, scales)
+        col = np.repeat(tile_scale, 32)
+    buffers = tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays)
+    return getattr(torch.ops.qpn, f"{fmt}_linear"), buffers, wf, w16, col
+
+
+def x_for(rng: np.random.Generator, m: int, w16: np.ndarray, col, spread: float = 1.0) -> np.ndarray:
+    """bf16 x whose sums stay moderate: |x| about 1 / (max|2^T W16| sqrt(K)), times `spread`."""
+    k = w16.shape[1]
+    top = float(np.abs(w16.astype(np.float64) * (1.0 if col is None else col[:, None])).max())
+    return bf16_x(rng, m, k, spread / max(top * np.sqrt(k), 1e-30))
+
+
+def assert_in_bf16_bound(y: torch.Tensor, x: np.ndarray, w16: np.ndarray, col) -> None:
+    assert y.dtype == torch.bfloat16
+    lo, hi = ref.linear_bounds(x, w16, column_scale=col, dtype=BF16)
+    got = bf16_of(y)
+    bad = ~((lo <= got) & (got <= hi))
+    assert not bad.any(), f"{int(bad.sum())} outputs outside the bf16 bound, first at {np.argwhere(bad)[0]}"
+
+
+def run_path(path: str, op, wf, x: torch.Tensor, buffers, n: int, gated: bool = False) -> torch.Tensor:
+    if path == "op":
+        return op(x, *buffers, gated=gated)
+    y = _cpu_ops.linear_on(path, wf, x, buffers, n)
+    return epilogue.silu_and_mul(y) if gated else y
+
+
+# ----------------------------------------------------------------------------- torch ops: linear
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("fmt,variant,n,k", LINEAR_CASES)
+def test_cpu_linear_in_bf16_is_inside_the_bf16_bound(fmt, variant, n, k, path):
+    op, buffers, wf, w16, col = packed_case(fmt, variant, n, k, seed=n + k)
+    rng = np.random.default_rng(k)
+    for m in MS:
+        for spread in (1.0, 2.0**-100):  # the second: products in fp32's subnormal range
+            x = x_for(rng, m, w16, col, spread)
+            y = run_path(path, op, wf, torch.from_numpy(x).bfloat16(), buffers, n)
+            assert y.shape == (m, n) and y.is_contiguous()
+            assert_in_bf16_bound(y, x, w16, col)
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("fmt,variant,n,k", [c for c in LINEAR_CASES if c[2] % 64 == 0])
+def test_cpu_gated_in_bf16_is_linear_then_the_bf16_epilogue(fmt, variant, n, k, path):
+    """Bit for bit: the op's ungated bf16 result through ref.silu_and_mul(dtype=bf16) (the CPU epilogue's expf
+    is ref's); and ref.linear_gated(dtype=bf16) wherever the linear agrees with ref.linear."""
+    op, buffers, wf, w16, col = packed_case(fmt, variant, n, k, seed=3 * n + k)
+    rng = np.random.default_rng(n)
+    half = n // 2
+    for m in MS:
+        x = x_for(rng, m, w16, col, 64.0)  # gates of order 1..10
+        xt = torch.from_numpy(x).bfloat16()
+        y = bf16_of(run_path(path, op, wf, xt, buffers, n))
+        out = run_path(path, op, wf, xt, buffers, n, gated=True)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, half)
+        assert same_values(bf16_of(out), ref.silu_and_mul(y[:, :half].copy(), y[:, half:].copy(), dtype=BF16))
+        if col is None:
+            y_ref = ref.linear(x, w16, dtype=BF16)
+            agree = np.all(y == y_ref, axis=1)
+            gated_ref = ref.linear_gated(x, w16, dtype=BF16)
+            assert same_values(bf16_of(out)[agree], gated_ref[agree])
+
+
+def test_fp16_outputs_do_not_change():
+    """The fp16 op is what it was: the same bits as before bf16 existed (its own ref bound and the fp16 path)."""
+    op, buffers, wf, w16, col = packed_case("nvfp4", "per_tile", 96, 192, seed=7)
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((5, 192)) / 64).astype(np.float16)
+    y = op(torch.from_numpy(x), *buffers)
+    assert y.dtype == torch.float16
+    assert torch.equal(y, _cpu_ops.sums_on("cpu_fused", wf, torch.from_numpy(x), buffers, 96).half())
+
+
+def test_bf16_on_cuda_takes_the_dense_path_and_the_kernels_refuse_it():
+    for wf in (QPN2, QPNMX, weight_format("fp8", "block")):
+        for m in (1, 32, 100, 4096):
+            assert dispatch.choose(torch.device("cuda"), wf, m, 4096, 4096, False, torch.bfloat16) == "dense"
+    assert dispatch.choose(torch.device("cpu"), QPN2, 1, 4096, 4096, False, torch.bfloat16) == "cpu_fused"
+    _, buffers, wf, _, _ = packed_case("nvfp4", "scalar", 64, 128, seed=1)
+    with pytest.raises(ValueError, match=r"'decode' kernels take torch.float16.*'dense' path for bf16"):
+        _cuda.linear_on("decode", wf, torch.zeros((1, 128), dtype=torch.bfloat16), buffers, 64, 128, 64, False)
+
+
+@pytest.mark.parametrize("fmt,variant,n,k", LINEAR_CASES)
+def test_the_dense_paths_bf16_product_is_inside_the_bound(fmt, variant, n, k):
+    """_cuda._mm_round (the CUDA dense path's math: float64 mm, RN32, times 2^T, RN_bf16) run on CPU tensors."""
+    op, buffers, wf, w16, col = packed_case(fmt, variant, n, k, seed=5 * n + k)
+    rng = np.random.default_rng(1)
+    scale = None if col is None else torch.from_numpy(col.astype(np.float32))
+    for spread in (1.0, 2.0**-100):
+        x = x_for(rng, 9, w16, col, spread)
+        y = _cuda._mm_round(torch.from_numpy(x).bfloat16(), torch.from_numpy(w16), scale)
+        assert_in_bf16_bound(y, x, w16, col)
+
+
+# ----------------------------------------------------------------------------- opcheck, compile, modules
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("fmt,variant,n,k", [c for c in LINEAR_CASES if c[2] % 64 == 0])
+def test_opcheck_in_bf16(fmt, variant, n, k, gated, device):
+    op, buffers, _, w16, col = packed_case(fmt, variant, n, k, seed=11, device=device)
+    x = torch.from_numpy(x_for(np.random.default_rng(2), 3, w16, col)).bfloat16().to(device)
+    torch.library.opcheck(op, (x, *buffers), {"gated": gated})
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+def mxfp4_experts(rng: np.random.Generator, e: int, h: int, inter: int):
+    """MXFP4 experts with biases and swigluoai (tests/test_mxfp4_ops.py's recipe) and the reference's W16."""
+    pairs, w13, w2 = [], [], []
+    for _ in range(e):
+        qs = [ref.mxfp4_quantize((rng.standard_normal(s) * 0.05).astype(np.float32))
+              for s in ((inter, h), (inter, h), (h, inter))]
+        pairs.append((PackedWeight.stack_rows([pack_mxfp4(*qs[0]), pack_mxfp4(*qs[1])]), pack_mxfp4(*qs[2])))
+        w13.append(np.concatenate([mx.mxfp4_dequantize(*q) for q in qs[:2]]).astype(np.float16))
+        w2.append(mx.mxfp4_dequantize(*qs[2]).astype(np.float16))
+    b13 = (rng.standard_normal((e, 2 * inter)) * 0.1).astype(np.float32)
+    b2 = (rng.standard_normal((e, h)) * 0.1).astype(np.float32)
+    packed = PackedExperts.stack(pairs, torch.from_numpy(b13), torch.from_numpy(b2), "swigluoai")
+    return packed, np.stack(w13), b13, np.stack(w2), b2
+
+
+def nvfp4_experts(rng: np.random.Generator, e: int, h: int, inter: int):
+    """NVFP4 experts (gate and up with their own global scales), SiLU, no biases; the reference's W16."""
+    def one(n: int, k: int, scale: float) -> PackedWeight:
+        q = ref.nvfp4_quantize((rng.standard_normal((n, k)) * scale / np.sqrt(k)).astype(np.float32))
+        return pack_nvfp4(q.weight_packed, q.weight_scale, q.weight_scale_2)
+
+    packed = PackedExperts.stack([(PackedWeight.stack_rows([one(inter, h, 1.0), one(inter, h, 3.0)]),
+                                   one(h, inter, 1.0)) for _ in range(e)])
+    pairs = [packed.expert(i) for i in range(e)]
+    w13, w2 = (np.stack([w.reference_dequantize() for w in ws]) for ws in zip(*pairs, strict=True))
+    return packed, w13, w2
+
+
+# Tolerance: the reference sums in float64 and rounds once; the op sums in fp32, so a gate / up / y may land on
+# the neighbouring bf16 value (a bf16 ulp: 2^-7 relative), which the epilogue and the down projection carry
+# on; 4 ulps of the output's largest magnitude covers two such steps on the way. Most outputs are the
+# reference's bits (the fraction is asserted).
+MOE_ULPS = 4
+
+
+def assert_moe_close(got: torch.Tensor, want: np.ndarray) -> None:
+    assert got.dtype == torch.bfloat16
+    got32 = bf16_of(got)
+    tol = MOE_ULPS * float(np.abs(want).max()) * 2.0**-7
+    assert np.abs(got32.astype(np.float64) - want).max() <= tol
+    assert (got32 == want).mean() > 0.8
+
+
+def test_mxfp4_moe_with_biases_and_swigluoai_in_bf16_matches_the_reference():
+    rng = np.random.default_rng(12)
+    e, h, inter = 8, 128, 64
+    packed, w13, b13, w2, b2 = mxfp4_experts(rng, e, h, inter)
+    for m in (1, 5, 33):
+        x = bf16_x(rng, m, h)
+        weights, ids = gpt_oss.route(rng.standard_normal((m, e)).astype(np.float32), 2)
+        got = packed.forward(torch.from_numpy(x).bfloat16(), torch.from_numpy(weights), torch.from_numpy(ids))
+        assert_moe_close(got, gpt_oss.moe(x, w13, b13, w2, b2, weights, ids, dtype=BF16))
+
+
+def test_nvfp4_moe_in_bf16_matches_the_reference_and_is_batch_invariant():
+    rng = np.random.default_rng(13)
+    e, h, inter = 8, 128, 64
+    packed, w13, w2 = nvfp4_experts(rng, e, h, inter)
+    m = 40
+    x = bf16_x(rng, m, h)
+    weights, ids = ref.moe.route(rng.standard_normal((m, e)).astype(np.float32), 2, renormalize=True)
+    args = [torch.from_numpy(a) for a in (weights, ids)]
+    full = packed.forward(torch.from_numpy(x).bfloat16(), *args)
+    assert_moe_close(full, ref.moe.moe(x, w13, w2, weights, ids, dtype=BF16))
+    for i in (0, 17, 39):
+        one = packed.forward(torch.from_numpy(x[i:i + 1]).bfloat16(), *(a[i:i + 1] for a in args))
+        assert torch.equal(one, full[i:i + 1])
+
+
+def test_moe_opcheck_in_bf16():
+    rng = np.random.default_rng(14)
+    packed = mxfp4_experts(rng, 4, 64, 64)[0]
+    x = torch.from_numpy(bf16_x(rng, 3, 64)).bfloat16()
+    weights, ids = (torch.from_numpy(a) for a in gpt_oss.route(rng.standard_normal((3, 4)).astype(np.float32), 2))
+    torch.library.opcheck(torch.ops.qpn.mxfp4_moe, (x, *packed.w13.values(), *packed.w2.values(), weights, ids),
+                          {"w13_bias": packed.w13_bias, "w2_bias": packed.w2_bias, "activation": "swigluoai"})
+
+
+# ----------------------------------------------------------------------------- CUDA (the dense path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("fmt,variant,n,k", LINEAR_CASES)
+def test_cuda_linear_in_bf16_is_inside_the_bound_and_gated_is_linear_then_the_epilogue(fmt, variant, n, k, gated):
+    """Every M goes the dense path (float64 product); the result is inside the bf16 bound; gated = the op's own
+    linear through epilogue.silu_and_mul on CUDA (CUDA's expf), bit for bit."""
+    if gated and n % 64:
+        pytest.skip("gated needs N % 64")
+    op, buffers, _, w16, col = packed_case(fmt, variant, n, k, seed=n + k, device="cuda")
+    rng = np.random.default_rng(k)
+    for m in MS + [300]:
+        for spread in (1.0, 2.0**-100):
+            x = x_for(rng, m, w16, col, spread * (64.0 if gated else 1.0))
+            xt = torch.from_numpy(x).bfloat16().cuda()
+            y = op(xt, *buffers)
+            assert y.device.type == "cuda" and y.is_contiguous()
+            assert_in_bf16_bound(y, x, w16, col)
+            if gated:
+                out = op(xt, *buffers, gated=True)
+                assert out.dtype == torch.bfloat16 and torch.equal(out, epilogue.silu_and_mul(y))
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_dense_path_ignores_tf32_and_captures_in_a_cuda_graph():
+    op, buffers, _, w16, col = packed_case("mxfp4", "tiles", 96, 192, seed=21, device="cuda")
+    rng = np.random.default_rng(21)
+    x = x_for(rng, 4, w16, col)
+    static_x = torch.from_numpy(x).bfloat16().cuda()
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")  # the user's setting: the float64 product ignores it
+        eager = op(static_x, *buffers)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert_in_bf16_bound(eager, x, w16, col)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op(static_x, *buffers)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = op(static_x, *buffers)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, op(static_x, *buffers))
+
+
+@pytest.mark.gpu
+def test_cuda_moe_refuses_bf16():
+    rng = np.random.default_rng(22)
+    packed = mxfp4_experts(rng, 4, 64, 64)[0].to("cuda")
+    x = torch.from_numpy(bf16_x(rng, 3, 64)).bfloat16().cuda()
+    weights, ids = (torch.from_numpy(a).cuda()
+                    for a in gpt_oss.route(rng.standard_normal((3, 4)).astype(np.float32), 2))
+    with pytest.raises(ValueError, match=r"x must be torch.float16 for the MoE ops on CUDA.*x.to\(torch.float16\)"):
+        packed.forward(x, weights, ids)

@@ -316,7 +316,8 @@ def error_cases():
     return {
         "x fp32": (lambda: q.nvfp4_linear(x.float(), c2, s2, g2),
                    r"x must have dtype torch.float16.*to\(torch.float16\)"),
-        "x bf16": (lambda: q.fp8_linear(x.bfloat16(), c8, gs8), r"x must have dtype torch.float16"),
+        "x fp64": (lambda: q.fp8_linear(x.double(), c8, gs8),
+                   r"x must have dtype torch.float16 or torch.bfloat16.*or x.to\(torch.bfloat16\)"),
         "x not contiguous": (lambda: q.nvfp4_linear(torch.zeros((k, 2), dtype=f16).t(), c2, s2, g2),
                              r"x must be contiguous.*\.contiguous\(\)"),
         "x wrong K": (lambda: q.nvfp4_linear(torch.zeros((2, k + 64), dtype=f16), c2, s2, g2),

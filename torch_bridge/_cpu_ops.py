@@ -35,21 +35,23 @@ def dequantize(wf: WeightFormat, buffers: tuple[Tensor, ...], n: int, k: int) ->
 
 def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, gated: bool) -> Tensor:
     """RN16(x @ W16^T) -> fp16 [M, n] ([M, n/2] gated: the epilogue) on the path dispatch.choose picks: the
-    fused kernels or decode-then-matmul (the CUDA side's _cuda.linear)."""
+    fused kernels or decode-then-matmul (the CUDA side's _cuda.linear). bf16 x: RN_bf16, a bf16 result."""
     if x.shape[0] == 0:
         return x.new_empty((0, n // 2 if gated else n))
-    y = linear_on(dispatch.choose(x.device, wf, x.shape[0], n, x.shape[1], False), wf, x, buffers, n)
+    y = linear_on(dispatch.choose(x.device, wf, x.shape[0], n, x.shape[1], False, x.dtype), wf, x, buffers, n)
     return silu_and_mul(y) if gated else y
 
 
 def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int) -> Tensor:
-    """`linear` on a given path, "cpu_fused" or "cpu_blas" (benchmarks/bench_dispatch.py times each)."""
-    return sums_on(path, wf, x, buffers, n).to(torch.float16, memory_format=torch.contiguous_format)
+    """`linear` on a given path, "cpu_fused" or "cpu_blas" (benchmarks/bench_dispatch.py times each): the fp32
+    sums rounded once to x's dtype (fp16 or bf16)."""
+    return sums_on(path, wf, x, buffers, n).to(x.dtype, memory_format=torch.contiguous_format)
 
 
 def sums_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int) -> Tensor:
-    """float32 [M, n]: the outputs before their one RN16 (each sum times the layout's column scale, exact),
-    on `path`; the MoE op adds its biases here."""
+    """float32 [M, n]: the outputs before their one RN16 / RN_bf16 (each sum times the layout's column scale,
+    exact), on `path`; the MoE op adds its biases here. x fp16 or bf16: widened to fp32 exactly, so the
+    kernels and the matmul are the same for both (docs/DESIGN.md, "bf16 activations")."""
     kernels, family = _kernels(), _family(wf)
     operands = family.operands(buffers, n)
     scale = column_scale(wf, buffers)

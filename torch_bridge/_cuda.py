@@ -37,6 +37,18 @@ F.linear may reduce split-K partials in fp16 when that flag is on (its default).
 `mm(out_dtype=)` (torch < 2.8) both operands are upcast to fp32 instead: fp16 values are exact
 in fp32 and in TF32 (10 explicit mantissa bits either way), so products stay exact and the sum
 is fp32. The gated epilogue is epilogue.silu_and_mul (torch fp32 expf, as the decode kernels).
+
+bf16 x (docs/DESIGN.md, "bf16 activations") takes the dense path only (dispatch.choose; the decode and GEMM
+kernels are fp16-in), with the product in float64:
+
+    y = RN_bf16(RN32(torch.mm(float64(x), float64(W16)^T)))   (MXFP4: times the tile's 2^T in fp32 first)
+
+x and W16 are exact in float64, so is every product, and the sum is float64: no TF32 or reduced-precision
+setting applies to a float64 GEMM, whatever the user set. (An fp32 GEMM would need TF32 off: flipping
+torch's flags inside the op is not safe, since its legacy (allow_tf32) and new (fp32_precision) APIs raise
+once mixed; and mm(out_dtype=) takes one input dtype, where x is bf16 and W16 fp16.) RN32 of that sum is
+one of the fp32-or-wider sums the bound admits. Costs: a float64 copy of W16 per call and a DGEMM: exact,
+not fast (the Turing bf16 kernel path is future work, issue 24).
 """
 
 from __future__ import annotations
@@ -102,11 +114,17 @@ class _SameStream:
         return self.tensor.__dlpack__(stream=-1, **kwargs)
 
 
-def _mm_rn16(x: Tensor, w16: Tensor, scale: Tensor | None = None) -> Tensor:
+def _mm_round(x: Tensor, w16: Tensor, scale: Tensor | None = None) -> Tensor:
     """RN16(x @ w16^T) with fp32 accumulation and reduction (module docstring); each column's sum times
-    `scale` first where the layout has a column scale (buffers.column_scale: exact, a power of two)."""
-    y = torch.mm(x, w16.t(), out_dtype=torch.float32) if _HAS_MM_OUT_DTYPE else torch.mm(x.float(), w16.float().t())
-    return (y if scale is None else y * scale).to(torch.float16)
+    `scale` first where the layout has a column scale (buffers.column_scale: exact, a power of two).
+    bf16 x: RN_bf16 of the float64 product's sums rounded to fp32 (module docstring)."""
+    if x.dtype == torch.bfloat16:
+        y = torch.mm(x.double(), w16.double().t()).float()
+    elif _HAS_MM_OUT_DTYPE:
+        y = torch.mm(x, w16.t(), out_dtype=torch.float32)
+    else:
+        y = torch.mm(x.float(), w16.float().t())
+    return (y if scale is None else y * scale).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- prepack
@@ -140,19 +158,23 @@ def dequantize(wf: WeightFormat, buffers: tuple[Tensor, ...], n: int, k: int) ->
 
 def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, k: int, n_out: int,
            gated: bool) -> Tensor:
-    """x fp16 [M, K] times the weight -> fp16 [M, n_out], on the path dispatch.choose picks."""
+    """x fp16 / bf16 [M, K] times the weight -> x's dtype [M, n_out], on the path dispatch.choose picks."""
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, n_out))
-    return linear_on(dispatch.choose(x.device, wf, m, n, k, gated), wf, x, buffers, n, k, n_out, gated)
+    return linear_on(dispatch.choose(x.device, wf, m, n, k, gated, x.dtype), wf, x, buffers, n, k, n_out, gated)
 
 
 def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, k: int, n_out: int,
               gated: bool) -> Tensor:
-    """`linear` on a given path ("decode", "gemm" or "dense"; benchmarks/bench_dispatch.py times each)."""
+    """`linear` on a given path ("decode", "gemm" or "dense"; benchmarks/bench_dispatch.py times each); bf16 x
+    on "dense" only."""
     if path == "dense":
-        y = _mm_rn16(x, dequantize(wf, buffers, n, k), column_scale(wf, buffers))
+        y = _mm_round(x, dequantize(wf, buffers, n, k), column_scale(wf, buffers))
         return silu_and_mul(y) if gated else y
+    if x.dtype != torch.float16:
+        raise ValueError(f"x is {x.dtype} but the {path!r} kernels take torch.float16 activations only; run the "
+                         "'dense' path for bf16 (the ops' dispatch does), or cast x with x.to(torch.float16)")
     kernels = _layout_kernels(wf)
     launch = kernels.decode if path == "decode" else kernels.gemm
     out = torch.empty((x.shape[0], n_out), dtype=torch.float16, device=x.device)

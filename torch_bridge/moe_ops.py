@@ -10,11 +10,11 @@
                    Tensor topk_weights, Tensor topk_ids) -> Tensor
   each with the keyword arguments (Tensor? w13_bias=None, Tensor? w2_bias=None, str activation="silu")
 
-Tensors: x float16 [M, H]; each w13 buffer is the layout's buffer of an [2I, H] weight (gate rows
-[0, I), up rows [I, 2I)) and each w2 buffer that of an [H, I] weight, stacked along a leading expert
-dimension E (QPN2: codes uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/16], global_scale float32
+Tensors: x float16 [M, H] (bfloat16 on the CPU: below); each w13 buffer is the layout's buffer of an
+[2I, H] weight (gate rows [0, I), up rows [I, 2I)) and each w2 buffer that of an [H, I] weight, stacked
+along a leading expert dimension E (QPN2: codes uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/16], global_scale float32
 [E, 2I/32]; QPN8: codes uint8 [E, 2I, H], group_scales float16 [E, 1, 2I] or [E, H/128, 2I/32]);
-topk_weights float32 [M, k] (>= 0), topk_ids int32 / int64 [M, k] in [0, E). Output float16 [M, H].
+topk_weights float32 [M, k] (>= 0), topk_ids int32 / int64 [M, k] in [0, E). Output in x's dtype [M, H].
 I % 32 == 0 (the gated epilogue's halves are whole tiles) and the layouts' N / K rules hold. QPNMX:
 codes uint8 [E, 2I, H/2], scales uint8 [E, 2I, H/32], tile_scale float32 [E, 2I/32].
 Biases (gpt-oss): w13_bias float32 [E, 2I] (gate's, then up's) and w2_bias float32 [E, H], added to each
@@ -33,6 +33,12 @@ the rest of the batch.
 - CPU: grouped on the host, the fused numba kernels at every M. They cost speed where many tokens
   share an expert: at M = 32 they take 8.6x the decode-then-BLAS time (4096 x 4096,
   dispatch_tables/cpu.json).
+
+bf16 x (docs/DESIGN.md, "bf16 activations"): on the CPU every rounding of the activations is an RN_bf16
+(the linears' sums plus bias, the epilogue, the combine) and the output is bf16. On CUDA a ValueError: the
+fused MoE kernels are fp16-in, and a dequantize + GEMM fallback per expert would make a token's bits depend
+on how many tokens chose its experts (docs/DESIGN.md, "Mixture of experts"); cast x to float16 (QPNExperts
+does on CUDA).
 """
 
 from __future__ import annotations
@@ -47,7 +53,15 @@ from ..ref.formats import QPN2, QPNMX, WeightFormat
 from ..ref.geometry import TILE_N
 from . import _cpu_ops
 from .epilogue import ACTIVATIONS
-from .ops import fp8_dims, fp8_layout, mxfp4_dims, nvfp4_dims, require_same_device, require_tensor
+from .ops import (
+    ACTIVATION_DTYPES,
+    fp8_dims,
+    fp8_layout,
+    mxfp4_dims,
+    nvfp4_dims,
+    require_same_device,
+    require_tensor,
+)
 
 PER_TILE = ("global_scale", "tile_scale")  # float32 per 32-row tile: [E, tiles] (NVFP4 also [E])
 
@@ -89,7 +103,11 @@ def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weight
            dims: Callable[..., tuple[int, int]], w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
            activation: str = "silu") -> int:
     """Metadata only (never a value: no sync): dtypes, shapes, one device, the activation. Returns I."""
-    require_tensor("x", x, (torch.float16,), ndim=2)
+    require_tensor("x", x, ACTIVATION_DTYPES, ndim=2)
+    if x.dtype != torch.float16 and x.device.type == "cuda":
+        raise ValueError(f"x must be torch.float16 for the MoE ops on CUDA, got {x.dtype}: the fused MoE kernels "
+                         "take fp16 activations (bf16 runs on the CPU; docs/DESIGN.md, \"bf16 activations\"); cast "
+                         "with x.to(torch.float16) and the result back (QPNExperts does this on CUDA)")
     require_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids,
                         **{f"w13_{n}": t for n, t in w13.items()}, **{f"w2_{n}": t for n, t in w2.items()})
     experts = _stacked("w13", w13)
@@ -116,20 +134,28 @@ def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weight
     return inter
 
 
+def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the MoE ops take for activations of `dtype` on `device`: bf16 stays bf16 on the CPU; fp16
+    stays fp16; anything else (bf16 on CUDA, fp32, ...) goes through fp16 (module docstring)."""
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        return dtype
+    return torch.float16
+
+
 def cpu_moe(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...],
             topk_weights: Tensor, topk_ids: Tensor, w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
             activation: str = "silu") -> Tensor:
     """The MoE block on the CPU: each hit expert's gated up-projection and down-projection through the
     fused numba kernels (every M: batch invariant) on its tokens, each sum plus its bias then one RN16,
-    then the combine in top-k order."""
+    then the combine in top-k order. bf16 x: every RN16 an RN_bf16, a bf16 result."""
     m, top_k = topk_ids.shape
     h = x.shape[1]
     n13 = int(w13[0].shape[1])
-    y = torch.zeros((m, top_k, h), dtype=torch.float16)
+    y = torch.zeros((m, top_k, h), dtype=x.dtype)
 
     def linear(wf: WeightFormat, rows: Tensor, buffers: tuple[Tensor, ...], n: int, bias: Tensor | None) -> Tensor:
         sums = _cpu_ops.sums_on("cpu_fused", wf, rows, buffers, n)
-        return (sums if bias is None else sums + bias).to(torch.float16)
+        return (sums if bias is None else sums + bias).to(x.dtype)
 
     for e in torch.unique(topk_ids).tolist():
         rows, choices = (topk_ids == e).nonzero(as_tuple=True)
@@ -139,7 +165,7 @@ def cpu_moe(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor,
     acc = torch.zeros((m, h), dtype=torch.float32)
     for j in range(top_k):  # RN32 product, RN32 add, in top-k order: qpn.ref.moe.combine
         acc += topk_weights[:, j:j + 1] * y[:, j].float()
-    return acc.to(torch.float16)
+    return acc.to(x.dtype)
 
 
 def _run(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...],
@@ -166,7 +192,7 @@ def _qpn8_layouts(w13_group_scales: Tensor, w2_group_scales: Tensor, h: int, int
 def nvfp4_moe(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_global_scale: Tensor, w2_codes: Tensor,
               w2_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor,
               w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
-    """x float16 [M, H], NVFP4 experts in QPN2 (module docstring) -> float16 [M, H]."""
+    """x float16 [M, H] (bfloat16 on the CPU), NVFP4 experts in QPN2 (module docstring) -> x's dtype [M, H]."""
     w13 = {"codes": w13_codes, "scales": w13_scales, "global_scale": w13_global_scale}
     w2 = {"codes": w2_codes, "scales": w2_scales, "global_scale": w2_global_scale}
     inter = _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims, w13_bias, w2_bias, activation)
@@ -188,7 +214,7 @@ def _nvfp4_moe_fake(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_global
 def fp8_moe(x: Tensor, w13_codes: Tensor, w13_group_scales: Tensor, w2_codes: Tensor, w2_group_scales: Tensor,
             topk_weights: Tensor, topk_ids: Tensor, w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
             activation: str = "silu") -> Tensor:
-    """x float16 [M, H], FP8 experts in QPN8 (module docstring) -> float16 [M, H]."""
+    """x float16 [M, H] (bfloat16 on the CPU), FP8 experts in QPN8 (module docstring) -> x's dtype [M, H]."""
     w13 = {"codes": w13_codes, "group_scales": w13_group_scales}
     w2 = {"codes": w2_codes, "group_scales": w2_group_scales}
     inter = _check(x, w13, w2, topk_weights, topk_ids, fp8_dims, w13_bias, w2_bias, activation)
@@ -211,7 +237,7 @@ def _fp8_moe_fake(x: Tensor, w13_codes: Tensor, w13_group_scales: Tensor, w2_cod
 def mxfp4_moe(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_tile_scale: Tensor, w2_codes: Tensor,
               w2_scales: Tensor, w2_tile_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor,
               w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
-    """x float16 [M, H], MXFP4 experts in QPNMX (module docstring) -> float16 [M, H]."""
+    """x float16 [M, H] (bfloat16 on the CPU), MXFP4 experts in QPNMX (module docstring) -> x's dtype [M, H]."""
     w13 = {"codes": w13_codes, "scales": w13_scales, "tile_scale": w13_tile_scale}
     w2 = {"codes": w2_codes, "scales": w2_scales, "tile_scale": w2_tile_scale}
     inter = _check(x, w13, w2, topk_weights, topk_ids, mxfp4_dims, w13_bias, w2_bias, activation)

@@ -25,12 +25,13 @@ Tensors (N output features, K input features; layouts in docs/QPN2.md and docs/Q
   tile_scale float32 [N/32] = 2^T. Its dequantize returns the W16 of the reduced weight (2^-T times
   the weight, which fp16 cannot always hold); the linear multiplies each tile's fp32 sums by 2^T
   before the one RN16 (docs/DESIGN.md, "MXFP4 weight").
-- x float16 [M, K], contiguous; M = 0 gives an empty [0, N] result. Output float16 [M, N],
-  or [M, N/2] with gated=True (N % 64 == 0: gate rows [0, N/2), up rows [N/2, N)).
+- x float16 or bfloat16 [M, K], contiguous; M = 0 gives an empty [0, N] result. Output in x's dtype
+  [M, N], or [M, N/2] with gated=True (N % 64 == 0: gate rows [0, N/2), up rows [N/2, N)).
 
 Numerics (docs/DESIGN.md, "Numerics contract"): every path sees the same W16;
 y = RN16(fp32-accumulated sum of x * W16); gated: out = RN16(RN16(silu32(gate)) * up) on the fp16
-linear result.
+linear result. bf16 x: each RN16 an RN_bf16 (docs/DESIGN.md, "bf16 activations"); on CUDA bf16 runs the
+dense path (dispatch.choose: the decode and GEMM kernels are fp16-in).
 
 Dispatch. Each op has a CPU side (`_cpu_ops.py` over the numba kernels of `_cpu.py`) and a CUDA
 side (CuPy over DLPack, `_cuda.py`; CuPy is imported only when a CUDA tensor arrives, so the package imports on
@@ -61,6 +62,8 @@ from ..ref.geometry import GROUP_K, TILE_N
 from . import _cpu_ops
 
 _E4M3_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+# the activations' dtypes of the linear and MoE ops; the output has x's (docs/DESIGN.md, "bf16 activations")
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -86,7 +89,8 @@ def require_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], ndim: 
 
 def _dtype_fix(name: str, dtypes: tuple[torch.dtype, ...]) -> str:
     if torch.float16 in dtypes and name == "x":
-        return "cast the activations with x.to(torch.float16) (QPNLinear does this for you)"
+        return ("cast the activations with x.to(torch.float16) or x.to(torch.bfloat16) (QPNLinear casts other "
+                "float dtypes to float16 for you)")
     if torch.uint8 in dtypes:
         return "pass the e4m3 / packed bytes as uint8 (or float8_e4m3fn), never as converted values"
     return "pass the tensor the prepack / checkpoint produced, unchanged"
@@ -210,7 +214,7 @@ def mxfp4_dims(codes: Tensor, scales: Tensor, tile_scale: Tensor) -> tuple[int, 
 
 
 def _linear_out_features(x: Tensor, n: int, k: int, gated: bool) -> int:
-    require_tensor("x", x, (torch.float16,), ndim=2)
+    require_tensor("x", x, ACTIVATION_DTYPES, ndim=2)
     if x.shape[1] != k:
         _fail(f"x must be [M, K] with K = {k} (the weight's input features), got shape {tuple(x.shape)}; "
               "flatten leading dimensions into M (QPNLinear does this)")
@@ -335,7 +339,7 @@ def _fp8_dequantize_fake(codes: Tensor, group_scales: Tensor) -> Tensor:
 
 @torch.library.custom_op("qpn::nvfp4_linear", mutates_args=(), device_types="cpu")
 def nvfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, global_scale: Tensor, gated: bool = False) -> Tensor:
-    """x float16 [M, K] times the QPN2 weight -> float16 [M, N] (or [M, N/2] gated).
+    """x float16 / bfloat16 [M, K] times the QPN2 weight -> x's dtype [M, N] (or [M, N/2] gated).
 
     CPU: the numba kernels, fused or decode-then-fp32-matmul (_cpu_ops.linear, as dispatch.choose picks).
     """
@@ -362,7 +366,7 @@ def _nvfp4_linear_fake(x: Tensor, codes: Tensor, scales: Tensor, global_scale: T
 
 @torch.library.custom_op("qpn::fp8_linear", mutates_args=(), device_types="cpu")
 def fp8_linear(x: Tensor, codes: Tensor, group_scales: Tensor, gated: bool = False) -> Tensor:
-    """x float16 [M, K] times the QPN8 weight -> float16 [M, N] (or [M, N/2] gated)."""
+    """x float16 / bfloat16 [M, K] times the QPN8 weight -> x's dtype [M, N] (or [M, N/2] gated)."""
     require_same_device(x=x, codes=codes, group_scales=group_scales)
     n, k = fp8_dims(codes, group_scales)
     _linear_out_features(x, n, k, gated)
@@ -434,7 +438,7 @@ def _mxfp4_dequantize_fake(codes: Tensor, scales: Tensor, tile_scale: Tensor) ->
 
 @torch.library.custom_op("qpn::mxfp4_linear", mutates_args=(), device_types="cpu")
 def mxfp4_linear(x: Tensor, codes: Tensor, scales: Tensor, tile_scale: Tensor, gated: bool = False) -> Tensor:
-    """x float16 [M, K] times the QPNMX weight -> float16 [M, N] (or [M, N/2] gated)."""
+    """x float16 / bfloat16 [M, K] times the QPNMX weight -> x's dtype [M, N] (or [M, N/2] gated)."""
     require_same_device(x=x, codes=codes, scales=scales, tile_scale=tile_scale)
     n, k = mxfp4_dims(codes, scales, tile_scale)
     _linear_out_features(x, n, k, gated)
