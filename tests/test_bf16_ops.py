@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import qpn.torch_bridge  # noqa: F401  (registers torch.ops.qpn.*)
 from qpn import ref
@@ -17,7 +18,8 @@ from qpn.ref import gpt_oss
 from qpn.ref import mxfp4 as mx
 from qpn.ref.dtypes import BF16, BF16_MAX, BF16_OVERFLOW
 from qpn.ref.formats import QPN2, QPNMX, weight_format
-from qpn.torch_bridge import _cpu_ops, _cuda, dispatch, epilogue, pack_mxfp4, pack_nvfp4
+from qpn.torch_bridge import QPNLinear, _cpu_ops, _cuda, convert, dispatch, epilogue, pack_mxfp4, pack_nvfp4
+from qpn.torch_bridge.experts import QPNExperts
 from qpn.torch_bridge.packed_experts import PackedExperts
 from qpn.torch_bridge.packed_weight import PackedWeight
 
@@ -339,6 +341,35 @@ def test_opcheck_in_bf16(fmt, variant, n, k, gated, device):
     torch.library.opcheck(op, (x, *buffers), {"gated": gated})
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "mxfp4"])
+def test_torch_compile_fullgraph_on_bf16_x(fmt):
+    torch.manual_seed(3)
+    q = QPNLinear.from_linear(nn.Linear(128, 64), fmt)
+    f = torch.compile(q, fullgraph=True)
+    for m in (1, 9, 40):
+        x = torch.randn(m, 128, dtype=torch.bfloat16)
+        y = f(x)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, q(x))
+
+
+def test_a_converted_bf16_model_stays_bf16():
+    """convert() on a bf16 nn.Sequential: every QPNLinear runs the op in bf16 (no fp16 round trip), the bias
+    added in fp32 and rounded once more (module.py's docstring)."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 64, bias=False)).bfloat16()
+    convert(model, "nvfp4")
+    assert all(isinstance(model[i], QPNLinear) for i in (0, 2))
+    x = torch.randn(2, 7, 128, dtype=torch.bfloat16)
+    y = model(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 7, 64)
+    first, second = model[0], model[2]
+    h = torch.ops.qpn.nvfp4_linear(x.reshape(-1, 128), first.codes, first.scales, first.global_scale)
+    assert h.dtype == torch.bfloat16
+    h = torch.relu((h.float() + first.bias).to(torch.bfloat16))
+    want = torch.ops.qpn.nvfp4_linear(h, second.codes, second.scales, second.global_scale)[:, :64]
+    assert torch.equal(y.reshape(-1, 64), want)
+
+
 # ----------------------------------------------------------------------------- mixture of experts
 
 
@@ -394,6 +425,10 @@ def test_mxfp4_moe_with_biases_and_swigluoai_in_bf16_matches_the_reference():
         weights, ids = gpt_oss.route(rng.standard_normal((m, e)).astype(np.float32), 2)
         got = packed.forward(torch.from_numpy(x).bfloat16(), torch.from_numpy(weights), torch.from_numpy(ids))
         assert_moe_close(got, gpt_oss.moe(x, w13, b13, w2, b2, weights, ids, dtype=BF16))
+        # QPNExperts keeps bf16 on the CPU: the op's bf16 bits
+        module = QPNExperts(packed)
+        out = module(torch.from_numpy(x).bfloat16(), torch.from_numpy(ids), torch.from_numpy(weights))
+        assert out.dtype == torch.bfloat16 and torch.equal(out, got)
 
 
 def test_nvfp4_moe_in_bf16_matches_the_reference_and_is_batch_invariant():
@@ -472,7 +507,7 @@ def test_cuda_bf16_dense_path_ignores_tf32_and_captures_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-def test_cuda_moe_refuses_bf16():
+def test_cuda_moe_refuses_bf16_and_qpn_experts_goes_through_fp16():
     rng = np.random.default_rng(22)
     packed = mxfp4_experts(rng, 4, 64, 64)[0].to("cuda")
     x = torch.from_numpy(bf16_x(rng, 3, 64)).bfloat16().cuda()
@@ -480,3 +515,6 @@ def test_cuda_moe_refuses_bf16():
                     for a in gpt_oss.route(rng.standard_normal((3, 4)).astype(np.float32), 2))
     with pytest.raises(ValueError, match=r"x must be torch.float16 for the MoE ops on CUDA.*x.to\(torch.float16\)"):
         packed.forward(x, weights, ids)
+    out = QPNExperts(packed)(x, ids, weights)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, packed.forward(x.half(), weights, ids).bfloat16())

@@ -132,22 +132,27 @@ def test_padded_rows_are_zero_and_cropped(fmt):
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_forward_dtype_lead_dims_and_bias_rounding(fmt, dtype):
-    """out = cast_to_x_dtype(RN32(y16 + bias32)) where y16 = the op on RN16(x), for x of any
-    float dtype and any leading shape (module docstring)."""
+    """out = cast_to_x_dtype(RN32(y + bias32)) where y = the op on x (fp16, bf16) or on RN16(x) (fp32),
+    for any leading shape (module docstring)."""
     n, k = 100, 128
     layer = random_linear(n, k, seed=4)
     module = QPNLinear.from_linear(layer, fmt)
     x = (x_for(k, m=5, lead=(2, 3)).float() * 1.3).to(dtype)
     out = module(x)
     assert out.shape == (2, 3, 5, n) and out.dtype == dtype
-    x16 = x.reshape(-1, k).to(torch.float16)
+    x_op = x.reshape(-1, k).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float16)
     if fmt == "nvfp4":
-        y16 = torch.ops.qpn.nvfp4_linear(x16, module.codes, module.scales, module.global_scale)[:, :n]
+        y = torch.ops.qpn.nvfp4_linear(x_op, module.codes, module.scales, module.global_scale)[:, :n]
     else:
-        y16 = torch.ops.qpn.fp8_linear(x16, module.codes, module.group_scales)[:, :n]
-    expected = (y16.float() + layer.bias.detach().float()).to(dtype).reshape(2, 3, 5, n)
+        y = torch.ops.qpn.fp8_linear(x_op, module.codes, module.group_scales)[:, :n]
+    assert y.dtype == x_op.dtype
+    expected = (y.float() + layer.bias.detach().float()).to(dtype).reshape(2, 3, 5, n)
     assert torch.equal(out, expected)
-    assert_linear_within_bound(module, x16, y16, module.dequantized_weight().numpy())
+    if dtype == torch.bfloat16:
+        lo, hi = ref.linear_bounds(x_op.float().numpy(), module.dequantized_weight().numpy(), dtype="bfloat16")
+        assert np.all((lo <= y.float().numpy()) & (y.float().numpy() <= hi))
+    else:
+        assert_linear_within_bound(module, x_op, y, module.dequantized_weight().numpy())
 
 
 @pytest.mark.parametrize("cast", ["half", "bfloat16", "to_float64"])

@@ -12,7 +12,9 @@ model has `mlp` (transformers renames it on load; so does `module_path` here).
 Numerics: the router stays the model's (its logits, softmax and top k in the model's own code); the
 routing weights reach the op in fp32 (Qwen3-MoE's router rounds them to the model dtype first, as HF
 computes them); the experts follow docs/DESIGN.md, "Mixture of experts"; the result is cast to the
-input's dtype.
+input's dtype. bf16 hidden states stay bf16 on the CPU (the op's bf16 contract, docs/DESIGN.md, "bf16
+activations"); on CUDA, and for any other dtype, they are rounded to fp16 first (the fused MoE kernels
+are fp16-in) and the fp16 result is rounded back to the input's dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 from ..checkpoints.gpt_oss import MXFP4Experts
 from ..ref.formats import WeightFormat
 from ..ref.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
+from .moe_ops import activation_dtype
 from .packed_experts import PackedExperts
 from .packed_weight import PackedWeight, device_moves_only, pack_mxfp4, packed_weight_class, replacement_device
 
@@ -212,8 +215,10 @@ class QPNExperts(nn.Module):
         return super()._apply(device_moves_only(fn), recurse)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        """hidden_states [M, H] (any float dtype: computed in fp16), the router's top-k -> [M, H] in its dtype."""
-        x = hidden_states.reshape(-1, self.hidden_size).to(torch.float16).contiguous()
+        """hidden_states [M, H] (bf16 on the CPU: in bf16; any other float dtype: computed in fp16), the router's
+        top-k -> [M, H] in its dtype (module docstring)."""
+        dtype = activation_dtype(hidden_states.dtype, hidden_states.device)
+        x = hidden_states.reshape(-1, self.hidden_size).to(dtype).contiguous()
         out = self.packed_experts.forward(x, top_k_weights.reshape(x.shape[0], -1).float().contiguous(),
                                           top_k_index.reshape(x.shape[0], -1).contiguous())
         return out.to(hidden_states.dtype).reshape(hidden_states.shape)

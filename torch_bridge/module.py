@@ -1,13 +1,15 @@
 """QPNLinear, a drop-in nn.Linear over one packed weight (packed_weight.py), and `qpn_linear`, the
 forward both QPNLinear and the vLLM method run.
 
-`qpn_linear(x, ...)` is the forward: x [..., K] -> [..., N]. It computes in fp16 whatever the
-input dtype: fp32 / bf16 inputs are cast to fp16 (RN16; |x| > 65504 becomes inf) because the
-kernels are fp16-in / fp32-accumulate (Turing has no bf16 or fp32 tensor-core MMA), and a
-drop-in replacement for nn.Linear must run inside fp32 and bf16 models too. The result comes
-back in the input's dtype: out = cast(RN32(y16 + bias)), i.e. the bias (kept as float32) is
-added in fp32 to the fp16 linear result, then one cast to the input dtype (exact for fp32,
-one more RN16 / RN-bf16 otherwise).
+`qpn_linear(x, ...)` is the forward: x [..., K] -> [..., N]. fp16 and bf16 inputs run the ops in
+their own dtype (y = RN16 or RN_bf16 of the fp32-accumulated sums: docs/DESIGN.md, "bf16
+activations"); any other float dtype (fp32, fp64) is cast to fp16 first (RN16; |x| > 65504 becomes
+inf) because the kernels are fp16-in / fp32-accumulate (Turing has no fp32 tensor-core MMA), and a
+drop-in replacement for nn.Linear must run inside fp32 models too. The result comes back in the
+input's dtype: out = cast(RN32(y + bias)), i.e. the bias (kept as float32) is added in fp32 to the
+linear result y (fp16 or bf16), then one cast to the input dtype: exact for fp32, one more RN16 /
+RN_bf16 for fp16 / bf16 (two roundings in all: the op's, then the bias add's; without a bias y is
+returned as the op rounded it, once).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor, nn
 from .. import checkpoints
 from ..ref.formats import FORMAT_NAMES, FP8_GRANULARITIES, QPN8, WeightFormat, weight_format
 from .buffers import buffer_dtype
+from .ops import ACTIVATION_DTYPES
 from .packed_weight import (
     ArrayIn,
     PackedWeight,
@@ -52,10 +55,10 @@ class InputDtypeError(ValueError, RuntimeError):
 
 
 def qpn_linear(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, gated: bool = False) -> Tensor:
-    """x [..., K] (fp16, or fp32 / bf16: cast to fp16, module docstring) -> [..., N] ([..., N/2] gated) in
-    x's dtype, N = packed.out_features.
+    """x [..., K] (fp16 or bf16: as it is; fp32 / fp64: cast to fp16, module docstring) -> [..., N] ([..., N/2]
+    gated) in x's dtype, N = packed.out_features.
 
-    Runs packed.linear (the layout's op) on the flattened [M, K] fp16 input, crops the padded columns,
+    Runs packed.linear (the layout's op) on the flattened [M, K] fp16 / bf16 input, crops the padded columns,
     adds the bias in fp32 and casts to x's dtype. Traceable by torch.compile(fullgraph=True); the
     decode / GEMM / dense choice happens inside the op. Integer, bool and complex x raise
     InputDtypeError: the fp16 cast would silently truncate the output to x's integer dtype (or drop
@@ -69,7 +72,8 @@ def qpn_linear(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, gate
         raise ValueError(f"x must have {k} input features in its last dimension, got shape {tuple(x.shape)}")
     lead = x.shape[:-1]
     n_out = packed.out_features // 2 if gated else packed.out_features
-    x2 = x.reshape(-1, k).to(torch.float16).contiguous()
+    x2 = x.reshape(-1, k)
+    x2 = (x2 if x2.dtype in ACTIVATION_DTYPES else x2.to(torch.float16)).contiguous()
     y = packed.linear(x2, gated)
     if y.shape[1] != n_out:
         y = y[:, :n_out]  # pad rows (N padded to the layout's multiple) give exact zeros
