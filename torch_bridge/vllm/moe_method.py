@@ -17,11 +17,12 @@ FusedMoEMethodBase. Along vLLM 0.32's MoE seam:
   K = I % 64).
 - apply runs the MoE op on vLLM's routing (topk_weights fp32, topk_ids): fp16 activations, the
   combine in top-k order, a token's output independent of the batch (docs/DESIGN.md, "Mixture of
-  experts"); the result in x's dtype. The MoE ops take fp16 x, so a bf16 model's x (dtype="bfloat16")
-  is rounded to fp16 first (RN16: 8 significant bits into 11, exact inside fp16's normal range; a
-  |x| beyond 65504 would become inf, one below 2^-24 zero) and the op's fp16 output (one RN16 of
-  the fp32 combine) is rounded to bf16: two roundings, at most 2^-11 + 2^-8 relative, where a
-  native bf16 op would round once (2^-8).
+  experts"); the result in x's dtype. A bf16 model's x (dtype="bfloat16") goes to the op as
+  moe_ops.activation_dtype says: on the CPU as bf16 (the op's sums, epilogue and combine each rounded
+  once to bf16, as vLLM computes them in bf16); on CUDA, whose fused MoE kernels are fp16-in, rounded
+  to fp16 first (RN16: 8 significant bits into 11, exact inside fp16's normal range; a |x| beyond 65504
+  would become inf, one below 2^-24 zero) and the op's fp16 output (one RN16 of the fp32 combine)
+  rounded to bf16: two roundings, at most 2^-11 + 2^-8 relative, where a native bf16 op rounds once.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from ...ref.formats import MX_BLOCK, QPN2, QPN8, QPNMX, WeightFormat, weight_format
 from ...ref.geometry import TILE_N
 from ..epilogue import ACTIVATIONS
+from ..moe_ops import activation_dtype
 from ..packed_experts import PackedExperts
 from ..packed_weight import PackedWeight, pack_fp8, pack_mxfp4, pack_nvfp4
 from .methods import NVFP4_GROUP_SIZE, replace_parameters
@@ -157,9 +159,9 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor,
               shared_experts: Any = None, shared_experts_input: Tensor | None = None) -> Tensor:
-        x16 = x.to(torch.float16).contiguous()  # fp16 and bf16 x alike (module docstring)
+        x_op = x.to(activation_dtype(x.dtype, x.device)).contiguous()  # bf16 on the CPU, else fp16 (docstring)
         experts: PackedExperts = getattr(layer, "qpn_experts")  # noqa: B009 (typed)
-        out = experts.forward(x16, topk_weights.float().contiguous(), topk_ids.contiguous())
+        out = experts.forward(x_op, topk_weights.float().contiguous(), topk_ids.contiguous())
         return out.to(x.dtype)
 
 
