@@ -142,6 +142,14 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
         halves = [pack_fp8(w13[r], s13[j], "tensor") for j, r in enumerate((slice(0, inter), slice(inter, None)))]
         return PackedWeight.stack_rows(halves), pack_fp8(w2, s2, "tensor")
 
+    # the checkpoint parameters create_weights registers per projection (w13_<name>, w2_<name>), dropped once packed
+    CHECKPOINT_PARAMS: tuple[str, ...] = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+    def _biases(self, layer: torch.nn.Module) -> tuple[Tensor | None, Tensor | None]:
+        """(w13, w2) float32 biases in qpn's order, or None: ModelOpt's experts have none."""
+        del layer
+        return None, None
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         prefix = getattr(layer, "layer_name", type(layer).__name__)
         try:
@@ -149,12 +157,13 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
                                           for e in range(_data(layer, "w13_weight").shape[0])])
         except ValueError as exc:
             raise ValueError(f"vLLM MoE layer {prefix!r}: {exc}") from exc
-        checkpoint = [f"{stem}_{name}" for stem in ("w13", "w2")
-                      for name in ("weight", "weight_scale", "weight_scale_2", "input_scale")]
-        w13 = replace_parameters(layer, checkpoint, packed.w13, "w13_")
-        w2 = replace_parameters(layer, (), packed.w2, "w2_")
+        b13, b2 = self._biases(layer)
+        checkpoint = [f"{stem}_{name}" for stem in ("w13", "w2") for name in self.CHECKPOINT_PARAMS]
+        # the biases become Parameters next to the packed buffers (vLLM moves and shards Parameters)
+        w13 = replace_parameters(layer, checkpoint, {**packed.w13, **({} if b13 is None else {"bias": b13})}, "w13_")
+        w2 = replace_parameters(layer, (), {**packed.w2, **({} if b2 is None else {"bias": b2})}, "w2_")
         experts = PackedExperts(packed.weight_class, w13, w2, packed.hidden_size, packed.intermediate_size,
-                                activation=self.activation)
+                                w13.pop("bias", None), w2.pop("bias", None), self.activation)
         setattr(layer, "qpn_experts", experts)  # noqa: B010 (a plain attribute: no Module, no Parameter)
 
     def apply(self, layer: torch.nn.Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor,
@@ -193,6 +202,8 @@ class QPNGptOssMoEMethod(QPNFusedMoEMethod):
     every expert into QPNMX and keeps the biases; apply runs qpn::mxfp4_moe with the layer's activation
     (gpt-oss: swigluoai, the same alpha 1.702 and limit 7 as vLLM's kernel)."""
 
+    CHECKPOINT_PARAMS = ("weight", "weight_scale", "bias")
+
     def __init__(self, quant_config: Any, moe_config: Any) -> None:
         super().__init__(quant_config, moe_config, None)
         self.weight_format = QPNMX
@@ -224,19 +235,5 @@ class QPNGptOssMoEMethod(QPNFusedMoEMethod):
         s13 = _deinterleave_rows(_data(layer, "w13_weight_scale")[e:e + 1])[0]
         return pack_mxfp4(w13, s13), pack_mxfp4(_data(layer, "w2_weight")[e], _data(layer, "w2_weight_scale")[e])
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        prefix = getattr(layer, "layer_name", type(layer).__name__)
-        try:
-            packed = PackedExperts.stack([self._pack_expert(layer, e)
-                                          for e in range(_data(layer, "w13_weight").shape[0])])
-        except ValueError as exc:
-            raise ValueError(f"vLLM MoE layer {prefix!r}: {exc}") from exc
-        b13 = _deinterleave_rows(_data(layer, "w13_bias").float())
-        b2 = _data(layer, "w2_bias").float().contiguous()
-        checkpoint = [f"{stem}_{name}" for stem in ("w13", "w2") for name in ("weight", "weight_scale", "bias")]
-        w13 = replace_parameters(layer, checkpoint, {**packed.w13, "bias": b13}, "w13_")
-        w2 = replace_parameters(layer, (), {**packed.w2, "bias": b2}, "w2_")
-        b13_param, b2_param = w13.pop("bias"), w2.pop("bias")
-        experts = PackedExperts(packed.weight_class, w13, w2, packed.hidden_size, packed.intermediate_size,
-                                b13_param, b2_param, self.activation)
-        setattr(layer, "qpn_experts", experts)  # noqa: B010 (a plain attribute: no Module, no Parameter)
+    def _biases(self, layer: torch.nn.Module) -> tuple[Tensor | None, Tensor | None]:
+        return _deinterleave_rows(_data(layer, "w13_bias").float()), _data(layer, "w2_bias").float().contiguous()
