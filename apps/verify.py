@@ -250,8 +250,9 @@ def _linear_bounds(x16: np.ndarray, w16: np.ndarray) -> tuple[np.ndarray, np.nda
         s32 = w @ x[:m].T
         return s32.numpy(), (w.abs_() @ x.abs().T).numpy()
 
-    highest = torch.get_float32_matmul_precision() == "highest"
-    return ref.linear_bounds_fp32(x16, w16, fp32_sums=torch_fp32_sums if highest else None)
+    from ..torch_bridge._cpu_ops import fp32_matmul_exact  # noqa: PLC0415  (torch, as above)
+
+    return ref.linear_bounds_fp32(x16, w16, fp32_sums=torch_fp32_sums if fp32_matmul_exact() else None)
 
 
 def _packed_layer_of(linear: checkpoints.QuantizedLinear) -> packing.PackedLayer:

@@ -233,3 +233,36 @@ if __name__ == "__main__" and sys.argv[1:2] == ["other-target"]:
     test_fused_w16_equals_dequantize()
     assert _cpu._HALF_CONVERSIONS_NATIVE == (sys.argv[2] == "True"), _cpu._HALF_CONVERSIONS_NATIVE
     print("other target: ok")
+
+
+def test_the_cpu_ops_run_after_the_per_backend_precision_api_was_used():
+    """torch >= 2.9 raises on reading the legacy matmul precision once torch.backends.fp32_precision was set;
+    decode-then-matmul read it and crashed (M past the fused range). Now it takes float64 then: the outputs
+    stay inside the bound. In a subprocess: the setting is global and cannot be undone in this process."""
+    code = """
+import numpy as np, torch
+import qpn.torch_bridge
+from qpn import ref
+from qpn.ref.formats import QPN2
+from qpn.torch_bridge import _cpu_ops
+torch.backends.fp32_precision = "tf32"
+try:
+    torch.get_float32_matmul_precision()
+    raise SystemExit("this torch does not raise on the mixed APIs: nothing to test")
+except RuntimeError:
+    pass
+rng = np.random.default_rng(0)
+w = ref.nvfp4_quantize((rng.standard_normal((64, 128)) * 0.05).astype(np.float32))
+codes, scales = ref.qpn2_prepack(w.weight_packed, w.weight_scale)
+g = np.full(2, w.weight_scale_2, np.float32)
+x = (rng.standard_normal((40, 128))).astype(np.float16)
+buffers = tuple(torch.from_numpy(a) for a in (codes, scales, g))
+y = _cpu_ops.linear_on("cpu_blas", QPN2, torch.from_numpy(x), buffers, 64)
+lo, hi = ref.linear_bounds(x, ref.qpn2_dequantize(codes, scales, g, 64, 128))
+assert ((lo <= y.numpy()) & (y.numpy() <= hi)).all()
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if "nothing to test" in proc.stderr + proc.stdout:
+        pytest.skip("this torch reads the legacy precision after the per-backend API without raising")
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]

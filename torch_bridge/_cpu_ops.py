@@ -117,6 +117,16 @@ def _kernels() -> SimpleNamespace:
     return kernels
 
 
+def fp32_matmul_exact() -> bool:
+    """Whether torch's fp32 CPU matmul accumulates in fp32 now (precision "highest"). torch >= 2.9 raises a
+    RuntimeError on reading the legacy setting once a per-backend one (torch.backends.fp32_precision, ...)
+    was set: then no, and the callers take float64, exact whatever is set."""
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:
+        return False
+
+
 def decode_then_matmul(x: Tensor, n: int, decode_rows: DecodeRows, scale: Tensor | None = None) -> Tensor:
     """float32 [M, n]: x @ W16^T with fp32 accumulation (under reduced matmul precision settings float64,
     rounded once at the end), each column times `scale` (the layout's column scale, exact) if given.
@@ -129,7 +139,7 @@ def decode_then_matmul(x: Tensor, n: int, decode_rows: DecodeRows, scale: Tensor
     """
     m, k = x.shape
     chunk = min(n, max(TILE_N, _cpu.CHUNK_ELEMENTS // k // TILE_N * TILE_N))
-    exact = torch.get_float32_matmul_precision() == "highest"
+    exact = fp32_matmul_exact()
     w16 = torch.empty((chunk, k), dtype=torch.float32)
     x_t = x.float().t() if exact else x.double().t()
     y_t = torch.empty((n, m), dtype=x_t.dtype)
