@@ -126,6 +126,28 @@ def complete_experts(disk_path: str, experts: Mapping[int, Mapping[str, str]]) -
     return [(experts[e]["gate"], experts[e]["up"], experts[e]["down"]) for e in range(count)]
 
 
+def _experts_module(model: nn.Module, disk_path: str) -> tuple[str, nn.Module]:
+    """(model path, module) that a checkpoint's experts `disk_path` replace: a transformers experts module
+    (or a QPNExperts already)."""
+    path = module_path(model, disk_path)
+    old = model.get_submodule(path)
+    if not (is_experts_module(old) or isinstance(old, QPNExperts)):
+        raise ValueError(f"checkpoint experts {disk_path!r} are quantized but the model's {path} is a "
+                         f"{type(old).__name__}, not a transformers experts module (gate_up_proj, down_proj)")
+    return path, old
+
+
+def _replacement(disk_path: str, path: str, old: nn.Module, packed: PackedExperts,
+                 device: torch.device | str | None) -> QPNExperts:
+    """The QPNExperts over `packed` that replaces `old`: the same (E, H, I), on `device` or old's device."""
+    shape = (packed.num_experts, packed.hidden_size, packed.intermediate_size)
+    if shape != _experts_shape(old):
+        raise ValueError(f"checkpoint experts {disk_path!r} are (E, H, I) = {shape} but the model's {path} is "
+                         f"{_experts_shape(old)}")
+    old_device = next(iter(old.buffers() if isinstance(old, QPNExperts) else old.parameters())).device
+    return QPNExperts(packed.to(replacement_device(device, old_device)))
+
+
 def new_experts(model: nn.Module, layers: Mapping[str, object], packed_weight_of: Callable[[object], PackedWeight],
                 device: torch.device | str | None) -> tuple[dict[str, QPNExperts], set[str]]:
     """({model path: a new QPNExperts} for every experts group among the checkpoint's `layers`, the layer
@@ -134,21 +156,11 @@ def new_experts(model: nn.Module, layers: Mapping[str, object], packed_weight_of
     new, taken = {}, set()
     for disk_path, experts in expert_layers(list(layers)).items():
         taken |= {name for roles in experts.values() for name in roles.values()}
-        path = module_path(model, disk_path)
-        old = model.get_submodule(path)
-        if not (is_experts_module(old) or isinstance(old, QPNExperts)):
-            raise ValueError(f"checkpoint experts {disk_path!r} are quantized but the model's {path} is a "
-                             f"{type(old).__name__}, not a transformers experts module (gate_up_proj, down_proj)")
+        path, old = _experts_module(model, disk_path)
         packed = PackedExperts.from_checkpoint(
             [(layers[gate], layers[up], layers[down]) for gate, up, down in complete_experts(disk_path, experts)],
             packed_weight_of)
-        shape = (packed.num_experts, packed.hidden_size, packed.intermediate_size)
-        old_shape = _experts_shape(old)
-        if shape != old_shape:
-            raise ValueError(f"checkpoint experts {disk_path!r} are (E, H, I) = {shape} but the model's {path} is "
-                             f"{old_shape}")
-        old_device = next(iter(old.buffers() if isinstance(old, QPNExperts) else old.parameters())).device
-        new[path] = QPNExperts(packed.to(replacement_device(device, old_device)))
+        new[path] = _replacement(disk_path, path, old, packed, device)
     return new, taken
 
 
@@ -158,21 +170,12 @@ def stacked_experts(model: nn.Module, experts: Mapping[str, MXFP4Experts], devic
     float32 biases, swigluoai), each matching the model's experts module (E, H, I); the model is not touched."""
     new = {}
     for disk_path, mx in experts.items():
-        path = module_path(model, disk_path)
-        old = model.get_submodule(path)
-        if not (is_experts_module(old) or isinstance(old, QPNExperts)):
-            raise ValueError(f"checkpoint experts {disk_path!r} are quantized but the model's {path} is a "
-                             f"{type(old).__name__}, not a transformers experts module (gate_up_proj, down_proj)")
-        shape = (mx.experts, mx.hidden, mx.intermediate)
-        if shape != _experts_shape(old):
-            raise ValueError(f"checkpoint experts {disk_path!r} are (E, H, I) = {shape} but the model's {path} is "
-                             f"{_experts_shape(old)}")
+        path, old = _experts_module(model, disk_path)
         packed = PackedExperts.stack(
             [(pack_mxfp4(mx.w13_blocks[e], mx.w13_scales[e]), pack_mxfp4(mx.w2_blocks[e], mx.w2_scales[e]))
              for e in range(mx.experts)],
             torch.from_numpy(np.array(mx.w13_bias)), torch.from_numpy(np.array(mx.w2_bias)), "swigluoai")
-        old_device = next(iter(old.buffers() if isinstance(old, QPNExperts) else old.parameters())).device
-        new[path] = QPNExperts(packed.to(replacement_device(device, old_device)))
+        new[path] = _replacement(disk_path, path, old, packed, device)
     return new
 
 
