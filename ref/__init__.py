@@ -12,7 +12,7 @@ reference never imports file handling.
 """
 
 from .codecs import decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3
-from .dtypes import bf16_bits, bf16_from_bits, bf16_round, is_bf16
+from .dtypes import bf16_bits, bf16_from_bits, bf16_round, fp16_rows, is_bf16
 from .formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat, weight_format
 from .fp8 import FP8Weight, fp8_dequantize, fp8_quantize, fp8_scale_granularity, fp8_scale_map
 from .geometry import KORDER, column_of_lane, k_of_position, lane_of_column, position_of_k

@@ -19,6 +19,15 @@ torch's bfloat16 (`tensor.view(torch.int16)`).
   payload there is not).
 - `round_to(dtype, v)`: RN16 (numpy's float16 cast: RNE, +-inf at |v| >= 65520, subnormals kept) or
   `bf16_round`, as stored: np.float16, or float32 holding bf16 values.
+- `fp16_rows(x)`: bf16 rows as the fp16 kernels take them (the Turing path: sm_75's tensor cores multiply
+  fp16 only; cupy_kernels/x_bf16.cu is this rule): each row's exponent e = min(15 - floor(log2 max|x|), 127)
+  over its finite values (0 for a row without a nonzero finite value) brings its largest |x| into fp16's top
+  binade [2^15, 2^16) (the cap, for rows below 2^-111, keeps 2^e an fp32 value and already lifts bf16's least
+  value, 2^-133, to 2^-6, inside fp16's normal range), and x16 = RN16(x * 2^e). 8 significant bits fit in
+  11, so x16 = x * 2^e exactly wherever |x * 2^e| >= 2^-14 (fp16's least normal, 29 binades below the top);
+  below, x16 is off by at most 2^-25 (half fp16's subnormal step), i.e. x by at most 2^-25 * 2^-e
+  (`fp16_rows_step`). inf and NaN keep their class. The kernels multiply each fp32 sum by 2^-e again before
+  the one RN_bf16.
 """
 
 from __future__ import annotations
@@ -96,6 +105,34 @@ def round_to(dtype: str, v: npt.ArrayLike) -> np.ndarray:
         with np.errstate(over="ignore"):  # |v| >= 65520 rounds to inf: an answer, not an error
             return np.asarray(v).astype(np.float16)
     return bf16_round(v)
+
+
+FP16_TOP_EXP = 15  # fp16's top binade [2^15, 2^16): where fp16_rows puts each row's largest |x|
+FP16_ROWS_MAX_EXP = 127  # the cap on e: 2^e stays an fp32 value (module docstring)
+FP16_ROWS_ERROR_EXP = -25  # half fp16's subnormal step: the most a scaled value below 2^-14 moves
+
+
+def fp16_row_exponents(x: np.ndarray) -> np.ndarray:
+    """int64 [M]: each row's e of `fp16_rows` (module docstring), bf16 values x [M, K] as float32 arrays."""
+    x = require_activations("x", x, BF16, ndim=2)
+    with np.errstate(invalid="ignore"):
+        finite = np.where(np.isfinite(x), np.abs(x), 0.0).astype(np.float64)
+    big = finite.max(axis=1, initial=0.0)
+    _, e = np.frexp(big)  # big in [2^(e-1), 2^e): floor(log2 big) = e - 1
+    return np.where(big > 0, np.minimum(FP16_TOP_EXP - (e - 1), FP16_ROWS_MAX_EXP), 0).astype(np.int64)
+
+
+def fp16_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x16 float16 [M, K], e int64 [M]): bf16 rows x [M, K] (float32 arrays of bf16 values) as the fp16 kernels
+    take them, x16 = RN16(x * 2^e) (module docstring). One rounding: the float64 product is exact."""
+    e = fp16_row_exponents(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.ldexp(x.astype(np.float64), e[:, None]).astype(np.float16), e
+
+
+def fp16_rows_step(x: np.ndarray) -> np.ndarray:
+    """float64 [M]: the most `fp16_rows` moves a value of each row, in x's units: 2^-25 * 2^-e."""
+    return np.ldexp(1.0, FP16_ROWS_ERROR_EXP - fp16_row_exponents(x))
 
 
 def require_activations(name: str, a: object, dtype: str, ndim: int | None = None) -> np.ndarray:

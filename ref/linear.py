@@ -54,6 +54,15 @@
     Rounding. The ends are taken outward to fp32 (down / up) before the RN_bf16: the kernel's last fp32
     operation (the sum, or MXFP4's 2^T scaling, which rounds once in fp32 where the scaled sum falls
     below 2^-126) may round by more than the float64 nextafter; RN32 and RN_bf16 are monotone.
+    fp16 rows (the Turing path: the CUDA kernels' x is `fp16_rows(x)`, ref/dtypes.py). The kernel sums
+    x~ = x16 * 2^-e, where |x~ - x| <= c = 2^-25 * 2^-e (only values below 2^-14 of the scaled row move),
+    exactly (fp16 x fp16 products), then multiplies the fp32 sum by 2^-e (MXFP4: after the 2^T), at most
+    two fp32 multiplies by powers of two, exact unless the result falls below 2^-126, then each off by at
+    most eps. So |S' - S| <= gamma_K(u) * (A + c W) + c W with W = sum_k |W16[n, k]|, then 2 eps after the
+    2^T: d gains (1 + gamma_K(u)) * c * W * (1 + gamma64_K) * (1 + 2^-50) (`fp16_rows_slack`), the scaled
+    ends 2 eps more (`FP16_ROWS_POST`). One bound for
+    every path: the CPU's native bf16 sums lie inside it too. For a row of ordinary activations c * W is
+    about 2^-40 of the row's largest |x| times W: far below the sum's own term.
   The fp16 results and bounds are unchanged, byte for byte.
 - `silu_and_mul(gate16, up16)`: vLLM's silu_and_mul CUDA kernel, element by element:
   silu16 = RN16(silu32(gate)) with silu32(v) = RN32(v / RN32(1 + expf(-v))) in fp32, then
@@ -79,13 +88,14 @@ from collections.abc import Callable
 import numpy as np
 
 from .checks import require_array, require_finite
-from .dtypes import BF16, FP16, bf16_round, require_activations, require_dtype, round_to
+from .dtypes import BF16, FP16, bf16_round, fp16_rows_step, require_activations, require_dtype, round_to
 
 FP32_UNIT_ROUNDOFF = 2.0**-24  # round-to-nearest fp32 addition
 FP32_TRUNCATING_UNIT_ROUNDOFF = 2.0**-23  # fp32 addition that truncates (tensor-core accumulators)
 FP64_UNIT_ROUNDOFF = 2.0**-53
 FP32_LEAST = 2.0**-149  # fp32's subnormal step: a bf16 x fp16 product rounded in fp32 moves by at most this
 FP32_MAX = float(np.finfo(np.float32).max)  # (2 - 2^-23) * 2^127
+FP16_ROWS_POST = 2 * FP32_LEAST  # bf16 x: the fp16 rows' two power-of-two multiplies after the sum (docstring)
 
 
 def product_error(dtype: str) -> float:
@@ -160,13 +170,26 @@ def linear_bounds(x: np.ndarray, w16: np.ndarray, unit_roundoff: float = FP32_TR
     # float64 roundings of this very expression.
     d = float64_sum_slack(k, unit_roundoff, abs_sum)
     eps = product_error(dtype)
-    if eps:  # bf16: products that round in fp32's subnormal range (module docstring); 0 for fp16: d unchanged
+    if eps:  # bf16: products that round in fp32's subnormal range, the fp16 rows (module docstring); fp16: none
         d = d + (gamma(k, unit_roundoff) + 1.0) * k * eps * (1.0 + 2.0**-50)
-    lo, hi = outward(_scaled(s64 - d, column_scale), _scaled(s64 + d, column_scale), dtype)
+        d = d + fp16_rows_slack(x, np.abs(w16.astype(np.float64)).sum(axis=1), k, unit_roundoff)
+    lo, hi = _scaled(s64 - d, column_scale), _scaled(s64 + d, column_scale)
+    if eps:
+        lo, hi = lo - FP16_ROWS_POST, hi + FP16_ROWS_POST
+    lo, hi = outward(lo, hi, dtype)
     if dtype == BF16:  # fp32 partial sums may overflow (never for fp16: |S| < 2^45): the whole line
         lo, hi = _unbounded_where(_may_overflow_fp32(abs_sum * (1.0 + gamma(k, FP64_UNIT_ROUNDOFF)), k,
                                                      unit_roundoff, eps), lo, hi)
     return lo, hi
+
+
+def fp16_rows_slack(x: np.ndarray, w_abs: np.ndarray, k: int, unit_roundoff: float) -> np.ndarray:
+    """float64 [M, N]: what the fp16 rows of bf16 x add to d, (1 + gamma_K(u)) * c_m * W_n * (1 + gamma64_K) *
+    (1 + 2^-50), c_m = fp16_rows_step(x)[m], W_n >= sum_k |W16[n, k]| given as w_abs [N] (a float64 sum: the
+    (1 + gamma64_K) factor covers its rounding; module docstring, "fp16 rows")."""
+    c = fp16_rows_step(x)
+    slack = (1.0 + gamma(k, unit_roundoff)) * (1.0 + gamma(k, FP64_UNIT_ROUNDOFF)) * (1.0 + 2.0**-50)
+    return slack * np.outer(c, w_abs)
 
 
 def _may_overflow_fp32(abs_sum: np.ndarray, k: int, unit_roundoff: float, eps: float) -> np.ndarray:
@@ -253,7 +276,10 @@ def linear_bounds_fp32(x: np.ndarray, w16: np.ndarray, unit_roundoff: float = FP
     # finite in fp32) are NaN or inf exactly where row n holds a NaN or inf, whatever x is
     if not np.isfinite(a32[m]).all():
         require_finite("w16", w16)  # raises, counting every NaN / inf
-    return linear_bounds_of_fp32_sums(s32, a32[:m], k, unit_roundoff, dtype=dtype)
+    rows = None
+    if dtype == BF16:  # the ones row's fp32 sums bound W = sum_k |W16[n, k]| within gamma32
+        rows = fp16_rows_slack(x, a32[m] / (1.0 - gamma(k, FP32_UNIT_ROUNDOFF)), k, unit_roundoff)
+    return linear_bounds_of_fp32_sums(s32, a32[:m], k, unit_roundoff, dtype=dtype, rows_slack=rows)
 
 
 def numpy_fp32_sums(w16: np.ndarray, x32: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -268,7 +294,8 @@ def numpy_fp32_sums(w16: np.ndarray, x32: np.ndarray, m: int) -> tuple[np.ndarra
 
 def linear_bounds_of_fp32_sums(s32: np.ndarray, a32: np.ndarray, k: int,
                                unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF, *,
-                               dtype: str = FP16) -> tuple[np.ndarray, np.ndarray]:
+                               dtype: str = FP16, rows_slack: np.ndarray | None = None
+                               ) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi), float16 [M, N], from S32 = sum x*w and A32 = sum |x*w| [M, N] accumulated in fp32 by
     any BLAS (any order, FMA or not; values in float32 or float64) over K exact fp16 products: the
     `linear_bounds_fp32` statement (module docstring), for callers whose fp32 matmul is faster than
@@ -277,7 +304,8 @@ def linear_bounds_of_fp32_sums(s32: np.ndarray, a32: np.ndarray, k: int,
     dtype "bfloat16": x was bf16 (lo, hi float32 arrays of bf16 values). Each of the K products may then
     round in fp32 by eps = 2^-149 in the kernel and in S32 and A32 alike, so with A <= A32 / (1 -
     gamma32) + K eps: |S' - S32| <= d32 + ((gamma_K(u) + gamma32) * 2K eps + 2K eps) * (1 + 2^-50);
-    where A32 may reach fp32's overflow (as `linear_bounds`), the whole line."""
+    where A32 may reach fp32's overflow (as `linear_bounds`), the whole line. rows_slack [M, N]: the fp16 rows'
+    term (`fp16_rows_slack`), added to d where given (linear_bounds_fp32 gives it for bf16)."""
     s32 = np.asarray(s32, dtype=np.float64)
     a32 = np.asarray(a32, dtype=np.float64)
     if s32.shape != a32.shape:
@@ -288,6 +316,8 @@ def linear_bounds_of_fp32_sums(s32: np.ndarray, a32: np.ndarray, k: int,
         eps = product_error(dtype)
         if eps:  # bf16 (a no-op for fp16: d unchanged)
             d = d + ((gamma(k, unit_roundoff) + gamma32) * 2 * k * eps + 2 * k * eps) * (1.0 + 2.0**-50)
+        if rows_slack is not None:
+            d = d + rows_slack + FP16_ROWS_POST
         lo, hi = outward(s32 - d, s32 + d, dtype)
     if dtype == BF16:
         lo, hi = _unbounded_where(_may_overflow_fp32(a32 / (1.0 - gamma32), k, unit_roundoff, eps), lo, hi)
