@@ -1,8 +1,8 @@
 """bf16 activations against fp16 on the GPU (issue 24, part 3): the qpn linear op on the same weights with
 fp16 x and with bf16 x, per format, shape and M, GPU time of graph-replayed calls (bench_dispatch.time_us),
-and their ratio. Today bf16 x on CUDA runs the exact dense path (docs/DESIGN.md, "bf16 activations": W16
-dequantized, a float64 GEMM, one RN_bf16), while fp16 runs the decode / GEMM kernels: the ratio is the cost
-of that gap until a bf16 kernel path exists (the target: <= 1.05 at M = 1-32).
+and their ratio (the target: <= 1.05 at M = 1-32). Both run the same path and kernels (dispatch.choose);
+bf16 adds x_bf16.cu's launch (each row times 2^e into fp16: docs/DESIGN.md, "bf16 activations"), which at
+M > 8 takes the place of the fp16 fragments' launch.
 
     python benchmarks/bench_bf16.py [--out DIR] [--shapes 4096x4096,14336x4096] [--ms 1,8,32]
 
@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         table += [f"| {r['format']} | {r['n']}x{r['k']} | {r['m']} | {r['fp16_us']:.1f} | {r['bf16_us']:.1f} | "
                   f"{r['ratio']:.2f} |" for r in rows]
         md = "\n".join([f"# bf16 against fp16 activations, {torch.cuda.get_device_name()}", "",
-                        "Run: `python benchmarks/bench_bf16.py`; GPU time per call, graph-replayed. bf16 runs "
-                        "the exact dense path (float64 GEMM), fp16 the decode / GEMM kernels.", "", *table, "",
+                        "Run: `python benchmarks/bench_bf16.py`; GPU time per call, graph-replayed. Both dtypes "
+                        "run the same kernels; bf16 first writes its fp16 rows (x_bf16.cu: one launch more at "
+                        "M <= 8, in place of the fp16 fragments' launch above).", "", *table, "",
                         line, ""])
         bk.write_atomic(out / "bf16_h200.md", md)
         bk.write_atomic(out / "bf16_h200.json", json.dumps(rows, indent=1))

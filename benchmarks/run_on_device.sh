@@ -2,11 +2,12 @@
 # One GPU session: install, every gpu-marked test, compute-sanitizer, the benchmarks.
 #   bash benchmarks/run_on_device.sh OUT_DIR [stages]
 #   stages: any of tests,sanitizer,bench,decode,dispatch,moe,model,moemodel (default: all of these) and the opt-in
-#   gptoss,gptossmodel; budgets: TESTS_S, SAN_S, BENCH_S, MODEL_S
+#   gptoss,gptossmodel,bf16; budgets: TESTS_S, SAN_S, BENCH_S, MODEL_S, BF16_S
 #   (moe: benchmarks/bench_moe.py, the Qwen3-30B / Mixtral MoE layers; moemodel: bench_model.py --model qwen3moe)
 #   (gptoss: bench_moe.py --layers gptoss20b,gptoss120b, MXFP4 experts vs fp16, results gpt_oss_moe_h200.{md,json};
 #    gptossmodel: bench_model.py --model gptoss20b, fp16 vs MXFP4 experts, results gpt_oss_model_h200.{md,json};
-#    each a few minutes, asked for by name: e.g. run_on_device.sh OUT gptoss,gptossmodel)
+#    each a few minutes, asked for by name: e.g. run_on_device.sh OUT gptoss,gptossmodel; bf16:
+#    benchmarks/bench_bf16.py, bf16 against fp16 activations)
 #   (dispatch: benchmarks/bench_dispatch.py, every linear path timed; its table lands in OUT_DIR)
 #   (model: benchmarks/bench_model.py, Llama-3.1-8B-shaped decode tokens/s vs fp16; MODEL_ARGS passes arguments)
 # Every stage logs to OUT_DIR and runs even if an earlier one failed; the last lines summarise.
@@ -80,5 +81,9 @@ if [[ $stages =~ (^|,)gptossmodel(,|$) ]]; then  # ~3-5 min: gpt-oss-20b shapes,
   timeout "${MODEL_S:-540}" python3 benchmarks/bench_model.py --model gptoss20b --graphs manual --out "$out" \
     --name gpt_oss_model_h200 ${MODEL_ARGS:-} >"$out/bench_gpt_oss_model.log" 2>&1
   summary+=("bench_gpt_oss_model: rc=$? $(grep -E '^manual +batch +[0-9]+ mxfp4' "$out/bench_gpt_oss_model.log" | awk '{printf "b%s %s tok/s %sx; ", $3, $7, $11}')")
+fi
+if [[ $stages =~ (^|,)bf16(,|$) ]]; then  # ~1 min: bf16 against fp16 x through the same kernels
+  timeout "${BF16_S:-240}" python3 benchmarks/bench_bf16.py --out "$out" ${BF16_ARGS:-} >"$out/bench_bf16.log" 2>&1
+  summary+=("bench_bf16: rc=$? $(grep -E '^- target' "$out/bench_bf16.log" | tr '\n' ' ')")
 fi
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"

@@ -27,7 +27,8 @@ import numpy as np
 
 from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
 from ..ref.geometry import GROUP_K, TILE_N
-from ._validate import CupyArray, output_array, require_cupy
+from ._validate import CupyArray, output_array
+from .bf16 import bf16_rows_elements, is_bf16, queue_bf16_rows, require_activations
 from .dequantize import (
     prepare_qpn2,
     prepare_qpn8,
@@ -159,42 +160,49 @@ def _grid(n: int, m: int, gated: bool, parts: int) -> tuple[int, int, int]:
     return -(-slots // GEMM_WARPS), parts, -(-m // (TOKENS_PER_BLOCK * gemm_nb(gated)))
 
 
-def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool) -> tuple[int, int, int, int, int]:
-    """(parts, groups per part, fragment end, partial end, ticket end): the call's split and its
-    workspace layout in fp32 elements -- x fragments, then split-K partials and tickets (parts > 1)."""
+def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool, bf16: bool
+                    ) -> tuple[int, int, int, int, int, int]:
+    """(parts, groups per part, bf16 rows end, fragment end, partial end, ticket end): the call's split and
+    its workspace layout in fp32 elements -- bf16 x's fp16 rows (bf16.py), x fragments, then split-K
+    partials and tickets (parts > 1)."""
     parts, per_part = gemm_split(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[wf.key], _device()[0])
-    frag = fragment_elements(m, k)
+    rows = bf16_rows_elements(m, k, fragments=True) if bf16 else 0
+    frag = rows + fragment_elements(m, k)
     if parts == 1:
-        return parts, per_part, frag, frag, frag
+        return parts, per_part, rows, frag, frag, frag
     bx, _, bz = _grid(n, m, gated, parts)
     partial = frag + partial_elements(parts, m, n, gated)
-    return parts, per_part, frag, partial, partial + bx * bz
+    return parts, per_part, rows, frag, partial, partial + bx * bz
 
 
-def gemm_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False) -> int:
-    """fp32 elements of the workspace a GEMM call needs (x fragments, split-K partials, tickets):
-    pass one of at least this size where allocations must come from the caller (graph capture)."""
-    return _workspace_ends(require_family(format), m, n, k, gated)[-1]
+def gemm_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False, bf16: bool = False) -> int:
+    """fp32 elements of the workspace a GEMM call needs (bf16 x's fp16 rows, x fragments, split-K partials,
+    tickets): pass one of at least this size where allocations must come from the caller (graph capture)."""
+    return _workspace_ends(require_family(format), m, n, k, gated, bf16)[-1]
 
 
 def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int,
                 gated: bool, workspace: CupyArray | None) -> None:
-    """Queue one GEMM call: x fragments, the tickets' reset (parts > 1), the kernel."""
+    """Queue one GEMM call: bf16 x's fp16 rows, x fragments, the tickets' reset (parts > 1), the kernel."""
     m, k = x.shape
-    parts, per_part, frag_end, partial_end, size = _workspace_ends(wf, m, n, k, gated)
+    parts, per_part, rows_end, frag_end, partial_end, size = _workspace_ends(wf, m, n, k, gated, is_bf16(x))
     workspace = call_workspace(workspace, size, "gemm_workspace_size")
-    x_frag = workspace[:frag_end]
-    queue_x_fragments(x, x_frag)
+    x_factor = np.uint64(0)
+    x_frag = workspace[rows_end:frag_end]
+    if rows_end:  # bf16: its fp16 rows straight into the fragments
+        x_frag, x_factor = queue_bf16_rows(x, workspace[:rows_end], x_frag)
+    else:
+        queue_x_fragments(x, x_frag)
     partial, tickets = np.uint64(0), np.uint64(0)
     if parts > 1:
         partial = workspace[frag_end:partial_end]
         tickets = zeroed_tickets(workspace[partial_end:size])
-    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(per_part), partial, tickets)
+    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(per_part), partial, tickets, x_factor)
     kernel(variant)(_grid(n, m, gated, parts), (32 * GEMM_WARPS,), (*weights, x_frag, y, *tail))
 
 
 def gemm_activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:
-    require_cupy("x", x, np.float16, ndim=2)
+    require_activations("x", x)
     m, k = x.shape
     if m < 1:
         raise ValueError(f"x must have M >= 1 rows, got shape {tuple(x.shape)}; an empty batch needs no call")
@@ -211,7 +219,7 @@ def qpn2_gemm_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_s
     m, k = gemm_activation(x, QPN2)
     n = rows_of_codes(codes, k, QPN2.code_bits / 8)
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)
-    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
+    y = output_array(out, (m, gated_rows(n, gated)), x.dtype)
     launch_qpn2_gemm(x, codes, scales, g, g_stride, n, y, gated, workspace)
     return y
 
@@ -224,7 +232,7 @@ def qpn8_gemm_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, ou
     n, k, _ = prepare_qpn8(codes, group_scales, n, k)
     wf = qpn8_group_scales_format(group_scales.shape, n, k)
     require_group_scales_aligned(group_scales, wf)
-    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
+    y = output_array(out, (m, gated_rows(n, gated)), x.dtype)
     launch_qpn8_gemm(x, codes, group_scales, wf, n, y, gated, workspace)
     return y
 

@@ -78,10 +78,10 @@ class LayoutKernels:
         for the MoE builds (moe.py); the codes' and NVFP4 scales' strides follow from N and K."""
         raise NotImplementedError
 
-    def workspace_size(self, path: str, m: int, n: int, k: int, gated: bool) -> int:
-        """fp32 elements of the workspace a "decode" or "gemm" call needs (0: none)."""
+    def workspace_size(self, path: str, m: int, n: int, k: int, gated: bool, bf16: bool = False) -> int:
+        """fp32 elements of the workspace a "decode" or "gemm" call needs (0: none); bf16: x is bf16."""
         size = decode_workspace_size if path == "decode" else gemm_workspace_size
-        return size(self.family.format, m, n, k, gated)
+        return size(self.family.format, m, n, k, gated, bf16)
 
 
 class _QPN2Kernels(LayoutKernels):

@@ -30,7 +30,8 @@ import numpy as np
 from ..ref.checks import require_multiple
 from ..ref.formats import FORMAT_NAMES, QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat
 from ..ref.geometry import GROUP_K, TILE_N
-from ._validate import CupyArray, output_array, require_aligned, require_cupy
+from ._validate import CupyArray, output_array, require_aligned
+from .bf16 import bf16_rows_elements, is_bf16, queue_bf16_rows, require_activations
 from .dequantize import (
     prepare_qpn2,
     prepare_qpn8,
@@ -201,7 +202,7 @@ def decode_threshold(format: str, n: int, k: int) -> int:
 
 
 def decode_activation(x: CupyArray, wf: WeightFormat, dense: str) -> tuple[int, int]:
-    require_cupy("x", x, np.float16, ndim=2)
+    require_activations("x", x)
     m, k = x.shape
     if not 1 <= m <= MAX_M:
         raise ValueError(
@@ -223,18 +224,21 @@ def require_x_aligned(x: CupyArray) -> None:
 SLICE_MULTIPLE = {QPN2.key: QPN2.k_multiple // GROUP_K, QPN8.key: 1}
 
 
-def decode_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False) -> int:
-    """fp32 elements of the workspace qpn2_linear / qpn8_linear need for this call (0: none).
+def decode_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False, bf16: bool = False) -> int:
+    """fp32 elements of the workspace qpn2_linear / qpn8_linear need for this call (0: none); bf16: x is bf16.
 
     Pass a workspace of at least this size (`workspace=`) where allocations must come from the
     caller (torch's allocator under CUDA-graph capture); without one the wrappers allocate it. It
-    holds the call's x fragments (M > 8), split-K partial sums and arrival counters; it may be
+    holds bf16 x's fp16 rows (cupy_kernels/bf16.py), the call's x fragments (M > 8), split-K partial sums and
+    arrival counters; it may be
     reused by the next call on the same stream (or freed to the caching allocator) once this one
     is queued.
     """
     family = require_family(format)
-    frag = fragment_elements(m, k) if X_FRAG[family.key, -(-m // TOKENS_PER_BLOCK)] else 0
-    return frag + sum(split_k_elements(decode_split(format, n, k)[0], m, n, gated))
+    x_frag = X_FRAG[family.key, -(-m // TOKENS_PER_BLOCK)]
+    frag = fragment_elements(m, k) if x_frag else 0
+    rows = bf16_rows_elements(m, k, x_frag) if bf16 else 0
+    return rows + frag + sum(split_k_elements(decode_split(format, n, k)[0], m, n, gated))
 
 
 def require_family(format: str) -> WeightFormat:
@@ -248,9 +252,9 @@ def require_family(format: str) -> WeightFormat:
 
 def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray,
                   n: int, gated: bool, workspace: CupyArray | None, x_frag: bool) -> None:
-    """Queue one decode call: the x fragments (x_frag: the build reads them), the split-K tickets'
-    reset, and the kernel `fn` with the split (decode_split) and its grid; `weights` are the
-    format's leading kernel arguments.
+    """Queue one decode call: bf16 x's fp16 rows (cupy_kernels/bf16.py), the x fragments (x_frag: the build
+    reads them), the split-K tickets' reset, and the kernel `fn` with the split (decode_split) and its grid;
+    `weights` are the format's leading kernel arguments.
 
     The split follows the weight's tile count, gated or not: the gated kernel then sums every tile
     exactly as the plain kernel does (its gate / up values equal the plain call's, bit for bit).
@@ -259,19 +263,23 @@ def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray,
     m, k = x.shape
     parts, split, groups_per_warp = decode_split(family.format, n, k)
     partial_size, ticket_count = split_k_elements(parts, m, n, gated)
+    rows = bf16_rows_elements(m, k, x_frag) if is_bf16(x) else 0
     frag = fragment_elements(m, k) if x_frag else 0
-    size = frag + partial_size + ticket_count
-    x_arg, partial, tickets = x, np.uint64(0), np.uint64(0)
+    size = rows + frag + partial_size + ticket_count
+    x_arg, partial, tickets, x_factor = x, np.uint64(0), np.uint64(0), np.uint64(0)
     if size:
         workspace = call_workspace(workspace, size, "decode_workspace_size")
-        if frag:
-            x_arg = workspace[:frag]
-            queue_x_fragments(x, x_arg)
+        frags = workspace[rows:rows + frag] if frag else None
+        if rows:  # bf16: its fp16 rows, or straight into the fragments
+            x_arg, x_factor = queue_bf16_rows(x, workspace[:rows], frags)
+        elif frag:
+            x_arg = frags
+            queue_x_fragments(x, frags)
         if parts > 1:
-            partial = workspace[frag:frag + partial_size]
-            tickets = zeroed_tickets(workspace[frag + partial_size:size])
+            partial = workspace[rows + frag:rows + frag + partial_size]
+            tickets = zeroed_tickets(workspace[rows + frag + partial_size:size])
     grid = (n // TILE_N // (2 if gated else 1), parts)
-    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(groups_per_warp), partial, tickets)
+    tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(groups_per_warp), partial, tickets, x_factor)
     fn(grid, (32 * split,), (*weights, x_arg, y, *tail))
 
 
@@ -287,7 +295,7 @@ def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale:
     m, k = decode_activation(x, QPN2, "qpn2_dense_linear")
     n = rows_of_codes(codes, k, QPN2.code_bits / 8)
     n, k, g, g_stride = prepare_qpn2(codes, scales, global_scale, n, k)  # N's rule first
-    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
+    y = output_array(out, (m, gated_rows(n, gated)), x.dtype)
     launch_qpn2_decode(x, codes, scales, g, g_stride, n, y, gated, workspace)
     return y
 
@@ -312,7 +320,7 @@ def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: Cu
     n, k, _ = prepare_qpn8(codes, group_scales, n, k)  # N's rule first
     wf = qpn8_group_scales_format(group_scales.shape, n, k)
     require_group_scales_aligned(group_scales, wf)
-    y = output_array(out, (m, gated_rows(n, gated)), np.float16)
+    y = output_array(out, (m, gated_rows(n, gated)), x.dtype)
     launch_qpn8_decode(x, codes, group_scales, wf, n, y, gated, workspace)
     return y
 

@@ -44,6 +44,7 @@ from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat
 from ..ref.geometry import TILE_N
 from ..ref.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
 from ._validate import CupyArray, require_aligned, require_cupy
+from .bf16 import bf16_rows_elements, is_bf16, queue_bf16_rows
 from .layouts import Buffers, LayoutKernels
 from .linear import FALLBACK_STACK_BYTES, MAX_M, decode_macros, decode_split, require_x_aligned
 from .loader import kernel
@@ -102,6 +103,27 @@ EXPERT_DECODE = {
 KERNEL_VARIANTS = (ROUTE, COMBINE, *EXPERT_DECODE.values())
 
 
+def _queue_projection(launch: tuple, i: int, rows: int, slots: int, route: CupyArray, experts: int) -> None:
+    """One projection of chunk [i, i + rows) (launch_moe's `launches` entry): bf16 x's fp16 rows first, then
+    one launch per piece class the chunk can hold."""
+    wf, n, k, gated, (parts, split, groups_per_warp), weights, src, dst, state, map_x, scale_stride, epilogue, \
+        rows_space = launch
+    source = src[i:i + rows] if map_x else src[:slots]  # gate/up: the chunk's tokens; down: its slots
+    x_factor: object = np.uint64(0)  # null: fp16 x
+    if rows_space is not None:
+        source, x_factor = queue_bf16_rows(source, rows_space)
+    for cls in range(MOE_CLASSES):
+        z = class_blocks(cls, rows, experts, slots)
+        if z == 0:
+            continue
+        nb, passes = class_build(wf.key, gated, cls)
+        blocks = (z * passes, parts, gated_rows(n, gated) // TILE_N)
+        kernel(EXPERT_DECODE[wf.key, nb, gated])(blocks, (32 * split,), (
+            *weights, source, dst, np.int32(0), np.int32(n), np.int32(k), np.int32(groups_per_warp), *state,
+            x_factor, route, np.int32(experts), np.int32(slots), np.int32(cls), np.int32(passes),
+            np.int32(map_x), np.int64(scale_stride), *epilogue))
+
+
 def require_routable(experts: int, top_k: int) -> None:
     """The route kernel's limits: one thread per expert and one per choice of a block of ROUTE_LIMIT
     threads, for chunks of at least MAX_M tokens."""
@@ -158,11 +180,20 @@ def chunk_rows(m: int, top_k: int) -> int:
     return min(m, ROUTE_LIMIT // top_k)
 
 
-def moe_workspace_size(family_format: str, m: int, top_k: int, h: int, inter: int, experts: int) -> int:
-    """fp32 elements of an M-token call's split-K state (one chunk's, reused by the next): both
-    projections' partial sums, then their tickets (the route kernel zeroes them); 0 where neither splits
-    K across blocks. Allocate it with the route (torch's allocator under graph capture)."""
-    return sum(p + t for *_, p, t in _projections(family_format, chunk_rows(m, top_k) * top_k, h, inter, experts))
+def moe_workspace_size(family_format: str, m: int, top_k: int, h: int, inter: int, experts: int,
+                       bf16: bool = False) -> int:
+    """fp32 elements of an M-token call's workspace (one chunk's, reused by the next): both projections'
+    partial sums, then their tickets (the route kernel zeroes them), then for bf16 x the fp16 rows of the
+    chunk's x and of its hidden rows (bf16.py); 0 where neither splits K across blocks and x is fp16.
+    Allocate it with the route (torch's allocator under graph capture)."""
+    chunk = chunk_rows(m, top_k)
+    rows = sum(_bf16_rows(chunk, top_k, h, inter)) if bf16 else 0
+    return rows + sum(p + t for *_, p, t in _projections(family_format, chunk * top_k, h, inter, experts))
+
+
+def _bf16_rows(chunk: int, top_k: int, h: int, inter: int) -> tuple[int, int]:
+    """bf16 x: the workspace slots of each projection's fp16 rows (bf16.py): the chunk's x, its hidden rows."""
+    return bf16_rows_elements(chunk, h), bf16_rows_elements(chunk * top_k, inter)
 
 
 def require_epilogue(experts: int, h: int, inter: int, w13_bias: CupyArray | None, w2_bias: CupyArray | None,
@@ -197,10 +228,12 @@ def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, 
                swiglu_limit: float = SWIGLU_LIMIT) -> None:
     """Queue the fused MoE decode (module docstring) over an M-token call in chunks of chunk_rows tokens (a
     token's bits do not depend on its chunk: rows never share a sum). The caller validated the metadata
-    (torch_bridge/moe_ops.py): x fp16 [M, H], M >= 1, w13 / w2 the layout's buffers stacked [E, ...] for
-    [2I, H] / [H, I] weights, topk_weights fp32 and topk_ids int32 / int64 [M, top_k], out fp16 [M, H];
-    one chunk's buffers, reused in stream order: route int32 [route_size(E, S)], hidden fp16 [S, I], y fp16
-    [S, H] with S = chunk_rows(M) * top_k, workspace fp32 [moe_workspace_size] (None: allocated here).
+    (torch_bridge/moe_ops.py): x fp16 or bf16 bits (int16: bf16.py) [M, H], M >= 1, w13 / w2 the layout's
+    buffers stacked [E, ...] for [2I, H] / [H, I] weights, topk_weights fp32 and topk_ids int32 / int64
+    [M, top_k], out [M, H] of x's dtype; one chunk's buffers, reused in stream order: route int32
+    [route_size(E, S)], hidden [S, I] and y [S, H] of x's dtype with S = chunk_rows(M) * top_k, workspace
+    fp32 [moe_workspace_size] (None: allocated here). bf16 x: each projection's input rows (the chunk's x,
+    then its hidden rows) go through bf16.py's fp16 rows first, its epilogue and the combine round to bf16.
     The epilogue (module docstring, "Epilogue"; checked here, require_epilogue): w13_bias fp32 [E, 2I] (gate
     rows, then up) and w2_bias fp32 [E, H], None for no bias; activation "silu" | "swigluoai" with
     swiglu_alpha / swiglu_limit (default gpt-oss's, qpn.ref.gpt_oss)."""
@@ -215,37 +248,32 @@ def launch_moe(kernels: LayoutKernels, x: CupyArray, w13: Buffers, w2: Buffers, 
     family = kernels.family
     projections = _projections(family.format, slots_max, h, inter, experts)
     partials, ticket_count = sum(p for *_, p, _ in projections), sum(t for *_, t in projections)
-    workspace = call_workspace(workspace, partials + ticket_count, "moe_workspace_size") if ticket_count else None
-    tickets = np.uint64(0) if workspace is None else workspace[partials:partials + ticket_count].view(np.uint32)
+    bf16 = is_bf16(x)
+    rows_sizes = _bf16_rows(chunk, top_k, h, inter) if bf16 else (0, 0)
+    size = partials + ticket_count + sum(rows_sizes)
+    space: CupyArray = call_workspace(workspace, size, "moe_workspace_size") if size else None
+    tickets = np.uint64(0) if not ticket_count else space[partials:partials + ticket_count].view(np.uint32)
     launches = []  # per projection: its build's leading arguments, x source, output, split-K state, ...
-    partial_at, ticket_at = 0, 0
-    for (n, k, gated, splits, p_size, t_size), (buffers, src, dst, map_x, bias) in zip(
-            projections, ((w13, x, hidden, 1, w13_bias), (w2, hidden, y, 0, w2_bias)), strict=True):
+    partial_at, ticket_at, rows_at = 0, 0, partials + ticket_count
+    for (n, k, gated, splits, p_size, t_size), (buffers, src, dst, map_x, bias), rows_size in zip(
+            projections, ((w13, x, hidden, 1, w13_bias), (w2, hidden, y, 0, w2_bias)), rows_sizes, strict=True):
         wf, weights, scale_stride = kernels.expert_weights(buffers, n, k)
         state: tuple[object, object] = (np.uint64(0), np.uint64(0))  # one part: no split-K state
-        if workspace is not None and t_size:  # t_size > 0 only where ticket_count gave a workspace
-            state = (workspace[partial_at:partial_at + p_size], tickets[ticket_at:ticket_at + t_size])
+        if t_size:  # t_size > 0 only where ticket_count gave a workspace
+            state = (space[partial_at:partial_at + p_size], tickets[ticket_at:ticket_at + t_size])
         partial_at, ticket_at = partial_at + p_size, ticket_at + t_size
+        rows_space = space[rows_at:rows_at + rows_size] if bf16 else None  # its input's fp16 rows
+        rows_at += rows_size
         epilogue = (np.uint64(0) if bias is None else bias, np.int32(act), alpha, limit)  # null: no bias
-        launches.append((wf, n, k, gated, splits, weights, src, dst, state, map_x, scale_stride, epilogue))
+        launches.append((wf, n, k, gated, splits, weights, src, dst, state, map_x, scale_stride, epilogue, rows_space))
     for i in range(0, m, chunk):
         rows = min(chunk, m - i)
         slots = rows * top_k
         kernel(ROUTE)((1,), (ROUTE_LIMIT,), (topk_ids[i:i + rows], np.int32(topk_ids.dtype == np.int64),
                                               np.int32(slots), np.int32(top_k), np.int32(experts), route, tickets,
                                               np.int32(ticket_count)))
-        for wf, n, k, gated, (parts, split, groups_per_warp), weights, src, dst, state, map_x, scale_stride, \
-                epilogue in launches:
-            for cls in range(MOE_CLASSES):
-                z = class_blocks(cls, rows, experts, slots)
-                if z == 0:
-                    continue
-                nb, passes = class_build(wf.key, gated, cls)
-                blocks = (z * passes, parts, gated_rows(n, gated) // TILE_N)
-                kernel(EXPERT_DECODE[wf.key, nb, gated])(blocks, (32 * split,), (
-                    *weights, src[i:i + rows] if map_x else src, dst, np.int32(0), np.int32(n), np.int32(k),
-                    np.int32(groups_per_warp), *state, route, np.int32(experts), np.int32(slots), np.int32(cls),
-                    np.int32(passes), np.int32(map_x), np.int64(scale_stride), *epilogue))
+        for launch in launches:
+            _queue_projection(launch, i, rows, slots, route, experts)
         kernel(COMBINE)((-(-h // (2 * COMBINE_THREADS)), rows), (COMBINE_THREADS,), (
             y, topk_weights[i:i + rows], route, np.int32(experts), np.int32(slots), np.int32(top_k), np.int32(h),
-            out[i:i + rows]))
+            out[i:i + rows], np.int32(bf16)))

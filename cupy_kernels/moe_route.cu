@@ -5,7 +5,8 @@
 //                  follow on the stream need no memset of their own.
 // qpn_moe_combine  out[m] = RN16(acc_k), acc_{j+1} = RN32(acc_j + RN32(w[m][j] * y[slot_of(m, j)])) in
 //                  top-k order (docs/DESIGN.md, "Mixture of experts"; qpn.ref.moe.combine): one thread per
-//                  two columns of a token, y the slot-ordered outputs of the down projections.
+//                  two columns of a token, y the slot-ordered outputs of the down projections; bf16 = 1:
+//                  y and out are bf16 bits, the one rounding an RN_bf16 (bf16 x).
 //
 // Nothing here depends on timing or on the order in which threads run: the counts are integer
 // atomics (exact in any order) and each slot comes from a rank, the number of earlier choices of the
@@ -108,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(QPN_ROUTE_THREADS) qpn_moe_route(
 
 extern "C" __global__ void qpn_moe_combine(
     const qpn_u16* __restrict__ y, const float* __restrict__ weights, const int* __restrict__ route,
-    int experts, int slots, int top_k, int h, qpn_u16* __restrict__ out)
+    int experts, int slots, int top_k, int h, qpn_u16* __restrict__ out, int bf16)
 {
     const int m = blockIdx.y;
     const int c = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
@@ -120,9 +121,9 @@ extern "C" __global__ void qpn_moe_combine(
         if (s < 0) continue;  // an id outside [0, E): no expert, no term
         const float w = weights[m * top_k + j];
         const qpn_u32 pair = *reinterpret_cast<const qpn_u32*>(y + (long long)s * h + c);
-        acc0 = __fadd_rn(acc0, __fmul_rn(w, qpn_half_to_float((qpn_u16)(pair & 0xFFFFu))));
-        acc1 = __fadd_rn(acc1, __fmul_rn(w, qpn_half_to_float((qpn_u16)(pair >> 16))));
+        acc0 = __fadd_rn(acc0, __fmul_rn(w, qpn_value_of((qpn_u16)(pair & 0xFFFFu), bf16)));
+        acc1 = __fadd_rn(acc1, __fmul_rn(w, qpn_value_of((qpn_u16)(pair >> 16), bf16)));
     }
     *reinterpret_cast<qpn_u32*>(out + (long long)m * h + c) =
-        (qpn_u32)qpn_float_to_half_rn(acc0) | ((qpn_u32)qpn_float_to_half_rn(acc1) << 16);
+        (qpn_u32)qpn_round_to(acc0, bf16) | ((qpn_u32)qpn_round_to(acc1, bf16) << 16);
 }

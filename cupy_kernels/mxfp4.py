@@ -107,8 +107,8 @@ def qpnmx_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, tile_scale: 
     """y = x @ (2^T W16)^T for a QPNMX (MXFP4) weight, M in [1, 32] (module docstring): x fp16 [M, K],
     K % 64 == 0; returns fp16 [M, N] ([M, N/2] = silu_and_mul(gate, up) when gated). workspace: optional
     float32 CuPy array for split-K layers (linear.decode_workspace_size("mxfp4", ...))."""
-    m, k = decode_activation(x, QPNMX, "qpnmx_gemm_linear")
-    n, y = _weight_and_output(codes, scales, tile_scale, m, k, out, gated)
+    decode_activation(x, QPNMX, "qpnmx_gemm_linear")
+    n, y = _weight_and_output(codes, scales, tile_scale, x, out, gated)
     launch_qpnmx_decode(x, codes, scales, tile_scale, n, y, gated, workspace)
     return y
 
@@ -117,19 +117,20 @@ def qpnmx_gemm_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, tile_sc
                       out: CupyArray | None = None, gated: bool = False, workspace: CupyArray | None = None
                       ) -> CupyArray:
     """As qpnmx_linear, any M >= 1 (the GEMM build: gemm.py), workspace by gemm_workspace_size("mxfp4", ...)."""
-    m, k = gemm_activation(x, QPNMX)
-    n, y = _weight_and_output(codes, scales, tile_scale, m, k, out, gated)
+    gemm_activation(x, QPNMX)
+    n, y = _weight_and_output(codes, scales, tile_scale, x, out, gated)
     launch_qpnmx_gemm(x, codes, scales, tile_scale, n, y, gated, workspace)
     return y
 
 
-def _weight_and_output(codes: CupyArray, scales: CupyArray, tile_scale: CupyArray, m: int, k: int,
+def _weight_and_output(codes: CupyArray, scales: CupyArray, tile_scale: CupyArray, x: CupyArray,
                        out: CupyArray | None, gated: bool) -> tuple[int, CupyArray]:
-    """N of the validated buffers, and the output (`out` validated, or a fresh one)."""
+    """N of the validated buffers, and the output of x's dtype (`out` validated, or a fresh one)."""
+    m, k = x.shape
     n = rows_of_codes(codes, k, QPNMX.code_bits / 8)
     n, k = QPNMX.require_int_dims(n, k)
     _require_buffers(codes, scales, tile_scale, n, k)
-    return n, output_array(out, (m, gated_rows(n, gated)), np.float16)
+    return n, output_array(out, (m, gated_rows(n, gated)), x.dtype)
 
 
 def launch_qpnmx_gemm(x: CupyArray, codes: CupyArray, scales: CupyArray, tile_scale: CupyArray, n: int,

@@ -16,6 +16,8 @@
 //         gscale  fp32, g(tile) = gscale[tile * gs_stride]  (stride 0: scalar, 1: per 32-column tile)
 //         x       fp16 [M][K] row-major, or its fragments (QPN_X_FRAG = 1)
 // Writes  y       fp16 [M][N] (gated: [M][N/2])
+//         x_factor  null: fp16 x and y. bf16 x: x holds the rows x16 = x * 2^e(row) (x_bf16.cu), x_factor
+//                   [row] = 2^-e, and y is bf16: each sum times its row's factor, one RN_bf16 (qpn_mma.cuh)
 // Shared  red + red_sum (split-K rounds: 8 + QPN_HT KiB, qpn_reduce_store) + a 256-entry {X, Y} table
 //         per tile (1 KiB): 10.0 KB (gated 12.0 KB) per block, so a 64 KB Turing SM's registers, not
 //         its shared memory, set how many blocks it holds
@@ -209,7 +211,8 @@ __device__ __forceinline__ void qpn2_e14_pairs(qpn_u32 w, qpn_u32 (&e)[4]) {
 extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn2_linear(
     const qpn_u8* __restrict__ codes, const qpn_u8* __restrict__ scales, const float* __restrict__ gscale,
     int gs_stride, const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
-    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets QPN_MOE_PARAMS)
+    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets,
+    const float* __restrict__ x_factor QPN_MOE_PARAMS)
 {
 #if QPN_MOE  // stacked experts: this block's expert, or nothing to do (before any load or barrier)
     const QpnExpert ex = qpn_moe_expert(route, experts, slots, route_class, passes, map_x);
@@ -404,13 +407,13 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     }
 
 #if QPN_GEMM
-    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval));
+    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor QPN_OUT_SCALE_ARG(gval));
 #else
 #if QPN_MOE
-    const QpnEpilogue ep = qpn_moe_epilogue(route, experts, slots, route_class, passes, bias, n, activation,
-                                            swiglu_alpha, swiglu_limit);  // bias, swigluoai: qpn_mma.cuh
+    const QpnEpilogue ep = qpn_moe_epilogue(route, experts, slots, route_class, passes, map_x, bias, x_factor, n,
+                                            activation, swiglu_alpha, swiglu_limit);  // bias, swigluoai: qpn_mma.cuh
 #endif
-    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_OUT_SCALE_ARG(gval)
+    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor QPN_OUT_SCALE_ARG(gval)
                      QPN_EPILOGUE_ARG(ep));
 #endif
 }

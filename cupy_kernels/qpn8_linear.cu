@@ -11,6 +11,8 @@
 //         gs16    fp16 group scales: channel [1, N] (S16[n]) or block [K/128, N/32] (S16[g/8][t])
 //         x       fp16 [M][K] row-major, or its fragments (QPN_X_FRAG = 1)
 // Writes  y       fp16 [M][N] (gated: [M][N/2], silu_and_mul of gate rows [0,N/2) and up rows [N/2,N))
+//         x_factor  null: fp16 x and y. bf16 x: x holds the rows x16 = x * 2^e(row) (x_bf16.cu), x_factor
+//                   [row] = 2^-e, and y is bf16: each sum times its row's factor, one RN_bf16 (qpn_mma.cuh)
 //
 // Numerics: W16 = RN16(e4m3 * 2^-8 * S16) is one mul.rn.f16x2 of the bit-trick value
 // (byte b -> fp16 bits ((b & 0x80) << 8) | ((b & 0x7F) << 7) = e4m3 * 2^-8, exact) by S16:
@@ -76,7 +78,8 @@ __device__ __forceinline__ qpn_u32 qpn8_scale_pair(qpn_u32 bits, qpn_u32 s2) {
 extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn8_linear(
     const qpn_u8* __restrict__ codes, const qpn_u16* __restrict__ gs16, int kb_stride,
     const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
-    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets QPN_MOE_PARAMS)
+    int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets,
+    const float* __restrict__ x_factor QPN_MOE_PARAMS)
 {
 #if QPN_MOE  // stacked experts: this block's expert, or nothing to do (before any load or barrier)
     const QpnExpert ex = qpn_moe_expert(route, experts, slots, route_class, passes, map_x);
@@ -163,14 +166,14 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) { qpn8_load_slot(b, u, i, valid, pc); }, compute);
 
 #if QPN_GEMM
-    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets);
+    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor);
 #else
     __shared__ float red[QPN_RED_WARPS][QPN_HT][2][4][32];  // split-K rounds (qpn_reduce_store)
     __shared__ float red_sum[QPN_HT][256];
 #if QPN_MOE
-    const QpnEpilogue ep = qpn_moe_epilogue(route, experts, slots, route_class, passes, bias, n, activation,
-                                            swiglu_alpha, swiglu_limit);  // bias, swigluoai: qpn_mma.cuh
+    const QpnEpilogue ep = qpn_moe_epilogue(route, experts, slots, route_class, passes, map_x, bias, x_factor, n,
+                                            activation, swiglu_alpha, swiglu_limit);  // bias, swigluoai: qpn_mma.cuh
 #endif
-    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets QPN_EPILOGUE_ARG(ep));
+    qpn_reduce_store(red, red_sum, acc, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor QPN_EPILOGUE_ARG(ep));
 #endif
 }

@@ -70,6 +70,29 @@ __device__ __forceinline__ qpn_u16 qpn_float_to_half_rn(float f) {
     return h;
 }
 
+// bf16 bits -> fp32 value (exact: bf16 is fp32's upper half).
+__device__ __forceinline__ float qpn_bf16_to_float(qpn_u16 b) {
+    return __uint_as_float((qpn_u32)b << 16);
+}
+
+// fp32 value -> bf16 bits, RN_bf16 (qpn.ref.bf16_round): round to nearest even on the bit pattern, which
+// is monotone in |v| across subnormals, normals and the carry into inf; a NaN stays a (quiet) NaN. Integer
+// arithmetic: sm_75 has no cvt.rn.bf16.f32 (sm_80+).
+__device__ __forceinline__ qpn_u16 qpn_float_to_bf16_rn(float f) {
+    const qpn_u32 u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (qpn_u16)((u >> 16) | 0x0040u);
+    return (qpn_u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The activations' dtype of a call (bf16 x, docs/DESIGN.md "bf16 activations"): its one rounding and its
+// values read back.
+__device__ __forceinline__ qpn_u16 qpn_round_to(float f, bool bf16) {
+    return bf16 ? qpn_float_to_bf16_rn(f) : qpn_float_to_half_rn(f);
+}
+__device__ __forceinline__ float qpn_value_of(qpn_u16 v, bool bf16) {
+    return bf16 ? qpn_bf16_to_float(v) : qpn_half_to_float(v);
+}
+
 // Two fp16 lanes multiplied, exact product rounded once (RNE); .rn also forbids FMA contraction.
 __device__ __forceinline__ qpn_u32 qpn_hmul2_rn(qpn_u32 a, qpn_u32 b) {
     qpn_u32 d;

@@ -208,6 +208,7 @@ __device__ __forceinline__ uint4 qpn_ldcs_u4(const void* p) {
 #endif
 #define QPN_NB2 ((QPN_NB + 1) / 2)  // 16-byte fragment pairs per group (QPN_X_FRAG = 1)
 
+
 // QPN_GEMM: x from shared memory. The block's tokens are pairs [QPN_NB2 z, QPN_NB2 (z + 1)) of the
 // call's nb2_all = ceil(M / 16) fragment pairs; each batch (QPN_UNROLL groups) is staged by the
 // whole block into one of two buffers (QPN_UNROLL x QPN_NB2 x 32 x 16 bytes: 8 KiB at 4 groups and
@@ -310,6 +311,7 @@ __device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, i
         if (valid) {
             const qpn_u16* p = xs.p[j] + 16 * (long long)g0 + 16 * u;
             asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(xf[j].x), "=r"(xf[j].y) : "l"(p));
+
         } else {
             xf[j] = make_uint2(0u, 0u);
         }
@@ -410,14 +412,25 @@ __device__ __forceinline__ void qpn_run_batches(int n_local, Load&& load, Comput
 #endif
 //
 // Gated epilogue (vLLM silu_and_mul on the rounded linear outputs):
-//   out = RN16( RN16(silu32(RN16(gate))) * RN16(up) ),  silu32(v) = v / (1 + expf(-v)) in fp32.
-__device__ __forceinline__ qpn_u16 qpn_silu_mul(qpn_u16 gate16, qpn_u16 up16) {
-    const float v = qpn_half_to_float(gate16);
+//   out = RN16( RN16(silu32(RN16(gate))) * RN16(up) ),  silu32(v) = v / (1 + expf(-v)) in fp32;
+// bf16 (bf16 = true): each RN16 an RN_bf16, the values bf16 bits (vLLM's act_and_mul for scalar_t = bf16).
+__device__ __forceinline__ qpn_u16 qpn_silu_mul(qpn_u16 gate16, qpn_u16 up16, bool bf16) {
+    const float v = qpn_value_of(gate16, bf16);
     const float silu = __fdiv_rn(v, __fadd_rn(1.0f, expf(-v)));  // IEEE division (--prec-div=true)
-    const qpn_u16 silu16 = qpn_float_to_half_rn(silu);
-    // half * half: the exact product (22 significant bits) in fp32, rounded once to fp16
-    return qpn_float_to_half_rn(__fmul_rn(qpn_half_to_float(silu16), qpn_half_to_float(up16)));
+    const qpn_u16 silu16 = qpn_round_to(silu, bf16);
+    // half * half: the exact product (22 significant bits) in fp32, rounded once to fp16 (bf16 * bf16: 16
+    // bits, exact unless below 2^-126, then RN32 first, as c10::BFloat16's multiply)
+    return qpn_round_to(__fmul_rn(qpn_value_of(silu16, bf16), qpn_value_of(up16, bf16)), bf16);
 }
+
+// The dtype and factor of an output row (bf16 x: docs/DESIGN.md, "bf16 activations", the Turing path). The
+// kernels take fp16 x; for bf16 x the host first writes x16 = x * 2^e(row), exact, and factor[row] = 2^-e
+// (x_bf16.cu), so an output's fp32 sum times its x row's factor is the bf16 row's sum (exact unless it lands
+// below 2^-126), rounded once to bf16. x_factor = null: fp16 x, factor 1, RN16 (the fp16 bits, unchanged).
+struct QpnOutRow {
+    float factor;
+    bool bf16;
+};
 
 // QPN_MX = 1 (MXFP4, qpn2_linear.cu): each tile's fp32 sums times its 2^T, exact, before the one RN16
 // (docs/DESIGN.md, "MXFP4 weight"); the stores take the tiles' 2^T as one more argument.
@@ -445,6 +458,8 @@ struct QpnEpilogue {
     int up;                          // gated: the up rows' offset in bias (N/2 = y_cols)
     int act;                         // QPN_ACT_SILU / QPN_ACT_SWIGLUOAI (gated builds)
     float alpha, limit;              // swigluoai's constants (qpn.ref.gpt_oss SWIGLU_ALPHA / SWIGLU_LIMIT)
+    const int* row_map;              // bf16 x: output row m's x row is row_map[row0 + m] (or row0 + m: null)
+    int row0;
 };
 #define QPN_EPILOGUE_PARAM , const QpnEpilogue& ep
 #define QPN_EPILOGUE_ARG(ep) , ep
@@ -461,19 +476,33 @@ struct QpnEpilogue {
 // each fp32 operation rounded once): g = min(gate, limit), u = clamp(up, -limit, limit) (the ternaries keep
 // a NaN a NaN, as the reference's np.minimum / np.clip), s = 1 / (1 + expf(-(g * alpha))), glu = g * s,
 // out = RN16((u + 1) * glu).
-__device__ __forceinline__ qpn_u16 qpn_swigluoai_mul(qpn_u16 gate16, qpn_u16 up16, float alpha, float limit) {
-    const float gate = qpn_half_to_float(gate16), up = qpn_half_to_float(up16);
+__device__ __forceinline__ qpn_u16 qpn_swigluoai_mul(qpn_u16 gate16, qpn_u16 up16, float alpha, float limit, bool bf16) {
+    const float gate = qpn_value_of(gate16, bf16), up = qpn_value_of(up16, bf16);
     const float g = gate > limit ? limit : gate;
     const float u = up > limit ? limit : (up < -limit ? -limit : up);
     const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(g, alpha))));  // IEEE division
     const float glu = __fmul_rn(g, s);
-    return qpn_float_to_half_rn(__fmul_rn(__fadd_rn(u, 1.0f), glu));
+    return qpn_round_to(__fmul_rn(__fadd_rn(u, 1.0f), glu), bf16);
 }
 
-// The slot's outputs from their fp32 sums s[h] (gate, up when gated): one RN16, the epilogue. MoE builds:
-// `col` is the output's y column (its gate / down bias row; gated, the up row is col + ep.up).
-__device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT] QPN_OUT_SCALE_PARAM QPN_EPILOGUE_COL_PARAM) {
-#if QPN_MX || QPN_MOE
+// Output row m's QpnOutRow (m: the launch's row; MoE builds: the pass's, its x row through the route).
+__device__ __forceinline__ QpnOutRow qpn_out_row(const float* __restrict__ x_factor, int m QPN_EPILOGUE_PARAM) {
+    QpnOutRow r = {1.0f, x_factor != nullptr};
+    if (r.bf16) {
+#if QPN_MOE
+        r.factor = x_factor[ep.row_map ? ep.row_map[ep.row0 + m] : ep.row0 + m];
+#else
+        r.factor = x_factor[m];
+#endif
+    }
+    return r;
+}
+
+// The slot's outputs from their fp32 sums s[h] (gate, up when gated): one RN16 (bf16: times the row's factor,
+// one RN_bf16), the epilogue. MoE builds: `col` is the output's y column (its gate / down bias row; gated, the
+// up row is col + ep.up).
+__device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT], const QpnOutRow& row
+                                              QPN_OUT_SCALE_PARAM QPN_EPILOGUE_COL_PARAM) {
     float t[QPN_HT];
 #pragma unroll
     for (int h = 0; h < QPN_HT; ++h) {
@@ -482,10 +511,10 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT] QPN_OUT_S
 #else
         t[h] = s[h];
 #endif
+        // exact too (powers of two) unless the product lands below 2^-126; then one more fp32 rounding of at
+        // most 2^-150, inside the bf16 bound's K * eps term, which the exact fp16 products leave unused
+        if (row.bf16) t[h] = __fmul_rn(t[h], row.factor);
     }
-#else
-    const float (&t)[QPN_HT] = s;
-#endif
 #if QPN_MOE
     if (ep.bias != nullptr) {  // uniform: one RN32 before the RN16
 #pragma unroll
@@ -495,11 +524,12 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT] QPN_OUT_S
 #if QPN_GATED
 #if QPN_MOE
     if (ep.act == QPN_ACT_SWIGLUOAI)
-        return qpn_swigluoai_mul(qpn_float_to_half_rn(t[0]), qpn_float_to_half_rn(t[1]), ep.alpha, ep.limit);
+        return qpn_swigluoai_mul(qpn_round_to(t[0], row.bf16), qpn_round_to(t[1], row.bf16), ep.alpha, ep.limit,
+                                 row.bf16);
 #endif
-    return qpn_silu_mul(qpn_float_to_half_rn(t[0]), qpn_float_to_half_rn(t[1]));
+    return qpn_silu_mul(qpn_round_to(t[0], row.bf16), qpn_round_to(t[1], row.bf16), row.bf16);
 #else
-    return qpn_float_to_half_rn(t[0]);
+    return qpn_round_to(t[0], row.bf16);
 #endif
 }
 
@@ -516,8 +546,8 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT] QPN_OUT_S
 // depends on N, K and the SM count, never on M, batch-invariant -- and stores the outputs.
 __device__ __forceinline__ void qpn_reduce_store(
     float (*red)[QPN_HT][2][4][32], float (*red_sum)[256], const QpnAcc (&acc)[QPN_HT],
-    qpn_u16* __restrict__ y, int m_rows, int y_cols, float* __restrict__ partial, unsigned* __restrict__ tickets
-    QPN_OUT_SCALE_PARAM QPN_EPILOGUE_PARAM)
+    qpn_u16* __restrict__ y, int m_rows, int y_cols, float* __restrict__ partial, unsigned* __restrict__ tickets,
+    const float* __restrict__ x_factor QPN_OUT_SCALE_PARAM QPN_EPILOGUE_PARAM)
 {
     __shared__ unsigned last_part;
     const int lane = threadIdx.x & 31;
@@ -566,7 +596,8 @@ __device__ __forceinline__ void qpn_reduce_store(
                 }
                 const long long at = (long long)m * y_cols + col0 + c;
                 if (parts == 1) {
-                    y[at] = qpn_output(s QPN_OUT_SCALE_ARG(out_scale) QPN_EPILOGUE_COL_ARG(ep, col0 + c));
+                    y[at] = qpn_output(s, qpn_out_row(x_factor, m QPN_EPILOGUE_ARG(ep)) QPN_OUT_SCALE_ARG(out_scale)
+                                       QPN_EPILOGUE_COL_ARG(ep, col0 + c));
                 } else {
 #pragma unroll
                     for (int h = 0; h < QPN_HT; ++h)
@@ -593,7 +624,8 @@ __device__ __forceinline__ void qpn_reduce_store(
             for (int p = 1; p < parts; ++p)
                 s[h] = __fadd_rn(s[h], __ldcg(partial + ((long long)p * QPN_HT + h) * m_rows * y_cols + at));
         }
-        y[at] = qpn_output(s QPN_OUT_SCALE_ARG(out_scale) QPN_EPILOGUE_COL_ARG(ep, col0 + (v & 31)));
+        y[at] = qpn_output(s, qpn_out_row(x_factor, v >> 5 QPN_EPILOGUE_ARG(ep)) QPN_OUT_SCALE_ARG(out_scale)
+                           QPN_EPILOGUE_COL_ARG(ep, col0 + (v & 31)));
     }
 }
 
@@ -607,8 +639,8 @@ __device__ __forceinline__ void qpn_reduce_store(
 // same order whatever the arrival order. The parts depend on N, K and the SM count, never on M, and
 // a token's sums never meet another token's: a row gives the same bits in every GEMM call.
 #if QPN_GEMM
-// visit(j, rb, tok, at) for every output pair the lane holds inside the call: 8-token block j,
-// rowblock rb, token 2 t + tok of the block, `at` = the pair's first element in y [M][y_cols].
+// visit(j, rb, tok, m, at) for every output pair the lane holds inside the call: 8-token block j,
+// rowblock rb, token 2 t + tok of the block (row m of y), `at` = the pair's first element in y [M][y_cols].
 template <class Visit>
 __device__ __forceinline__ void qpn_gemm_each_pair(const QpnSlice& sl, int m_rows, int y_cols, Visit&& visit) {
     const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
@@ -621,20 +653,21 @@ __device__ __forceinline__ void qpn_gemm_each_pair(const QpnSlice& sl, int m_row
             const int m = m_base + 8 * j + tok;
             if (m >= m_rows) continue;
 #pragma unroll
-            for (int rb = 0; rb < 2; ++rb) visit(j, rb, tok, (long long)m * y_cols + col_base + 2 * rb);
+            for (int rb = 0; rb < 2; ++rb) visit(j, rb, tok, m, (long long)m * y_cols + col_base + 2 * rb);
         }
 }
 
 __device__ __forceinline__ void qpn_gemm_store(
     const QpnAcc (&acc)[QPN_HT], const QpnSlice& sl, qpn_u16* __restrict__ y, int m_rows, int y_cols,
-    float* __restrict__ partial, unsigned* __restrict__ tickets QPN_OUT_SCALE_PARAM)
+    float* __restrict__ partial, unsigned* __restrict__ tickets, const float* __restrict__ x_factor
+    QPN_OUT_SCALE_PARAM)
 {
     __shared__ unsigned last_part;
     const int parts = gridDim.y, part = blockIdx.y;
     const long long plane = (long long)m_rows * y_cols;
     if (parts > 1) {
         if (sl.live)
-            qpn_gemm_each_pair(sl, m_rows, y_cols, [&](int j, int rb, int tok, long long at) {
+            qpn_gemm_each_pair(sl, m_rows, y_cols, [&](int j, int rb, int tok, int, long long at) {
 #pragma unroll
                 for (int h = 0; h < QPN_HT; ++h) {
                     float* p = partial + ((long long)part * QPN_HT + h) * plane + at;
@@ -650,7 +683,7 @@ __device__ __forceinline__ void qpn_gemm_store(
         __threadfence();
     }
     if (!sl.live) return;
-    qpn_gemm_each_pair(sl, m_rows, y_cols, [&](int j, int rb, int tok, long long at) {
+    qpn_gemm_each_pair(sl, m_rows, y_cols, [&](int j, int rb, int tok, int m, long long at) {
         float s0[QPN_HT], s1[QPN_HT];
 #pragma unroll
         for (int h = 0; h < QPN_HT; ++h) {
@@ -668,8 +701,9 @@ __device__ __forceinline__ void qpn_gemm_store(
                 s1[h] = v.y;
             }
         }
-        *reinterpret_cast<qpn_u32*>(y + at) = (qpn_u32)qpn_output(s0 QPN_OUT_SCALE_ARG(out_scale)) |
-                                              ((qpn_u32)qpn_output(s1 QPN_OUT_SCALE_ARG(out_scale)) << 16);
+        const QpnOutRow row = qpn_out_row(x_factor, m);
+        *reinterpret_cast<qpn_u32*>(y + at) = (qpn_u32)qpn_output(s0, row QPN_OUT_SCALE_ARG(out_scale)) |
+                                              ((qpn_u32)qpn_output(s1, row QPN_OUT_SCALE_ARG(out_scale)) << 16);
     });
 }
 #endif

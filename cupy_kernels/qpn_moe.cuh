@@ -104,22 +104,30 @@ __device__ __forceinline__ void qpn_moe_rows(const QpnExpert& ex, int y_cols, in
 }
 
 // The epilogue of the block's [N, K] projection: its expert's row of the [E][N] biases, the activation and its
-// constants. The expert is read from the route again here (uniform, an L1 hit), from inputs made opaque:
-// held through the K loop (or re-derived from the prologue's values, which the compiler then keeps), it grew
-// the K loops of 12 of the 28 MoE builds by 2-33 sm_75 SASS instructions; re-read, only one loop moved, by 3
-// (qpn8 block scales, gated, 8 tokens: 311; tests/fixtures/turing_loop_counts.json).
+// constants, and for bf16 x (x_factor non-null) the pass's rows of x (qpn_out_row). The expert and the pass
+// are read from the route again here (uniform, L1 hits), from inputs made opaque: held through the K loop (or
+// re-derived from the prologue's values, which the compiler then keeps), they grew the K loops of 12 of the
+// 28 MoE builds by 2-33 sm_75 SASS instructions; re-read, only one loop moved, by 3 (qpn8 block scales,
+// gated, 8 tokens: 311; tests/fixtures/turing_loop_counts.json).
 __device__ __forceinline__ QpnEpilogue qpn_moe_epilogue(const int* __restrict__ route, int experts, int slots, int cls,
-                                                        int passes, const float* __restrict__ bias, int n,
-                                                        int activation, float alpha, float limit) {
+                                                        int passes, int map_x, const float* __restrict__ bias,
+                                                        const float* __restrict__ x_factor, int n, int activation,
+                                                        float alpha, float limit) {
     QpnEpilogue ep;
     ep.bias = nullptr;
-    if (bias != nullptr) {
+    ep.row_map = nullptr;
+    ep.row0 = 0;
+    if (bias != nullptr || x_factor != nullptr) {
         int block;
         asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(block));
-        asm volatile("" : "+r"(experts), "+r"(slots), "+r"(cls), "+r"(passes));
+        asm volatile("" : "+r"(experts), "+r"(slots), "+r"(cls), "+r"(passes), "+r"(map_x));
         const QpnRoute r = qpn_route_layout(experts, slots);
-        const int e = route[r.class_list + cls * r.list_len + block / passes] & ((1 << QPN_PIECE_SHIFT) - 1);
-        ep.bias = bias + (long long)e * n;
+        const int entry = route[r.class_list + cls * r.list_len + block / passes];
+        const int e = entry & ((1 << QPN_PIECE_SHIFT) - 1);
+        if (bias != nullptr) ep.bias = bias + (long long)e * n;
+        // the pass's first slot, as qpn_moe_expert: the piece's, plus the passes before it
+        ep.row0 = route[r.off + e] + QPN_PIECE_ROWS * (entry >> QPN_PIECE_SHIFT) + (block % passes) * 8 * QPN_NB;
+        ep.row_map = map_x ? route + r.slot_token : nullptr;
     }
     ep.up = n / 2;
     ep.act = activation;

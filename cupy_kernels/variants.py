@@ -27,7 +27,7 @@ import importlib
 from dataclasses import dataclass
 
 # Wrapper modules whose KERNEL_VARIANTS the compile check collects (package-relative names).
-WRAPPER_MODULES = ("prepack", "dequantize", "workspace", "linear", "gemm", "moe", "mxfp4")
+WRAPPER_MODULES = ("prepack", "dequantize", "workspace", "bf16", "linear", "gemm", "moe", "mxfp4")
 
 
 @dataclass(frozen=True)

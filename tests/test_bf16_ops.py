@@ -1,8 +1,9 @@
 """bf16 activations (issue 24, part 1; docs/DESIGN.md, "bf16 activations"): qpn.ref's bf16 rounding against
 ml_dtypes bit for bit; the bf16 reference and its bound; the torch ops in bf16 on every CPU path inside that
 bound, gated = linear then the bf16 epilogue, opcheck, torch.compile, QPNLinear in a bf16 model, the MoE ops
-in bf16 against the reference. GPU tests (marked gpu, skipped without CUDA) mirror the CPU ones on the CUDA
-dense path that bf16 takes there."""
+in bf16 against the reference. GPU tests (marked gpu, skipped without CUDA) run every CUDA path (the decode,
+GEMM and MoE kernels through fp16 rows, dense) against the same bound and epilogue, batch invariant, in
+CUDA graphs."""
 
 from __future__ import annotations
 
@@ -307,26 +308,12 @@ def test_fp16_outputs_do_not_change():
     assert torch.equal(y, _cpu_ops.sums_on("cpu_fused", wf, torch.from_numpy(x), buffers, 96).half())
 
 
-def test_bf16_on_cuda_takes_the_dense_path_and_the_kernels_refuse_it():
-    for wf in (QPN2, QPNMX, weight_format("fp8", "block")):
-        for m in (1, 32, 100, 4096):
-            assert dispatch.choose(torch.device("cuda"), wf, m, 4096, 4096, False, torch.bfloat16) == "dense"
-    assert dispatch.choose(torch.device("cpu"), QPN2, 1, 4096, 4096, False, torch.bfloat16) == "cpu_fused"
-    _, buffers, wf, _, _ = packed_case("nvfp4", "scalar", 64, 128, seed=1)
-    with pytest.raises(ValueError, match=r"'decode' kernels take torch.float16.*'dense' path for bf16"):
-        _cuda.linear_on("decode", wf, torch.zeros((1, 128), dtype=torch.bfloat16), buffers, 64, 128, 64, False)
+def test_bf16_takes_the_same_path_as_fp16():
+    """dispatch.choose has no dtype: bf16 runs every CUDA path through fp16 rows, at the fp16 paths' costs."""
+    import inspect
 
-
-@pytest.mark.parametrize("fmt,variant,n,k", LINEAR_CASES)
-def test_the_dense_paths_bf16_product_is_inside_the_bound(fmt, variant, n, k):
-    """_cuda._mm_round (the CUDA dense path's math: float64 mm, RN32, times 2^T, RN_bf16) run on CPU tensors."""
-    op, buffers, wf, w16, col = packed_case(fmt, variant, n, k, seed=5 * n + k)
-    rng = np.random.default_rng(1)
-    scale = None if col is None else torch.from_numpy(col.astype(np.float32))
-    for spread in (1.0, 2.0**-100):
-        x = x_for(rng, 9, w16, col, spread)
-        y = _cuda._mm_round(torch.from_numpy(x).bfloat16(), torch.from_numpy(w16), scale)
-        assert_in_bf16_bound(y, x, w16, col)
+    assert "dtype" not in inspect.signature(dispatch.choose).parameters
+    assert dispatch.choose(torch.device("cpu"), QPN2, 1, 4096, 4096, False) == "cpu_fused"
 
 
 # ----------------------------------------------------------------------------- opcheck, compile, modules
@@ -455,66 +442,111 @@ def test_moe_opcheck_in_bf16():
                           {"w13_bias": packed.w13_bias, "w2_bias": packed.w2_bias, "activation": "swigluoai"})
 
 
-# ----------------------------------------------------------------------------- CUDA (the dense path)
+# ----------------------------------------------------------------------------- CUDA (every path, fp16 rows)
+
+CUDA_PATHS = {"decode": [1, 5, 8, 17, 32], "gemm": [1, 33, 100], "dense": [1, 40, 300]}
+
+
+def wide_x(rng: np.random.Generator, m: int, w16: np.ndarray, col) -> np.ndarray:
+    """bf16 rows spanning 40 binades: many values round in the fp16 rows' subnormals (the bound's rows term)."""
+    return ref.bf16_round(x_for(rng, m, w16, col) * np.exp2(rng.uniform(-40, 0, (m, w16.shape[1]))))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", [*CUDA_PATHS, "op"])
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("fmt,variant,n,k", LINEAR_CASES)
-def test_cuda_linear_in_bf16_is_inside_the_bound_and_gated_is_linear_then_the_epilogue(fmt, variant, n, k, gated):
-    """Every M goes the dense path (float64 product); the result is inside the bf16 bound; gated = the op's own
-    linear through epilogue.silu_and_mul on CUDA (CUDA's expf), bit for bit."""
+def test_cuda_linear_in_bf16_is_inside_the_bound_and_gated_is_linear_then_the_epilogue(fmt, variant, n, k, gated,
+                                                                                       path):
+    """Each CUDA path (the decode and GEMM kernels, dense, the op's own choice) on bf16 x: inside the bf16 bound
+    (ordinary rows, rows near bf16's bottom, wide rows); gated = the path's own linear through
+    epilogue.silu_and_mul on CUDA (CUDA's expf), bit for bit; a row alone = the same row in the batch."""
     if gated and n % 64:
         pytest.skip("gated needs N % 64")
-    op, buffers, _, w16, col = packed_case(fmt, variant, n, k, seed=n + k, device="cuda")
+    op, buffers, wf, w16, col = packed_case(fmt, variant, n, k, seed=n + k, device="cuda")
     rng = np.random.default_rng(k)
-    for m in MS + [300]:
-        for spread in (1.0, 2.0**-100):
-            x = x_for(rng, m, w16, col, spread * (64.0 if gated else 1.0))
+    width = n // 2 if gated else n
+
+    def run(xt: torch.Tensor, gate: bool) -> torch.Tensor:
+        if path == "op":
+            return op(xt, *buffers, gated=gate)
+        return _cuda.linear_on(path, wf, xt, buffers, n, k, n // 2 if gate else n, gate)
+
+    for m in CUDA_PATHS.get(path, MS + [300]):
+        for x in (x_for(rng, m, w16, col, 64.0 if gated else 1.0), x_for(rng, m, w16, col, 2.0**-100),
+                  wide_x(rng, m, w16, col)):
             xt = torch.from_numpy(x).bfloat16().cuda()
-            y = op(xt, *buffers)
-            assert y.device.type == "cuda" and y.is_contiguous()
+            y = run(xt, False)
+            assert y.device.type == "cuda" and y.is_contiguous() and y.shape == (m, n)
             assert_in_bf16_bound(y, x, w16, col)
             if gated:
-                out = op(xt, *buffers, gated=True)
-                assert out.dtype == torch.bfloat16 and torch.equal(out, epilogue.silu_and_mul(y))
+                out = run(xt, True)
+                assert out.dtype == torch.bfloat16 and out.shape == (m, width)
+                assert torch.equal(out, epilogue.silu_and_mul(y))
+            if path != "dense" and m > 1:
+                assert torch.equal(run(xt[m - 1:], gated), run(xt, gated)[m - 1:])
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_dense_path_ignores_tf32_and_captures_in_a_cuda_graph():
-    op, buffers, _, w16, col = packed_case("mxfp4", "tiles", 96, 192, seed=21, device="cuda")
+def test_cuda_bf16_paths_capture_in_a_cuda_graph():
+    op, buffers, wf, w16, col = packed_case("mxfp4", "tiles", 96, 192, seed=21, device="cuda")
     rng = np.random.default_rng(21)
-    x = x_for(rng, 4, w16, col)
-    static_x = torch.from_numpy(x).bfloat16().cuda()
-    before = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("medium")  # the user's setting: the float64 product ignores it
+    for m in (4, 40):
+        static_x = torch.from_numpy(x_for(rng, m, w16, col)).bfloat16().cuda()
         eager = op(static_x, *buffers)
-    finally:
-        torch.set_float32_matmul_precision(before)
-    assert_in_bf16_bound(eager, x, w16, col)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            op(static_x, *buffers)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = op(static_x, *buffers)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, eager)
+
+
+@pytest.mark.gpu
+def test_cuda_mxfp4_moe_in_bf16_matches_the_reference_is_batch_invariant_and_qpn_experts_keeps_bf16():
+    rng = np.random.default_rng(22)
+    e, h, inter = 8, 128, 64
+    packed, w13, b13, w2, b2 = mxfp4_experts(rng, e, h, inter)
+    packed = packed.to("cuda")
+    m = 40
+    x = bf16_x(rng, m, h)
+    weights, ids = gpt_oss.route(rng.standard_normal((m, e)).astype(np.float32), 2)
+    xt, wt, it = (torch.from_numpy(a).cuda() for a in (x, weights, ids))
+    xt = xt.bfloat16()
+    got = packed.forward(xt, wt, it)
+    assert_moe_close(got, gpt_oss.moe(x, w13, b13, w2, b2, weights, ids, dtype=BF16))
+    for i in (0, 17, 39):
+        assert torch.equal(packed.forward(xt[i:i + 1], wt[i:i + 1], it[i:i + 1]), got[i:i + 1])
+    out = QPNExperts(packed)(xt, it, wt)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, got)
+
+
+@pytest.mark.gpu
+def test_cuda_nvfp4_moe_in_bf16_equals_the_cpu_op_within_its_tolerance_and_graph_captures():
+    rng = np.random.default_rng(23)
+    e, h, inter = 8, 128, 64
+    packed, w13, w2 = nvfp4_experts(rng, e, h, inter)
+    cuda = packed.to("cuda")
+    m = 9
+    x = bf16_x(rng, m, h)
+    weights, ids = ref.moe.route(rng.standard_normal((m, e)).astype(np.float32), 2, renormalize=True)
+    args = [torch.from_numpy(a).cuda() for a in (weights, ids)]
+    static_x = torch.from_numpy(x).bfloat16().cuda()
+    got = cuda.forward(static_x, *args)
+    assert_moe_close(got, ref.moe.moe(x, w13, w2, weights, ids, dtype=BF16))
+    graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        op(static_x, *buffers)
+        cuda.forward(static_x, *args)
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_y = op(static_x, *buffers)
+        static_y = cuda.forward(static_x, *args)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(static_y, op(static_x, *buffers))
-
-
-@pytest.mark.gpu
-def test_cuda_moe_refuses_bf16_and_qpn_experts_goes_through_fp16():
-    rng = np.random.default_rng(22)
-    packed = mxfp4_experts(rng, 4, 64, 64)[0].to("cuda")
-    x = torch.from_numpy(bf16_x(rng, 3, 64)).bfloat16().cuda()
-    weights, ids = (torch.from_numpy(a).cuda()
-                    for a in gpt_oss.route(rng.standard_normal((3, 4)).astype(np.float32), 2))
-    with pytest.raises(ValueError, match=r"x must be torch.float16 for the MoE ops on CUDA.*x.to\(torch.float16\)"):
-        packed.forward(x, weights, ids)
-    out = QPNExperts(packed)(x, ids, weights)
-    assert out.dtype == torch.bfloat16
-    assert torch.equal(out, packed.forward(x.half(), weights, ids).bfloat16())
+    assert torch.equal(static_y, got)

@@ -440,6 +440,10 @@ def drive() -> None:
         for n, k, block in [(32, 16, False), (64, 48, False), (128, 256, True), (256, 384, True), (64, 4096, False)]:
             codes, gs = qpn8_buffers(rng, n, k, block)
             qpn8_linear(cupy.asarray(activations(rng, m, k)), cupy.asarray(codes), cupy.asarray(gs), gated=n % 64 == 0)
+        # bf16 x (its bits as int16): the fp16 rows (x_bf16.cu), then the kernels with bf16 outputs
+        xb = cupy.asarray(activations(rng, m, 4096)).astype(np.float32).view(np.uint32) >> 16
+        codes, scales = qpn2_buffers(rng, 64, 4096)
+        qpn2_linear(xb.astype(np.uint16).view(np.int16), cupy.asarray(codes), cupy.asarray(scales), G_SCALAR)
     cupy.cuda.runtime.deviceSynchronize()
     print("driver done")
 

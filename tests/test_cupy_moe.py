@@ -285,19 +285,23 @@ def drive() -> None:
     for wf, (h, inter, experts) in ((QPN2, (256, 128, 8)), (QPN8, (128, 2048, 4)), (QPN2, (128, 2048, 4))):
         kernels = layout_kernels(wf)
         w13, w2 = buffers(wf, experts, 2 * inter, h), buffers(wf, experts, h, inter)
-        for m, top_k in ((1, 1), (8, 2), (9, 4), (32, 2), (45, 2), (150, 2), (300, 4)):
+        cases = [(c, np.float16) for c in ((1, 1), (8, 2), (9, 4), (32, 2), (45, 2), (150, 2), (300, 4))]
+        cases += [(c, np.int16) for c in ((1, 1), (9, 4), (150, 2))]  # int16: bf16 bits (fp16 rows first)
+        for (m, top_k), act in cases:
             slots = ck_moe.chunk_rows(m, top_k) * top_k
             x = cupy.asarray(rng.standard_normal((m, h)).astype(np.float16))
+            if act == np.int16:
+                x = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
             ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(m)]).astype(np.int64)
             if top_k == 2 and m in (32, 150):
                 ids[:, 0] = 0  # one expert with every token (150: 4 full pieces and a remainder)
                 ids[:, 1] = 1 + np.arange(m) % (experts - 1)
-            size = ck_moe.moe_workspace_size(wf.format, m, top_k, h, inter, experts)
-            out = cupy.empty((m, h), np.float16)
+            size = ck_moe.moe_workspace_size(wf.format, m, top_k, h, inter, experts, act == np.int16)
+            out = cupy.empty((m, h), act)
             ck_moe.launch_moe(kernels, x, w13, w2, inter, cupy.full((m, top_k), 0.5, np.float32),
                               cupy.asarray(ids), cupy.empty(ck_moe.route_size(experts, slots), np.int32),
                               cupy.empty(size, np.float32) if size else None,
-                              cupy.empty((slots, inter), np.float16), cupy.empty((slots, h), np.float16), out)
+                              cupy.empty((slots, inter), act), cupy.empty((slots, h), act), out)
     cupy.cuda.runtime.deviceSynchronize()
     print("driver done")
 

@@ -189,7 +189,7 @@ def test_the_cuda_backend_runs_the_layouts_launches_on_the_chosen_path(monkeypat
     monkeypatch.setattr(_cuda, "_mm_round",
                         lambda x, w16, scale=None: torch.zeros(x.shape[0], w16.shape[0], dtype=torch.float16))
     paths = {1: "decode", 48: "gemm"}
-    monkeypatch.setattr(dispatch, "choose", lambda device, wf, m, n, k, gated, dtype: paths.get(m, "dense"))
+    monkeypatch.setattr(dispatch, "choose", lambda device, wf, m, n, k, gated: paths.get(m, "dense"))
 
     n, k, u8, f16 = 128, 256, torch.uint8, torch.float16
     qpn2 = (torch.zeros(n, k // 2, dtype=u8), torch.zeros(n, k // 16, dtype=u8), torch.ones(1))

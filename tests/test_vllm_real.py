@@ -564,10 +564,10 @@ def test_llm_serves_gpt_oss_mxfp4_like_transformers(tmp_path):
 # bf16 models (issue 24, part 1): dtype="bfloat16" against a dense twin run in bf16 that holds the very W16 qpn
 # computes with (every W16 a bf16 value: the tiny Llama's with bf16_exact scales, gpt-oss's MXFP4 values). The
 # derivations above, with bf16 for fp16. Per linear output, vLLM's bf16 matmul rounds its fp32 sum once to bf16
-# (within 2^-8 relative, bf16's unit roundoff, where fp16's is 2^-11); qpn's op rounds it once to bf16 as well,
-# or, where an op takes bf16 x through fp16 (the MoE ops on CUDA), to fp16 and then to bf16 (within 2^-11 +
-# 2^-8): the two runs differ by at most 2^-7 + 2^-11 relative to the output, where the fp16 derivations had
-# 2^-10 (1 ulp of fp16). Each factor is its fp16 one with 2^-10 replaced by BF16_STAGE, about 8.1 times larger.
+# (within 2^-8 relative, bf16's unit roundoff, where fp16's is 2^-11); qpn's op rounds it once to bf16 as well
+# (on CUDA after its fp16 rows, whose term is far below these): the two runs differ by at most 2^-7 relative
+# to the output, plus 2^-11 kept as slack, where the fp16 derivations had 2^-10 (1 ulp of fp16). Each factor is
+# its fp16 one with 2^-10 replaced by BF16_STAGE, about 8.1 times larger.
 BF16_STAGE = 2.0**-7 + 2.0**-11
 LOGPROB_BOUND_BF16 = 2 * 9 * 8 * BF16_STAGE  # LOGPROB_BOUND's 9 stages and |z| <= 8: 1.13 nats
 MOE_TWIN_FACTOR_BF16 = 2 * 11 * BF16_STAGE  # MOE_TWIN_FACTOR's 11 stages, times max|logit|

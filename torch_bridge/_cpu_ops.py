@@ -38,7 +38,7 @@ def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, gat
     fused kernels or decode-then-matmul (the CUDA side's _cuda.linear). bf16 x: RN_bf16, a bf16 result."""
     if x.shape[0] == 0:
         return x.new_empty((0, n // 2 if gated else n))
-    y = linear_on(dispatch.choose(x.device, wf, x.shape[0], n, x.shape[1], False, x.dtype), wf, x, buffers, n)
+    y = linear_on(dispatch.choose(x.device, wf, x.shape[0], n, x.shape[1], False), wf, x, buffers, n)
     return silu_and_mul(y) if gated else y
 
 

@@ -38,17 +38,14 @@ F.linear may reduce split-K partials in fp16 when that flag is on (its default).
 in fp32 and in TF32 (10 explicit mantissa bits either way), so products stay exact and the sum
 is fp32. The gated epilogue is epilogue.silu_and_mul (torch fp32 expf, as the decode kernels).
 
-bf16 x (docs/DESIGN.md, "bf16 activations") takes the dense path only (dispatch.choose; the decode and GEMM
-kernels are fp16-in), with the product in float64:
+bf16 x (docs/DESIGN.md, "bf16 activations", the Turing path) runs every path through fp16: one kernel
+(cupy_kernels/x_bf16.cu) writes x16 = x * 2^e per row, exact wherever |x16| >= 2^-14, and the row's 2^-e;
+the decode, GEMM and MoE kernels take x16 and multiply each fp32 sum by its row's 2^-e before one RN_bf16,
+and the dense path does the same around torch's fp16 GEMM:
 
-    y = RN_bf16(RN32(torch.mm(float64(x), float64(W16)^T)))   (MXFP4: times the tile's 2^T in fp32 first)
+    y = RN_bf16(RN32(torch.mm(x16, W16^T, out_dtype=float32)) * 2^-e)   (MXFP4: times the tile's 2^T first)
 
-x and W16 are exact in float64, so is every product, and the sum is float64: no TF32 or reduced-precision
-setting applies to a float64 GEMM, whatever the user set. (An fp32 GEMM would need TF32 off: flipping
-torch's flags inside the op is not safe, since its legacy (allow_tf32) and new (fp32_precision) APIs raise
-once mixed; and mm(out_dtype=) takes one input dtype, where x is bf16 and W16 fp16.) RN32 of that sum is
-one of the fp32-or-wider sums the bound admits. Costs: a float64 copy of W16 per call and a DGEMM: exact,
-not fast (the Turing bf16 kernel path is future work, issue 24).
+bf16 tensors reach CuPy as their int16 bits (CuPy has no bfloat16: cupy_kernels/bf16.py).
 """
 
 from __future__ import annotations
@@ -117,14 +114,32 @@ class _SameStream:
 def _mm_round(x: Tensor, w16: Tensor, scale: Tensor | None = None) -> Tensor:
     """RN16(x @ w16^T) with fp32 accumulation and reduction (module docstring); each column's sum times
     `scale` first where the layout has a column scale (buffers.column_scale: exact, a power of two).
-    bf16 x: RN_bf16 of the float64 product's sums rounded to fp32 (module docstring)."""
-    if x.dtype == torch.bfloat16:
-        y = torch.mm(x.double(), w16.double().t()).float()
-    elif _HAS_MM_OUT_DTYPE:
-        y = torch.mm(x, w16.t(), out_dtype=torch.float32)
+    bf16 x: the sums of its fp16 rows times each row's 2^-e, RN_bf16 (module docstring)."""
+    x16, factor = _fp16_rows(x) if x.dtype == torch.bfloat16 else (x, None)
+    if _HAS_MM_OUT_DTYPE:
+        y = torch.mm(x16, w16.t(), out_dtype=torch.float32)
     else:
-        y = torch.mm(x.float(), w16.float().t())
-    return (y if scale is None else y * scale).to(x.dtype)
+        y = torch.mm(x16.float(), w16.float().t())
+    if scale is not None:
+        y = y * scale
+    return (y if factor is None else y * factor[:, None]).to(x.dtype)
+
+
+def _fp16_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """bf16 x [M, K] -> (x16 fp16 [M, K], factor fp32 [M]): x_bf16.cu's rows, on torch's allocator and stream."""
+    from ..cupy_kernels.bf16 import bf16_rows_elements, queue_bf16_rows  # noqa: PLC0415
+
+    m, k = x.shape
+    workspace = torch.empty(bf16_rows_elements(m, k), dtype=torch.float32, device=x.device)
+    with _on_torch_stream(x.device) as as_cupy:
+        queue_bf16_rows(as_cupy(_bits(x)), as_cupy(workspace))
+    x16 = workspace[:m * k // 2].view(torch.float16).view(m, k)
+    return x16, workspace[m * k // 2:m * k // 2 + m]
+
+
+def _bits(t: Tensor) -> Tensor:
+    """The tensor CuPy gets: fp16 as it is, bf16 as its int16 bits (cupy_kernels/bf16.py)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 # ----------------------------------------------------------------------------- prepack
@@ -162,28 +177,24 @@ def linear(wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, k: 
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, n_out))
-    return linear_on(dispatch.choose(x.device, wf, m, n, k, gated, x.dtype), wf, x, buffers, n, k, n_out, gated)
+    return linear_on(dispatch.choose(x.device, wf, m, n, k, gated), wf, x, buffers, n, k, n_out, gated)
 
 
 def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...], n: int, k: int, n_out: int,
               gated: bool) -> Tensor:
-    """`linear` on a given path ("decode", "gemm" or "dense"; benchmarks/bench_dispatch.py times each); bf16 x
-    on "dense" only."""
+    """`linear` on a given path ("decode", "gemm" or "dense"; benchmarks/bench_dispatch.py times each)."""
     if path == "dense":
         y = _mm_round(x, dequantize(wf, buffers, n, k), column_scale(wf, buffers))
         return silu_and_mul(y) if gated else y
-    if x.dtype != torch.float16:
-        raise ValueError(f"x is {x.dtype} but the {path!r} kernels take torch.float16 activations only; run the "
-                         "'dense' path for bf16 (the ops' dispatch does), or cast x with x.to(torch.float16)")
     kernels = _layout_kernels(wf)
     launch = kernels.decode if path == "decode" else kernels.gemm
-    out = torch.empty((x.shape[0], n_out), dtype=torch.float16, device=x.device)
+    out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     with _on_torch_stream(x.device) as as_cupy:
-        # the workspace (x fragments, split-K state) from torch's allocator: graph-safe; the split
-        # depends on x's device, current here
-        size = kernels.workspace_size(path, x.shape[0], n, k, gated)
+        # the workspace (bf16 x's fp16 rows, x fragments, split-K state) from torch's allocator: graph-safe; the
+        # split depends on x's device, current here
+        size = kernels.workspace_size(path, x.shape[0], n, k, gated, x.dtype == torch.bfloat16)
         workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
-        launch(as_cupy(x), tuple(as_cupy(t) for t in buffers), n, as_cupy(out), gated, workspace)
+        launch(as_cupy(_bits(x)), tuple(as_cupy(t) for t in buffers), n, as_cupy(_bits(out)), gated, workspace)
     return out
 
 
@@ -193,9 +204,9 @@ def linear_on(path: str, wf: WeightFormat, x: Tensor, buffers: tuple[Tensor, ...
 def moe(wf: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...], inter: int,
         topk_weights: Tensor, topk_ids: Tensor, w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
         activation: str = "silu") -> Tensor:
-    """The fused MoE decode (qpn.cupy_kernels.moe, chunks of 1024 // top_k tokens): x fp16 [M, H], the experts'
-    stacked buffers, the routing (and gpt-oss's biases and activation, added in the kernels' epilogue) -> fp16
-    [M, H]. Every token's bits are its bits in any other call (rows never share a sum); the route, the
+    """The fused MoE decode (qpn.cupy_kernels.moe, chunks of 1024 // top_k tokens): x fp16 or bf16 [M, H], the
+    experts' stacked buffers, the routing (and gpt-oss's biases and activation, added in the kernels' epilogue)
+    -> x's dtype [M, H]. Every token's bits are its bits in any other call (rows never share a sum); the route, the
     slot-ordered h and y and the split-K state come from torch's allocator (one chunk's, reused in stream
     order): no host sync, capturable in a CUDA graph at every M."""
     from ..cupy_kernels.moe import chunk_rows, launch_moe, moe_workspace_size, route_size  # noqa: PLC0415
@@ -207,13 +218,14 @@ def moe(wf: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, 
     slots = chunk_rows(m, top_k) * top_k
     kernels = _layout_kernels(wf)
     route = torch.empty(route_size(experts, slots), dtype=torch.int32, device=x.device)
-    hidden = torch.empty((slots, inter), dtype=torch.float16, device=x.device)
-    y = torch.empty((slots, h), dtype=torch.float16, device=x.device)
+    hidden = torch.empty((slots, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((slots, h), dtype=x.dtype, device=x.device)
     with _on_torch_stream(x.device) as as_cupy:
-        size = moe_workspace_size(kernels.family.format, m, top_k, h, inter, experts)  # x's device's split
+        size = moe_workspace_size(kernels.family.format, m, top_k, h, inter, experts,  # x's device's split
+                                  x.dtype == torch.bfloat16)
         workspace = as_cupy(torch.empty(size, dtype=torch.float32, device=x.device)) if size else None
-        launch_moe(kernels, as_cupy(x), tuple(as_cupy(t) for t in w13), tuple(as_cupy(t) for t in w2), inter,
-                   as_cupy(topk_weights), as_cupy(topk_ids), as_cupy(route), workspace, as_cupy(hidden),
-                   as_cupy(y), as_cupy(out), w13_bias=None if w13_bias is None else as_cupy(w13_bias),
+        launch_moe(kernels, as_cupy(_bits(x)), tuple(as_cupy(t) for t in w13), tuple(as_cupy(t) for t in w2), inter,
+                   as_cupy(topk_weights), as_cupy(topk_ids), as_cupy(route), workspace, as_cupy(_bits(hidden)),
+                   as_cupy(_bits(y)), as_cupy(_bits(out)), w13_bias=None if w13_bias is None else as_cupy(w13_bias),
                    w2_bias=None if w2_bias is None else as_cupy(w2_bias), activation=activation)
     return out

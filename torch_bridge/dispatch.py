@@ -20,10 +20,9 @@ call no measured path covers, takes the rule the kernels were tuned for (`rule_p
 the GEMM up to cupy_kernels.gemm_threshold, dense above; on the CPU the fused kernels up to
 _cpu.FUSED_MAX_M (the measured 4096 x 4096 crossover), decode-then-BLAS above.
 
-bf16 activations on CUDA always take "dense" (`choose`, the one place): the decode and GEMM kernels are
-fp16-in (Turing's m16n8k8 MMA has no bf16), and the dense path is exact for bf16 (docs/DESIGN.md, "bf16
-activations"). A Turing bf16 kernel path (each row times a power of two to fp16, exactly; issue 24) is
-future work; the CPU paths take bf16 as they are.
+bf16 activations take the same choice as fp16: on CUDA every path runs them through fp16 rows (each row
+times a power of two, exact: docs/DESIGN.md, "bf16 activations"), one more small launch on each path alike
+(benchmarks/results/bf16_h200.md); the CPU paths take bf16 as they are.
 
 Every path computes the contract's W16 with fp32 accumulation: the choice moves time, never a
 weight (an output can move by the fp32 summation order only, inside ref.linear_bounds). Host
@@ -171,12 +170,9 @@ def _choose(family: str, key: str, m: int, n: int, k: int, gated: bool) -> str:
     return rule_path(device, wf, m, n, k)
 
 
-def choose(device: torch.device, wf: WeightFormat, m: int, n: int, k: int, gated: bool,
-           dtype: torch.dtype = torch.float16) -> str:
-    """The path that runs an [M, K] x [N, K] call of layout `wf` on `device` with activations of `dtype`
-    (the one place it is chosen): bf16 on CUDA takes "dense" (module docstring), else the table's choice."""
-    if dtype == torch.bfloat16 and device.type == "cuda":
-        return "dense"
+def choose(device: torch.device, wf: WeightFormat, m: int, n: int, k: int, gated: bool) -> str:
+    """The path that runs an [M, K] x [N, K] call of layout `wf` on `device` (the one place it is chosen): the
+    measured table's choice, for fp16 and bf16 activations alike (module docstring)."""
     return _choose(device_family(device), wf.key, m, n, k, gated)
 
 

@@ -12,9 +12,8 @@ model has `mlp` (transformers renames it on load; so does `module_path` here).
 Numerics: the router stays the model's (its logits, softmax and top k in the model's own code); the
 routing weights reach the op in fp32 (Qwen3-MoE's router rounds them to the model dtype first, as HF
 computes them); the experts follow docs/DESIGN.md, "Mixture of experts"; the result is cast to the
-input's dtype. bf16 hidden states stay bf16 on the CPU (the op's bf16 contract, docs/DESIGN.md, "bf16
-activations"); on CUDA, and for any other dtype, they are rounded to fp16 first (the fused MoE kernels
-are fp16-in) and the fp16 result is rounded back to the input's dtype.
+input's dtype. fp16 and bf16 hidden states go to the op as they are (bf16: the op's bf16 contract,
+docs/DESIGN.md, "bf16 activations"); any other dtype is rounded to fp16 first and the fp16 result back.
 """
 
 from __future__ import annotations
@@ -218,9 +217,9 @@ class QPNExperts(nn.Module):
         return super()._apply(device_moves_only(fn), recurse)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        """hidden_states [M, H] (bf16 on the CPU: in bf16; any other float dtype: computed in fp16), the router's
+        """hidden_states [M, H] (fp16 or bf16: as it is; any other float dtype: computed in fp16), the router's
         top-k -> [M, H] in its dtype (module docstring)."""
-        dtype = activation_dtype(hidden_states.dtype, hidden_states.device)
+        dtype = activation_dtype(hidden_states.dtype)
         x = hidden_states.reshape(-1, self.hidden_size).to(dtype).contiguous()
         out = self.packed_experts.forward(x, top_k_weights.reshape(x.shape[0], -1).float().contiguous(),
                                           top_k_index.reshape(x.shape[0], -1).contiguous())

@@ -34,11 +34,10 @@ the rest of the batch.
   share an expert: at M = 32 they take 8.6x the decode-then-BLAS time (4096 x 4096,
   dispatch_tables/cpu.json).
 
-bf16 x (docs/DESIGN.md, "bf16 activations"): on the CPU every rounding of the activations is an RN_bf16
-(the linears' sums plus bias, the epilogue, the combine) and the output is bf16. On CUDA a ValueError: the
-fused MoE kernels are fp16-in, and a dequantize + GEMM fallback per expert would make a token's bits depend
-on how many tokens chose its experts (docs/DESIGN.md, "Mixture of experts"); cast x to float16 (QPNExperts
-does on CUDA).
+bf16 x (docs/DESIGN.md, "bf16 activations"): every rounding of the activations is an RN_bf16 (the linears'
+sums plus bias, the epilogue, the combine) and the output is bf16. On CUDA the fused kernels take each
+projection's input as fp16 rows times a power of two (exact; cupy_kernels/bf16.py) and apply it back before
+each RN_bf16.
 """
 
 from __future__ import annotations
@@ -104,10 +103,6 @@ def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weight
            activation: str = "silu") -> int:
     """Metadata only (never a value: no sync): dtypes, shapes, one device, the activation. Returns I."""
     require_tensor("x", x, ACTIVATION_DTYPES, ndim=2)
-    if x.dtype != torch.float16 and x.device.type == "cuda":
-        raise ValueError(f"x must be torch.float16 for the MoE ops on CUDA, got {x.dtype}: the fused MoE kernels "
-                         "take fp16 activations (bf16 runs on the CPU; docs/DESIGN.md, \"bf16 activations\"); cast "
-                         "with x.to(torch.float16) and the result back (QPNExperts does this on CUDA)")
     require_same_device(x=x, topk_weights=topk_weights, topk_ids=topk_ids,
                         **{f"w13_{n}": t for n, t in w13.items()}, **{f"w2_{n}": t for n, t in w2.items()})
     experts = _stacked("w13", w13)
@@ -134,12 +129,10 @@ def _check(x: Tensor, w13: dict[str, Tensor], w2: dict[str, Tensor], topk_weight
     return inter
 
 
-def activation_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the MoE ops take for activations of `dtype` on `device`: bf16 stays bf16 on the CPU; fp16
-    stays fp16; anything else (bf16 on CUDA, fp32, ...) goes through fp16 (module docstring)."""
-    if dtype == torch.bfloat16 and device.type == "cpu":
-        return dtype
-    return torch.float16
+def activation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the MoE ops take for activations of `dtype`: fp16 and bf16 stay; anything else (fp32, ...)
+    goes through fp16 (module docstring)."""
+    return dtype if dtype in ACTIVATION_DTYPES else torch.float16
 
 
 def cpu_moe(wf13: WeightFormat, wf2: WeightFormat, x: Tensor, w13: tuple[Tensor, ...], w2: tuple[Tensor, ...],
@@ -192,7 +185,7 @@ def _qpn8_layouts(w13_group_scales: Tensor, w2_group_scales: Tensor, h: int, int
 def nvfp4_moe(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_global_scale: Tensor, w2_codes: Tensor,
               w2_scales: Tensor, w2_global_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor,
               w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
-    """x float16 [M, H] (bfloat16 on the CPU), NVFP4 experts in QPN2 (module docstring) -> x's dtype [M, H]."""
+    """x float16 or bfloat16 [M, H], NVFP4 experts in QPN2 (module docstring) -> x's dtype [M, H]."""
     w13 = {"codes": w13_codes, "scales": w13_scales, "global_scale": w13_global_scale}
     w2 = {"codes": w2_codes, "scales": w2_scales, "global_scale": w2_global_scale}
     inter = _check(x, w13, w2, topk_weights, topk_ids, nvfp4_dims, w13_bias, w2_bias, activation)
@@ -214,7 +207,7 @@ def _nvfp4_moe_fake(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_global
 def fp8_moe(x: Tensor, w13_codes: Tensor, w13_group_scales: Tensor, w2_codes: Tensor, w2_group_scales: Tensor,
             topk_weights: Tensor, topk_ids: Tensor, w13_bias: Tensor | None = None, w2_bias: Tensor | None = None,
             activation: str = "silu") -> Tensor:
-    """x float16 [M, H] (bfloat16 on the CPU), FP8 experts in QPN8 (module docstring) -> x's dtype [M, H]."""
+    """x float16 or bfloat16 [M, H], FP8 experts in QPN8 (module docstring) -> x's dtype [M, H]."""
     w13 = {"codes": w13_codes, "group_scales": w13_group_scales}
     w2 = {"codes": w2_codes, "group_scales": w2_group_scales}
     inter = _check(x, w13, w2, topk_weights, topk_ids, fp8_dims, w13_bias, w2_bias, activation)
@@ -237,7 +230,7 @@ def _fp8_moe_fake(x: Tensor, w13_codes: Tensor, w13_group_scales: Tensor, w2_cod
 def mxfp4_moe(x: Tensor, w13_codes: Tensor, w13_scales: Tensor, w13_tile_scale: Tensor, w2_codes: Tensor,
               w2_scales: Tensor, w2_tile_scale: Tensor, topk_weights: Tensor, topk_ids: Tensor,
               w13_bias: Tensor | None = None, w2_bias: Tensor | None = None, activation: str = "silu") -> Tensor:
-    """x float16 [M, H] (bfloat16 on the CPU), MXFP4 experts in QPNMX (module docstring) -> x's dtype [M, H]."""
+    """x float16 or bfloat16 [M, H], MXFP4 experts in QPNMX (module docstring) -> x's dtype [M, H]."""
     w13 = {"codes": w13_codes, "scales": w13_scales, "tile_scale": w13_tile_scale}
     w2 = {"codes": w2_codes, "scales": w2_scales, "tile_scale": w2_tile_scale}
     inter = _check(x, w13, w2, topk_weights, topk_ids, mxfp4_dims, w13_bias, w2_bias, activation)

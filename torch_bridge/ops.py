@@ -30,8 +30,8 @@ Tensors (N output features, K input features; layouts in docs/QPN2.md and docs/Q
 
 Numerics (docs/DESIGN.md, "Numerics contract"): every path sees the same W16;
 y = RN16(fp32-accumulated sum of x * W16); gated: out = RN16(RN16(silu32(gate)) * up) on the fp16
-linear result. bf16 x: each RN16 an RN_bf16 (docs/DESIGN.md, "bf16 activations"); on CUDA bf16 runs the
-dense path (dispatch.choose: the decode and GEMM kernels are fp16-in).
+linear result. bf16 x: each RN16 an RN_bf16 (docs/DESIGN.md, "bf16 activations"); on CUDA every path
+runs it as fp16 rows times a power of two (exact), applied back before the RN_bf16.
 
 Dispatch. Each op has a CPU side (`_cpu_ops.py` over the numba kernels of `_cpu.py`) and a CUDA
 side (CuPy over DLPack, `_cuda.py`; CuPy is imported only when a CUDA tensor arrives, so the package imports on

@@ -17,12 +17,9 @@ FusedMoEMethodBase. Along vLLM 0.32's MoE seam:
   K = I % 64).
 - apply runs the MoE op on vLLM's routing (topk_weights fp32, topk_ids): fp16 activations, the
   combine in top-k order, a token's output independent of the batch (docs/DESIGN.md, "Mixture of
-  experts"); the result in x's dtype. A bf16 model's x (dtype="bfloat16") goes to the op as
-  moe_ops.activation_dtype says: on the CPU as bf16 (the op's sums, epilogue and combine each rounded
-  once to bf16, as vLLM computes them in bf16); on CUDA, whose fused MoE kernels are fp16-in, rounded
-  to fp16 first (RN16: 8 significant bits into 11, exact inside fp16's normal range; a |x| beyond 65504
-  would become inf, one below 2^-24 zero) and the op's fp16 output (one RN16 of the fp32 combine)
-  rounded to bf16: two roundings, at most 2^-11 + 2^-8 relative, where a native bf16 op rounds once.
+  experts"); the result in x's dtype. A bf16 model's x (dtype="bfloat16") goes to the op as bf16 (the
+  op's sums, epilogue and combine each rounded once to bf16, as vLLM computes them in bf16; on CUDA
+  through fp16 rows times a power of two, exact: docs/DESIGN.md, "bf16 activations").
 """
 
 from __future__ import annotations
@@ -168,7 +165,7 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: Tensor, topk_weights: Tensor, topk_ids: Tensor,
               shared_experts: Any = None, shared_experts_input: Tensor | None = None) -> Tensor:
-        x_op = x.to(activation_dtype(x.dtype, x.device)).contiguous()  # bf16 on the CPU, else fp16 (docstring)
+        x_op = x.to(activation_dtype(x.dtype)).contiguous()  # fp16 or bf16 as it is (docstring)
         experts: PackedExperts = getattr(layer, "qpn_experts")  # noqa: B009 (typed)
         out = experts.forward(x_op, topk_weights.float().contiguous(), topk_ids.contiguous())
         return out.to(x.dtype)
