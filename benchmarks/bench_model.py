@@ -49,8 +49,15 @@ Graph methods (--graphs, each a separate set of rows; the row's "graphs" column 
   --compile-budget-s the remaining compile rows are skipped, and a failing compile leaves that
   row to the manual rows (the fallback), saying why.
 
-Before timing, every model's prefill logits (the same prompt) are compared with fp16's by cosine
-("logits cos"): a broken kernel shows as cos near 0, quantization error as cos a little below 1.
+Before timing, every model's prefill logits (the same prompt) are compared by cosine with two models:
+- its W16 twin ("cos vs W16 twin", the implementation's fidelity): the fp16 model whose linears hold qpn's own
+  dequantized weights (QPNLinear.dequantized_weight: the W16 every path computes with), run by torch's fp16
+  linears. The two differ only by summation order and fp16 activations' rounding points, so a layout, scale
+  or kernel bug shows here (must read >= 0.999: FIDELITY_MIN). Dense models only (a mixture's twin would need
+  transformers' experts filled from the packed stacks: "-" there);
+- fp16 ("quantization error, cos vs fp16"): the format's own error on random weights (NVFP4 on random
+  Gaussian weights reads 0.3-0.5 at 8B depth: random weights have no outliers for the block scales to absorb
+  and the error compounds over 32 layers; it is not a kernel check).
 Timing: REPEATS runs of STEPS graph replays between two CUDA events; the median is reported. The
 static cache attends over its whole length every step (masked), so the cost per step does not
 grow as the runs advance through it.
@@ -131,7 +138,8 @@ MODELS = {"llama8b": Shape("LlamaForCausalLM", LLAMA_8B, TINY, LINEARS),
           "gptoss20b": Shape("GptOssForCausalLM", GPT_OSS_20B, TINY_GPT_OSS, (), "mlp.experts", ("fp16", "mxfp4"),
                              "eager", "gpt-oss-20b", "gpt-oss")}
 FORMATS = MODELS["llama8b"].formats
-BATCHES = (1, 8, 32)
+BATCHES = (1, 8, 32, 64, 128)
+FIDELITY_MIN = 0.999  # logits cosine against the W16 twin (module docstring)
 GRAPH_METHODS = ("manual", "compile")
 PROMPT_LEN = 32  # prefill tokens: M = batch * 32 > 32 takes the dense (dequantize + cuBLAS) path
 WARMUP_STEPS = 3  # eager steps before capture: cuBLAS heuristics, kernel JIT, inductor compile
@@ -267,6 +275,31 @@ def variants(model, shape: Shape = MODELS["llama8b"]) -> dict:
         print(f"{fmt}: layer 0 quantized in {time.perf_counter() - t0:.1f} s, copied to {len(layers) - 1} more",
               flush=True)
     return out
+
+
+def w16_twins(linears: dict, shape: Shape) -> dict:
+    """{format: [per layer {module name: nn.Linear}]} for each quantized format of a dense shape: the fp16 model's
+    linears holding qpn's W16 of that format (layer 0's, as every layer's packed buffers are its copies), each
+    layer its own tensor; {} for a mixture (module docstring)."""
+
+    if shape.experts:
+        return {}
+    out = {}
+    for fmt in shape.formats[1:]:
+        first = {name: module.dequantized_weight() for name, module in linears[fmt][0].items()}
+        out[fmt] = [{name: _fp16_linear(w16, linears["fp16"][0][name]) for name, w16 in first.items()}
+                    for _ in linears[fmt]]
+    return out
+
+
+def _fp16_linear(w16, like):
+    """An fp16 nn.Linear of `like`'s shape and device holding a copy of w16 (no bias: the decoder's linears)."""
+    import torch
+
+    linear = torch.nn.Linear(w16.shape[1], w16.shape[0], bias=False, dtype=torch.float16, device=w16.device)
+    with torch.no_grad():
+        linear.weight.copy_(w16)
+    return linear.requires_grad_(False)
 
 
 def install(model, modules: list) -> None:
@@ -459,6 +492,13 @@ def cosine(a, b) -> float:
 # ----------------------------------------------------------------------------- the run
 
 
+def prefill_logits(model, batch: int, device):
+    """The prompt's last logits (float32) through the installed model, eagerly: a fidelity check, not timed."""
+    session = Session(model, model, batch, PROMPT_LEN + 1, device)
+    with prefill_experts(model):
+        return session.prefill()
+
+
 def measure(model, forward, batch: int, device, steps: int, repeats: int, reference) -> tuple:
     """(row, prefill logits): prefill (compared with `reference` logits, if given), capture, time."""
     import torch
@@ -482,9 +522,11 @@ def measure(model, forward, batch: int, device, steps: int, repeats: int, refere
     return row, prefill
 
 
-def run_method(method: str, model, linears: dict, batches, device, args, sec, budget, shape: Shape) -> None:
+def run_method(method: str, model, linears: dict, batches, device, args, sec, budget, shape: Shape,
+               twins: dict | None = None) -> None:
     """Rows of one graph method: for each batch, each format (so a batch's ratios come from
-    neighbouring measurements)."""
+    neighbouring measurements); a format with a W16 twin (w16_twins) also gets its prefill's cosine with the
+    twin's."""
     import torch
 
     steps, repeats = (TINY_STEPS, TINY_REPEATS) if args.tiny else (STEPS, REPEATS)
@@ -521,10 +563,19 @@ def run_method(method: str, model, linears: dict, batches, device, args, sec, bu
             if fmt == "fp16":
                 reference, base = prefill, row["ms"]
             row["x_fp16"] = base / row["ms"] if base else ""
+            row["cos_w16"] = ""
+            if twins and fmt in twins:
+                install(model, twins[fmt])
+                row["cos_w16"] = cosine(prefill, prefill_logits(model, batch, device))
             sec.rows.append(row)
             print(f"{method:8s} batch {batch:3d} {fmt:6s} {row['ms']:8.3f} ms/step {row['tok_s']:9.1f} tok/s "
                   f"x fp16 {row['x_fp16'] if row['x_fp16'] == '' else format(row['x_fp16'], '.2f')}  "
-                  f"cos {row['cos']:.4f}  [{row['graphs']}]", flush=True)
+                  f"cos {row['cos']:.4f} vs W16 twin {_or_blank(row['cos_w16'], '.6f')}  [{row['graphs']}]",
+                  flush=True)
+
+
+def _or_blank(value, spec: str) -> str:
+    return "" if value == "" else format(value, spec)
 
 
 def environment(device, dims: dict, layers: int, shape: Shape) -> dict:
@@ -559,7 +610,8 @@ def new_section(tiny: bool, shape: Shape) -> bk.Section:
         bk.Column("ms", "ms / step", "{:.3f}"), bk.Column("tok_s", "tokens / s", "{:.1f}"),
         bk.Column("x_fp16", "x fp16", "{:.2f}"), bk.Column("gb", "weights GB / step", "{:.2f}"),
         bk.Column("gbps", "weight GB/s", "{:.0f}"), bk.Column("resident_gb", "resident GB", "{:.2f}"),
-        bk.Column("mem_x_fp16", "memory x fp16", "{:.3f}"), bk.Column("cos", "logits cos vs fp16", "{:.4f}"),
+        bk.Column("mem_x_fp16", "memory x fp16", "{:.3f}"), bk.Column("cos_w16", "logits cos vs W16 twin", "{:.6f}"),
+        bk.Column("cos", "quantization error: logits cos vs fp16", "{:.4f}"),
         bk.Column("setup_s", "set-up s", "{:.1f}"), bk.Column("graphs", "graphs"),
     ])
 
@@ -596,8 +648,10 @@ NOTES = (
     "step = decoder layers + lm_head as stored; weight GB/s = that / step time (attention and activations not "
     "counted; not given for a mixture, whose step reads the hit experts only). resident GB = every parameter and "
     "buffer of the model as loaded (embedding included); memory x fp16 = that over fp16's.",
-    "x fp16 = fp16's ms / step over this row's, same method, batch and run. logits cos = cosine of the prefill's "
-    "last logits with fp16's (same prompt): quantization error, not a kernel check against a reference. "
+    "x fp16 = fp16's ms / step over this row's, same method, batch and run. logits cos vs W16 twin = cosine of the "
+    "prefill's last logits (same prompt) with the fp16 model holding qpn's dequantized weights: the "
+    "implementation's fidelity (>= 0.999 expected). quantization error = the same cosine against the fp16 model: "
+    "the format's error on random weights, not a kernel check. "
     "set-up s = prefill + warm-up steps (torch.compile's compile included) + capture.",
 )
 GPT_OSS_NOTES = (
@@ -626,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=_positive, default=None,
                         help="decoder layers (default: the model's, 32 / 48 / 24; --tiny: 2)")
     parser.add_argument("--batches", type=_batches, default=BATCHES,
-                        help="comma-separated batch sizes (default 1,8,32)")
+                        help="comma-separated batch sizes (default 1,8,32,64,128)")
     parser.add_argument("--graphs", type=_methods, default=GRAPH_METHODS, help="comma-separated: manual,compile")
     parser.add_argument("--compile-budget-s", type=float, default=180.0,
                         help="skip the remaining compile rows once the run has spent this long on them")
@@ -671,12 +725,13 @@ def main(argv=None) -> int:
     model = build_model(dims, layers, device, shape)
     print(f"fp16 model built on {device} in {time.perf_counter() - t0:.1f} s", flush=True)
     linears = variants(model, shape)
+    twins = w16_twins(linears, shape)
     sec = new_section(args.tiny, shape)
     sec.notes.extend(GPT_OSS_NOTES if args.model == "gptoss20b" else NOTES)
     json_path = md_path = None
     for method in args.graphs:
         budget = time.perf_counter() + args.compile_budget_s
-        run_method(method, model, linears, args.batches, device, args, sec, budget, shape)
+        run_method(method, model, linears, args.batches, device, args, sec, budget, shape, twins)
         json_path, md_path = write(env, sec, args.out, args.name)  # after every method: a timeout keeps the rest
     print(bk.render_markdown(env, [sec]).split("\n", 3)[-1], flush=True)
     print(f"wrote {json_path} and {md_path}")

@@ -62,7 +62,7 @@ if [[ $stages =~ (^|,)moe(,|$) ]]; then
   timeout "${BENCH_S:-240}" python3 benchmarks/bench_moe.py --out "$out" >"$out/bench_moe.log" 2>&1
   summary+=("bench_moe: rc=$? $(grep -c ' us (graph' "$out/bench_moe.log") rows")
 fi
-if [[ $stages =~ (^|,)model(,|$) ]]; then  # ~5 min: build 8B fp16 on the GPU, quantize one layer, 3 formats x 3 batches
+if [[ $stages =~ (^|,)model(,|$) ]]; then  # ~5 min: build 8B fp16 on the GPU, quantize one layer, 3 formats x 5 batches (about 2 min manual-only)
   timeout "${MODEL_S:-540}" python3 benchmarks/bench_model.py --out "$out" --name model_h200 ${MODEL_ARGS:-} \
     >"$out/bench_model.log" 2>&1
   summary+=("bench_model: rc=$? $(grep -E '^(manual|compile) +batch +[0-9]+ nvfp4' "$out/bench_model.log" | awk '{printf "%s b%s %sx; ", $1, $3, $11}')")

@@ -62,6 +62,8 @@ def test_tiny_run_writes_a_row_per_batch_and_format(bench, tmp_path, capsys):
         assert math.isfinite(row["ms"]) and row["ms"] > 0
         assert row["tok_s"] == pytest.approx(row["batch"] / row["ms"] * 1e3)
         assert row["cos"] >= MIN_COS[row["format"]], row
+        # fidelity: the quantized model against its W16 twin (qpn's own dequantized weights in fp16 linears)
+        assert row["cos_w16"] == "" if row["format"] == "fp16" else row["cos_w16"] >= bench.FIDELITY_MIN, row
         fp16 = next(r for r in rows if r["batch"] == row["batch"] and r["format"] == "fp16")
         assert row["x_fp16"] == pytest.approx(fp16["ms"] / row["ms"])
     stored = {r["format"]: r["gb"] for r in rows if r["batch"] == 1}
