@@ -46,6 +46,13 @@ def bf16_rows_elements(m: int, k: int, fragments: bool = False) -> int:
     return -(-(m + (0 if fragments else m * k // 2)) // 4) * 4
 
 
+def bf16_rows_slices(m: int, k: int, fragments: bool = False) -> tuple[slice, slice]:
+    """Where the fp16 rows (empty with `fragments`) and the factors lie in the fp32 workspace: the rows first,
+    8-byte aligned as the kernels load them."""
+    rows = 0 if fragments else m * k // 2
+    return slice(0, rows), slice(rows, rows + m)
+
+
 def queue_bf16_rows(x: CupyArray, workspace: CupyArray, fragments: CupyArray | None = None
                     ) -> tuple[CupyArray, CupyArray]:
     """Queue qpn_x_bf16_rows on bf16 bits x [M, K] (K % 4 == 0, 8-byte aligned) into the first
@@ -53,10 +60,10 @@ def queue_bf16_rows(x: CupyArray, workspace: CupyArray, fragments: CupyArray | N
     views of it: x16 fp16 [M, K], or with `fragments` (workspace.fragment_elements(M, K) fp32 slots) the
     values in the fragment order there, and x16 is `fragments`."""
     m, k = x.shape
-    rows = 0 if fragments is not None else m * k // 2  # the rows first: 8-byte aligned as the kernels load them
-    factor = workspace[rows:rows + m]
+    rows, factors = bf16_rows_slices(m, k, fragments is not None)
+    factor = workspace[factors]
     if fragments is None:
-        x16 = workspace[:rows].view(np.float16).reshape(m, k)
+        x16 = workspace[rows].view(np.float16).reshape(m, k)
         blocks, nb2 = m, 0
     else:
         x16, nb2 = fragments, -(-m // (2 * TOKENS_PER_BLOCK))

@@ -107,6 +107,22 @@ def round_to(dtype: str, v: npt.ArrayLike) -> np.ndarray:
     return bf16_round(v)
 
 
+def step_out(dtype: str, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) of `dtype` values moved one step of its grid outward: the next value below lo, above hi (as
+    stored: float16, or float32 of bf16 values); +-inf and NaN stay, the largest finite value steps to inf."""
+    if require_dtype(dtype) == FP16:
+        return np.nextafter(lo, np.float16(-np.inf)), np.nextafter(hi, np.float16(np.inf))
+    return _bf16_step(lo, -1), _bf16_step(hi, 1)
+
+
+def _bf16_step(v: np.ndarray, direction: int) -> np.ndarray:
+    """bf16 values one step up (direction 1) or down (-1): on the sign-magnitude patterns as ordered integers."""
+    bits = bf16_bits(np.ascontiguousarray(v, np.float32)).astype(np.int32)
+    key = np.where(bits >= 0x8000, -(bits & 0x7FFF), bits) + direction  # -0 and +0 are both 0
+    stepped = np.where(key >= 0, key, (-key) | 0x8000).astype(np.uint16)
+    return np.where(np.isfinite(v), bf16_from_bits(stepped), v).astype(np.float32)
+
+
 FP16_TOP_EXP = 15  # fp16's top binade [2^15, 2^16): where fp16_rows puts each row's largest |x|
 FP16_ROWS_MAX_EXP = 127  # the cap on e: 2^e stays an fp32 value (module docstring)
 FP16_ROWS_ERROR_EXP = -25  # half fp16's subnormal step: the most a scaled value below 2^-14 moves

@@ -169,18 +169,31 @@ def linear_bounds(x: np.ndarray, w16: np.ndarray, unit_roundoff: float = FP32_TR
     # abs_sum / (1 - gamma64_K); the factor (1 + 2^-50) covers the rest of that and the few
     # float64 roundings of this very expression.
     d = float64_sum_slack(k, unit_roundoff, abs_sum)
-    eps = product_error(dtype)
-    if eps:  # bf16: products that round in fp32's subnormal range, the fp16 rows (module docstring); fp16: none
-        d = d + (gamma(k, unit_roundoff) + 1.0) * k * eps * (1.0 + 2.0**-50)
-        d = d + fp16_rows_slack(x, np.abs(w16.astype(np.float64)).sum(axis=1), k, unit_roundoff)
-    lo, hi = _scaled(s64 - d, column_scale), _scaled(s64 + d, column_scale)
-    if eps:
-        lo, hi = lo - FP16_ROWS_POST, hi + FP16_ROWS_POST
-    lo, hi = outward(lo, hi, dtype)
-    if dtype == BF16:  # fp32 partial sums may overflow (never for fp16: |S| < 2^45): the whole line
-        lo, hi = _unbounded_where(_may_overflow_fp32(abs_sum * (1.0 + gamma(k, FP64_UNIT_ROUNDOFF)), k,
-                                                     unit_roundoff, eps), lo, hi)
-    return lo, hi
+    if dtype == BF16:  # products that round in fp32's subnormal range, the fp16 rows (module docstring)
+        d = d + bf16_slack(x, w16, unit_roundoff)
+    return rounded_interval(_scaled(s64 - d, column_scale), _scaled(s64 + d, column_scale), abs_sum, k,
+                            unit_roundoff, dtype)
+
+
+def bf16_slack(x: np.ndarray, w16: np.ndarray, unit_roundoff: float) -> np.ndarray:
+    """float64 [M, N]: what bf16 x adds to d (module docstring): K products that may round in fp32's subnormals,
+    (gamma_K(u) + 1) K eps (1 + 2^-50), and the fp16 rows' term (fp16_rows_slack). x: bf16 values [M, K] whose
+    rows' largest |x| is at least the real rows' (the rows' term grows with it: an interval's corners serve)."""
+    k = w16.shape[1]
+    products = (gamma(k, unit_roundoff) + 1.0) * k * FP32_LEAST * (1.0 + 2.0**-50)
+    return products + fp16_rows_slack(x, np.abs(w16.astype(np.float64)).sum(axis=1), k, unit_roundoff)
+
+
+def rounded_interval(lo: np.ndarray, hi: np.ndarray, abs_sum: np.ndarray, k: int, unit_roundoff: float,
+                     dtype: str = FP16) -> tuple[np.ndarray, np.ndarray]:
+    """float64 bounds on a kernel's K-term fp32 sums (their magnitudes summing to at most abs_sum) -> the `dtype`
+    interval of the one rounding (`outward`). bf16: also the fp16 rows' two power-of-two multiplies after the
+    sum (FP16_ROWS_POST), and the whole line where an fp32 partial sum may overflow (never for fp16: |S| < 2^45)."""
+    if dtype == FP16:
+        return outward_fp16(lo, hi)
+    lo, hi = outward(lo - FP16_ROWS_POST, hi + FP16_ROWS_POST, dtype)
+    return _unbounded_where(_may_overflow_fp32(abs_sum * (1.0 + gamma(k, FP64_UNIT_ROUNDOFF)), k, unit_roundoff,
+                                               FP32_LEAST), lo, hi)
 
 
 def fp16_rows_slack(x: np.ndarray, w_abs: np.ndarray, k: int, unit_roundoff: float) -> np.ndarray:

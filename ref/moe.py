@@ -33,6 +33,10 @@ on the contract's W16, and the weighted top-k sum (docs/DESIGN.md, "Numerics con
               (weights >= 0), e = gamma_k(u) * sum_j weights |y|max (k products and k - 1 adds: a dot
               product of length k, in any order).
   Overflow and NaN reach inf: an interval that admits inf admits it.
+  bf16 (`dtype="bfloat16"`): the same propagation with each RN16 an RN_bf16 (outward in bf16, through fp32),
+  silu widened by one bf16 ulp, and each linear's bf16 terms (ref.linear.bf16_slack: products in fp32's
+  subnormals, the fp16 rows of the kernels' x, whose row exponent a box bounds by its corners' largest |h|;
+  rounded_interval: the multiplies after the sum and fp32 overflow), and the combine's k products eps each.
 """
 
 from __future__ import annotations
@@ -40,16 +44,19 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import require_array
-from .dtypes import FP16, require_activations, round_to, storage
+from .dtypes import BF16, FP16, require_activations, round_to, step_out, storage
 from .linear import (
+    FP32_LEAST,
     FP32_TRUNCATING_UNIT_ROUNDOFF,
     FP64_UNIT_ROUNDOFF,
+    bf16_slack,
     float64_sum_slack,
     gamma,
     linear,
     linear_bounds,
     linear_gated,
-    outward_fp16,
+    outward,
+    rounded_interval,
 )
 
 SILU_ARGMIN = -1.2784645427610738  # silu'(v) = 0: v = -1 - W(1/e) (Lambert W), silu(v*) = -0.27846454
@@ -142,51 +149,55 @@ def _silu64(v: np.ndarray) -> np.ndarray:
         return v / (1.0 + np.exp(-v))
 
 
-def _silu_bounds(g_lo: np.ndarray, g_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _silu_bounds(g_lo: np.ndarray, g_hi: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     lo64, hi64 = g_lo.astype(np.float64), g_hi.astype(np.float64)
     ends_lo, ends_hi = _silu64(lo64), _silu64(hi64)
     low = np.where((lo64 <= SILU_ARGMIN) & (SILU_ARGMIN <= hi64), _silu64(np.float64(SILU_ARGMIN)),
                    np.minimum(ends_lo, ends_hi))
     high = np.maximum(ends_lo, ends_hi)
-    lo16, hi16 = outward_fp16(low, high)
-    return np.nextafter(lo16, np.float16(-np.inf)), np.nextafter(hi16, np.float16(np.inf))  # one fp16 ulp: expf
+    return step_out(dtype, *outward(low, high, dtype))  # one ulp more each way: expf
 
 
 def _product_bounds(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray,
-                    b_hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                    b_hi: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(invalid="ignore", over="ignore"):
         corners = np.stack([a.astype(np.float64) * b.astype(np.float64) for a in (a_lo, a_hi) for b in (b_lo, b_hi)])
-    return outward_fp16(corners.min(axis=0), corners.max(axis=0))  # a NaN corner (0 * inf): the whole line
+    return outward(corners.min(axis=0), corners.max(axis=0), dtype)  # a NaN corner (0 * inf): the whole line
 
 
 def _box_linear_bounds(h_lo: np.ndarray, h_hi: np.ndarray, w16: np.ndarray,
-                       unit_roundoff: float) -> tuple[np.ndarray, np.ndarray]:
-    """fp16 [M, N]: every fp32-accumulated RN16(h @ w.T) for h anywhere in the box [h_lo, h_hi]."""
+                       unit_roundoff: float, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """[M, N] of `dtype`: every fp32-accumulated RN16 (RN_bf16) of h @ w.T for h anywhere in the box [h_lo, h_hi]."""
     lo64, hi64, w = h_lo.astype(np.float64), h_hi.astype(np.float64), w16.astype(np.float64)
     pos, neg = np.maximum(w, 0.0), np.minimum(w, 0.0)
     with np.errstate(invalid="ignore", over="ignore"):
         s_min = lo64 @ pos.T + hi64 @ neg.T
         s_max = hi64 @ pos.T + lo64 @ neg.T
-        d = float64_sum_slack(w.shape[1], unit_roundoff, np.maximum(np.abs(lo64), np.abs(hi64)) @ np.abs(w).T)
-        return outward_fp16(s_min - d, s_max + d)
+        big = np.maximum(np.abs(lo64), np.abs(hi64))
+        abs_sum = big @ np.abs(w).T
+        d = float64_sum_slack(w.shape[1], unit_roundoff, abs_sum)
+        if dtype == BF16:  # the corners' largest |h| bound each row's fp16-rows exponent (module docstring)
+            d = d + bf16_slack(big.astype(np.float32), w16, unit_roundoff)
+        return rounded_interval(s_min - d, s_max + d, abs_sum, w.shape[1], unit_roundoff, dtype)
 
 
 def moe_bounds(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, topk_weights: np.ndarray, topk_ids: np.ndarray,
-               unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF) -> tuple[np.ndarray, np.ndarray]:
+               unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF, *,
+               dtype: str = FP16) -> tuple[np.ndarray, np.ndarray]:
     """(lo, hi) fp16 [M, H]: every implementation of the MoE contract returns out in [lo, hi] (module
-    docstring for the derivation)."""
-    x, w13, w2 = _check_experts(x, w13, w2)
+    docstring for the derivation); dtype "bfloat16": x, lo and hi bf16 values (float32 arrays)."""
+    x, w13, w2 = _check_experts(x, w13, w2, dtype)
     weights, ids = _check_routing(topk_weights, topk_ids, x.shape[0], w13.shape[0])
     inter = w13.shape[1] // 2
-    y_lo = np.zeros((*ids.shape, x.shape[1]), np.float16)
+    y_lo = np.zeros((*ids.shape, x.shape[1]), storage(dtype))
     y_hi = np.zeros_like(y_lo)
     for e in np.unique(ids):
         rows, choices = np.nonzero(ids == e)
-        g_lo, g_hi = linear_bounds(x[rows], w13[e, :inter], unit_roundoff)
-        u_lo, u_hi = linear_bounds(x[rows], w13[e, inter:], unit_roundoff)
-        s_lo, s_hi = _silu_bounds(g_lo, g_hi)
-        h_lo, h_hi = _product_bounds(s_lo, s_hi, u_lo, u_hi)
-        y_lo[rows, choices], y_hi[rows, choices] = _box_linear_bounds(h_lo, h_hi, w2[e], unit_roundoff)
+        g_lo, g_hi = linear_bounds(x[rows], w13[e, :inter], unit_roundoff, dtype=dtype)
+        u_lo, u_hi = linear_bounds(x[rows], w13[e, inter:], unit_roundoff, dtype=dtype)
+        s_lo, s_hi = _silu_bounds(g_lo, g_hi, dtype)
+        h_lo, h_hi = _product_bounds(s_lo, s_hi, u_lo, u_hi, dtype)
+        y_lo[rows, choices], y_hi[rows, choices] = _box_linear_bounds(h_lo, h_hi, w2[e], unit_roundoff, dtype)
     w64 = weights.astype(np.float64)[:, :, None]
     top_k = ids.shape[1]
     with np.errstate(invalid="ignore", over="ignore"):
@@ -195,4 +206,6 @@ def moe_bounds(x: np.ndarray, w13: np.ndarray, w2: np.ndarray, topk_weights: np.
         a = (w64 * np.maximum(np.abs(y_lo.astype(np.float64)), np.abs(y_hi.astype(np.float64)))).sum(axis=1)
         # k fp32 products and k - 1 fp32 adds (gamma_k), against float64 sums of k exact-enough terms
         slack = (gamma(top_k, unit_roundoff) + gamma(top_k, FP64_UNIT_ROUNDOFF)) * (1.0 + 2.0**-50) * a
-        return outward_fp16(c_lo - slack, c_hi + slack)
+        if dtype == BF16:  # a bf16 y's product with its weight may round in fp32's subnormals: eps each
+            slack = slack + top_k * FP32_LEAST
+        return outward(c_lo - slack, c_hi + slack, dtype)

@@ -388,9 +388,10 @@ def nvfp4_experts(rng: np.random.Generator, e: int, h: int, inter: int):
     return packed, w13, w2
 
 
-# Tolerance: the reference sums in float64 and rounds once; the op sums in fp32, so a gate / up / y may land on
-# the neighbouring bf16 value (a bf16 ulp: 2^-7 relative), which the epilogue and the down projection carry
-# on; 4 ulps of the output's largest magnitude covers two such steps on the way. Most outputs are the
+# Tolerance of the gpt-oss MoE tests (biases and swigluoai: ref.moe.moe_bounds has neither; the NVFP4 SiLU tests
+# use that bound): the reference sums in float64 and rounds once; the op sums in fp32, so a gate / up / y may
+# land on the neighbouring bf16 value (a bf16 ulp: 2^-7 relative), which the epilogue and the down projection
+# carry on; 4 ulps of the output's largest magnitude covers two such steps on the way. Most outputs are the
 # reference's bits (the fraction is asserted).
 MOE_ULPS = 4
 
@@ -418,7 +419,16 @@ def test_mxfp4_moe_with_biases_and_swigluoai_in_bf16_matches_the_reference():
         assert out.dtype == torch.bfloat16 and torch.equal(out, got)
 
 
-def test_nvfp4_moe_in_bf16_matches_the_reference_and_is_batch_invariant():
+def assert_in_moe_bound(got: torch.Tensor, x, w13, w2, weights, ids) -> None:
+    """Inside ref.moe.moe_bounds in bf16 (the interval argument through both linears, the bf16 epilogue, the fp16
+    rows of the CUDA kernels' x, the combine), and mostly the reference's own bits."""
+    lo, hi = ref.moe.moe_bounds(x, w13, w2, weights, ids, dtype=BF16)
+    got32 = bf16_of(got)
+    assert np.all((lo <= got32) & (got32 <= hi))
+    assert (got32 == ref.moe.moe(x, w13, w2, weights, ids, dtype=BF16)).mean() > 0.8
+
+
+def test_nvfp4_moe_in_bf16_is_inside_the_bf16_moe_bound_and_batch_invariant():
     rng = np.random.default_rng(13)
     e, h, inter = 8, 128, 64
     packed, w13, w2 = nvfp4_experts(rng, e, h, inter)
@@ -427,7 +437,7 @@ def test_nvfp4_moe_in_bf16_matches_the_reference_and_is_batch_invariant():
     weights, ids = ref.moe.route(rng.standard_normal((m, e)).astype(np.float32), 2, renormalize=True)
     args = [torch.from_numpy(a) for a in (weights, ids)]
     full = packed.forward(torch.from_numpy(x).bfloat16(), *args)
-    assert_moe_close(full, ref.moe.moe(x, w13, w2, weights, ids, dtype=BF16))
+    assert_in_moe_bound(full, x, w13, w2, weights, ids)
     for i in (0, 17, 39):
         one = packed.forward(torch.from_numpy(x[i:i + 1]).bfloat16(), *(a[i:i + 1] for a in args))
         assert torch.equal(one, full[i:i + 1])
@@ -527,7 +537,7 @@ def test_cuda_mxfp4_moe_in_bf16_matches_the_reference_is_batch_invariant_and_qpn
 
 
 @pytest.mark.gpu
-def test_cuda_nvfp4_moe_in_bf16_equals_the_cpu_op_within_its_tolerance_and_graph_captures():
+def test_cuda_nvfp4_moe_in_bf16_is_inside_the_bf16_moe_bound_and_graph_captures():
     rng = np.random.default_rng(23)
     e, h, inter = 8, 128, 64
     packed, w13, w2 = nvfp4_experts(rng, e, h, inter)
@@ -538,7 +548,7 @@ def test_cuda_nvfp4_moe_in_bf16_equals_the_cpu_op_within_its_tolerance_and_graph
     args = [torch.from_numpy(a).cuda() for a in (weights, ids)]
     static_x = torch.from_numpy(x).bfloat16().cuda()
     got = cuda.forward(static_x, *args)
-    assert_moe_close(got, ref.moe.moe(x, w13, w2, weights, ids, dtype=BF16))
+    assert_in_moe_bound(got, x, w13, w2, weights, ids)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

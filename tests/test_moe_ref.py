@@ -193,3 +193,24 @@ def test_moe_computes_what_the_hf_block_computes(family):
     # x 2 for the SiLU / product gains (tests/test_modelopt_exports.py's rule): 8 * 2^-11 of max|out|;
     # measured 1.4 * 2^-11
     assert float(np.abs(ours - hf).max()) <= 8 * 2.0**-11 * float(np.abs(hf).max())
+
+
+def test_the_bf16_bound_holds_the_bf16_reference_stays_tight_and_catches_a_wrong_expert():
+    """dtype="bfloat16": the same interval argument with RN_bf16 and the fp16 rows' term (ref.moe docstring)."""
+    from qpn.ref.dtypes import BF16, bf16_round
+
+    rng = np.random.default_rng(11)
+    w13, w2 = experts(rng)
+    x = bf16_round(tokens(rng, 6).astype(np.float32))
+    weights, ids = routed(rng, 6)
+    lo, hi = moe.moe_bounds(x, w13, w2, weights, ids, dtype=BF16)
+    assert lo.dtype == hi.dtype == np.float32
+    assert ((lo <= moe.moe(x, w13, w2, weights, ids, dtype=BF16)) & (moe.moe(x, w13, w2, weights, ids, dtype=BF16)
+                                                                     <= hi)).all()
+    # bf16's grid is 8x coarser than fp16's, so the same argument gives about as many (bf16) ulps as fp16's
+    ulps = (hi - lo) / np.abs(np.spacing(hi.astype(np.float32)) * 2.0**16)
+    assert np.median(ulps) <= 4 * np.sqrt(INTER), np.median(ulps)
+    wrong = ids.copy()
+    wrong[:, 0] = (wrong[:, 0] + 1) % E
+    y = moe.moe(x, w13, w2, weights, wrong, dtype=BF16)
+    assert not ((lo <= y) & (y <= hi)).all()

@@ -127,14 +127,14 @@ def _mm_round(x: Tensor, w16: Tensor, scale: Tensor | None = None) -> Tensor:
 
 def _fp16_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """bf16 x [M, K] -> (x16 fp16 [M, K], factor fp32 [M]): x_bf16.cu's rows, on torch's allocator and stream."""
-    from ..cupy_kernels.bf16 import bf16_rows_elements, queue_bf16_rows  # noqa: PLC0415
+    from ..cupy_kernels.bf16 import bf16_rows_elements, bf16_rows_slices, queue_bf16_rows  # noqa: PLC0415
 
     m, k = x.shape
     workspace = torch.empty(bf16_rows_elements(m, k), dtype=torch.float32, device=x.device)
     with _on_torch_stream(x.device) as as_cupy:
         queue_bf16_rows(as_cupy(_bits(x)), as_cupy(workspace))
-    x16 = workspace[:m * k // 2].view(torch.float16).view(m, k)
-    return x16, workspace[m * k // 2:m * k // 2 + m]
+    rows, factors = bf16_rows_slices(m, k)
+    return workspace[rows].view(torch.float16).view(m, k), workspace[factors]
 
 
 def _bits(t: Tensor) -> Tensor:
