@@ -20,6 +20,17 @@ experts").
   up): `deinterleave` is the permutation a loader applies once (exact: rows move, nothing rounds). The
   biases are float32 (gpt-oss stores bf16, which fp32 holds exactly). The sums here are float64 with one
   rounding: the reference; a kernel's fp32 order moves S within ref.linear_bounds.
+- `moe_bounds(...)`: what an implementation may return (fp32 sums in any order, CUDA's expf within 2 ulps,
+  the combine in top-k order), qpn.ref.moe's interval argument through the biases and swigluoai:
+    gate, up, y  RN(RN32(S' + b)) for S' in the box bound of ref.moe (the least and largest float64 sums of
+                 the input box, widened by ref.linear's slack; bf16: its bf16 terms, ref.linear.bf16_slack,
+                 and the multiplies after the sum), the bias add rounded outward to fp32, then monotone RN;
+    h            swigluoai over the (gate, up) box: min(gate, limit) and the clamp are monotone, g
+                 sigmoid(alpha g) falls to its minimum at GLU_ARGMIN and rises after; the fp32 chain moves
+                 the exact product by at most `_swigluoai_relative` of itself (and 2^-100 where it
+                 underflows);
+    out          the combine's fixed fp32 order is monotone in each y (weights >= 0): its values at the y
+                 box's ends.
 """
 
 from __future__ import annotations
@@ -27,9 +38,18 @@ from __future__ import annotations
 import numpy as np
 
 from .checks import require_array
-from .dtypes import FP16, require_activations, round_to, storage
-from .linear import _expf, _float64_sums
-from .moe import _check_experts, _check_routing, combine
+from .dtypes import BF16, FP16, require_activations, round_to, storage
+from .linear import (
+    FP16_ROWS_POST,
+    FP32_TRUNCATING_UNIT_ROUNDOFF,
+    _expf,
+    _float64_sums,
+    _fp32_toward,
+    bf16_slack,
+    float64_sum_slack,
+    outward,
+)
+from .moe import SILU_ARGMIN, _check_experts, _check_routing, combine
 
 SWIGLU_ALPHA = 1.702  # gpt-oss config swiglu_alpha (an fp32 constant in vLLM's kernel)
 SWIGLU_LIMIT = 7.0  # gpt-oss config swiglu_limit
@@ -87,14 +107,8 @@ def moe(x: np.ndarray, w13: np.ndarray, b13: np.ndarray, w2: np.ndarray, b2: np.
     """x fp16 [M, H]; w13 fp16 [E, 2I, H] (gate rows, then up), b13 float32 [E, 2I]; w2 fp16 [E, H, I],
     b2 float32 [E, H]; the routing -> fp16 [M, H] (module docstring). dtype "bfloat16": x and the result
     bf16 values in float32 arrays, every rounding of the activations RN_bf16."""
-    x, w13, w2 = _check_experts(x, w13, w2, dtype)
-    e, two_i, h = w13.shape
-    b13 = require_array("b13", b13, np.float32, ndim=2)
-    b2 = require_array("b2", b2, np.float32, ndim=2)
-    if b13.shape != (e, two_i) or b2.shape != (e, h):
-        raise ValueError(f"b13 must be [E, 2I] = {(e, two_i)} and b2 [E, H] = {(e, h)}, got {b13.shape} and {b2.shape}")
-    weights, ids = _check_routing(topk_weights, topk_ids, x.shape[0], e)
-    inter = two_i // 2
+    x, w13, b13, w2, b2, weights, ids = _check(x, w13, b13, w2, b2, topk_weights, topk_ids, dtype)
+    inter, h = w13.shape[1] // 2, w13.shape[2]
     y = np.zeros((*ids.shape, h), storage(dtype))
     for expert in np.unique(ids):
         rows, choices = np.nonzero(ids == expert)
@@ -102,3 +116,82 @@ def moe(x: np.ndarray, w13: np.ndarray, b13: np.ndarray, w2: np.ndarray, b2: np.
         hidden = swigluoai_and_mul(gate_up[:, :inter], gate_up[:, inter:], dtype=dtype)
         y[rows, choices] = _biased(hidden, w2[expert], b2[expert], dtype)
     return combine(y, weights, dtype)
+
+
+def _check(x: np.ndarray, w13: np.ndarray, b13: np.ndarray, w2: np.ndarray, b2: np.ndarray, topk_weights: np.ndarray,
+           topk_ids: np.ndarray, dtype: str) -> tuple[np.ndarray, ...]:
+    """`moe`'s and `moe_bounds`' arguments checked: (x, w13, b13, w2, b2, weights, ids)."""
+    x, w13, w2 = _check_experts(x, w13, w2, dtype)
+    e, two_i, h = w13.shape
+    b13 = require_array("b13", b13, np.float32, ndim=2)
+    b2 = require_array("b2", b2, np.float32, ndim=2)
+    if b13.shape != (e, two_i) or b2.shape != (e, h):
+        raise ValueError(f"b13 must be [E, 2I] = {(e, two_i)} and b2 [E, H] = {(e, h)}, got {b13.shape} and {b2.shape}")
+    weights, ids = _check_routing(topk_weights, topk_ids, x.shape[0], e)
+    return x, w13, b13, w2, b2, weights, ids
+
+
+def moe_bounds(x: np.ndarray, w13: np.ndarray, b13: np.ndarray, w2: np.ndarray, b2: np.ndarray,
+               topk_weights: np.ndarray, topk_ids: np.ndarray, unit_roundoff: float = FP32_TRUNCATING_UNIT_ROUNDOFF,
+               *, dtype: str = FP16) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) [M, H] of `dtype`: every fp32 implementation of `moe`'s contract returns out in [lo, hi] (module
+    docstring for the derivation); arguments as `moe`."""
+    x, w13, b13, w2, b2, weights, ids = _check(x, w13, b13, w2, b2, topk_weights, topk_ids, dtype)
+    inter = w13.shape[1] // 2
+    y_lo = np.zeros((*ids.shape, x.shape[1]), storage(dtype))
+    y_hi = np.zeros_like(y_lo)
+    for e in np.unique(ids):
+        rows, choices = np.nonzero(ids == e)
+        g_lo, g_hi = _biased_bounds(x[rows], x[rows], w13[e, :inter], b13[e, :inter], unit_roundoff, dtype)
+        u_lo, u_hi = _biased_bounds(x[rows], x[rows], w13[e, inter:], b13[e, inter:], unit_roundoff, dtype)
+        h_lo, h_hi = _swigluoai_bounds(g_lo, g_hi, u_lo, u_hi, dtype)
+        y_lo[rows, choices], y_hi[rows, choices] = _biased_bounds(h_lo, h_hi, w2[e], b2[e], unit_roundoff, dtype)
+    return combine(y_lo, weights, dtype), combine(y_hi, weights, dtype)
+
+
+def _biased_bounds(a_lo: np.ndarray, a_hi: np.ndarray, w16: np.ndarray, bias: np.ndarray, unit_roundoff: float,
+                   dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) of RN(RN32(S' + b)) for every fp32 sum S' (any order) of a @ w.T, a anywhere in the box
+    [a_lo, a_hi] (module docstring)."""
+    lo64, hi64, w = a_lo.astype(np.float64), a_hi.astype(np.float64), w16.astype(np.float64)
+    pos, neg = np.maximum(w, 0.0), np.minimum(w, 0.0)
+    big = np.maximum(np.abs(lo64), np.abs(hi64))
+    slack = float64_sum_slack(w.shape[1], unit_roundoff, big @ np.abs(w).T)
+    if dtype == BF16:  # the corners' largest |a| bound each row's fp16-rows exponent (ref.moe)
+        slack = slack + bf16_slack(big.astype(np.float32), w16, unit_roundoff) + FP16_ROWS_POST
+    b = bias.astype(np.float64)
+    with np.errstate(over="ignore"):
+        lo = _fp32_toward(np.nextafter(lo64 @ pos.T + hi64 @ neg.T - slack + b, -np.inf), -np.inf)
+        hi = _fp32_toward(np.nextafter(hi64 @ pos.T + lo64 @ neg.T + slack + b, np.inf), np.inf)
+    return round_to(dtype, lo), round_to(dtype, hi)  # RN of fp32 values: monotone
+
+
+GLU_ARGMIN = SILU_ARGMIN / float(np.float32(SWIGLU_ALPHA))  # g sigmoid(alpha g) = silu(alpha g) / alpha
+
+
+def _glu64(g: np.ndarray) -> np.ndarray:
+    """g * sigmoid(alpha g) in float64 (the kernels' fp32 alpha)."""
+    with np.errstate(over="ignore"):
+        return g / (1.0 + np.exp(-float(np.float32(SWIGLU_ALPHA)) * g))
+
+
+def _swigluoai_relative(g: np.ndarray) -> np.ndarray:
+    """The fp32 chain's relative error at |g| <= g (first order, doubled): RN32(g alpha) moves expf's argument by
+    |g alpha| 2^-24 relative to 1, expf is within 2 ulps (2^-22), five more roundings of 2^-24; 1 / (1 + e)
+    passes e's relative error on at most once."""
+    return 2 * (float(np.float32(SWIGLU_ALPHA)) * g + 4 + 5) * 2.0**-24
+
+
+def _swigluoai_bounds(g_lo: np.ndarray, g_hi: np.ndarray, u_lo: np.ndarray, u_hi: np.ndarray,
+                      dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(lo, hi) of swigluoai over the (gate, up) box (module docstring)."""
+    lim = float(np.float32(SWIGLU_LIMIT))
+    a, b = (np.minimum(v.astype(np.float64), lim) for v in (g_lo, g_hi))
+    ends = np.stack([_glu64(a), _glu64(b)])
+    f_lo = np.where((a <= GLU_ARGMIN) & (GLU_ARGMIN <= b), _glu64(np.float64(GLU_ARGMIN)), ends.min(axis=0))
+    f_hi = ends.max(axis=0)
+    c_lo, c_hi = (np.clip(v.astype(np.float64), -lim, lim) + 1.0 for v in (u_lo, u_hi))
+    corners = np.stack([f * c for f in (f_lo, f_hi) for c in (c_lo, c_hi)])
+    p_lo, p_hi = corners.min(axis=0), corners.max(axis=0)
+    rel = _swigluoai_relative(np.maximum(np.abs(a), np.abs(b)))
+    return outward(p_lo - rel * np.abs(p_lo) - 2.0**-100, p_hi + rel * np.abs(p_hi) + 2.0**-100, dtype)

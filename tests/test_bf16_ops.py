@@ -388,23 +388,15 @@ def nvfp4_experts(rng: np.random.Generator, e: int, h: int, inter: int):
     return packed, w13, w2
 
 
-# Tolerance of the gpt-oss MoE tests (biases and swigluoai: ref.moe.moe_bounds has neither; the NVFP4 SiLU tests
-# use that bound): the reference sums in float64 and rounds once; the op sums in fp32, so a gate / up / y may
-# land on the neighbouring bf16 value (a bf16 ulp: 2^-7 relative), which the epilogue and the down projection
-# carry on; 4 ulps of the output's largest magnitude covers two such steps on the way. Most outputs are the
-# reference's bits (the fraction is asserted).
-MOE_ULPS = 4
-
-
-def assert_moe_close(got: torch.Tensor, want: np.ndarray) -> None:
-    assert got.dtype == torch.bfloat16
+def assert_in_gpt_oss_bound(got: torch.Tensor, x, w13, b13, w2, b2, weights, ids) -> None:
+    """Inside qpn.ref.gpt_oss.moe_bounds in bf16 (biases, swigluoai, the fp16 rows), mostly the reference's bits."""
+    lo, hi = gpt_oss.moe_bounds(x, w13, b13, w2, b2, weights, ids, dtype=BF16)
     got32 = bf16_of(got)
-    tol = MOE_ULPS * float(np.abs(want).max()) * 2.0**-7
-    assert np.abs(got32.astype(np.float64) - want).max() <= tol
-    assert (got32 == want).mean() > 0.8
+    assert np.all((lo <= got32) & (got32 <= hi))
+    assert (got32 == gpt_oss.moe(x, w13, b13, w2, b2, weights, ids, dtype=BF16)).mean() > 0.8
 
 
-def test_mxfp4_moe_with_biases_and_swigluoai_in_bf16_matches_the_reference():
+def test_mxfp4_moe_with_biases_and_swigluoai_in_bf16_is_inside_the_bf16_bound():
     rng = np.random.default_rng(12)
     e, h, inter = 8, 128, 64
     packed, w13, b13, w2, b2 = mxfp4_experts(rng, e, h, inter)
@@ -412,7 +404,7 @@ def test_mxfp4_moe_with_biases_and_swigluoai_in_bf16_matches_the_reference():
         x = bf16_x(rng, m, h)
         weights, ids = gpt_oss.route(rng.standard_normal((m, e)).astype(np.float32), 2)
         got = packed.forward(torch.from_numpy(x).bfloat16(), torch.from_numpy(weights), torch.from_numpy(ids))
-        assert_moe_close(got, gpt_oss.moe(x, w13, b13, w2, b2, weights, ids, dtype=BF16))
+        assert_in_gpt_oss_bound(got, x, w13, b13, w2, b2, weights, ids)
         # QPNExperts keeps bf16 on the CPU: the op's bf16 bits
         module = QPNExperts(packed)
         out = module(torch.from_numpy(x).bfloat16(), torch.from_numpy(ids), torch.from_numpy(weights))
@@ -518,7 +510,7 @@ def test_cuda_bf16_paths_capture_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-def test_cuda_mxfp4_moe_in_bf16_matches_the_reference_is_batch_invariant_and_qpn_experts_keeps_bf16():
+def test_cuda_mxfp4_moe_in_bf16_is_inside_the_bf16_bound_batch_invariant_and_qpn_experts_keeps_bf16():
     rng = np.random.default_rng(22)
     e, h, inter = 8, 128, 64
     packed, w13, b13, w2, b2 = mxfp4_experts(rng, e, h, inter)
@@ -529,7 +521,7 @@ def test_cuda_mxfp4_moe_in_bf16_matches_the_reference_is_batch_invariant_and_qpn
     xt, wt, it = (torch.from_numpy(a).cuda() for a in (x, weights, ids))
     xt = xt.bfloat16()
     got = packed.forward(xt, wt, it)
-    assert_moe_close(got, gpt_oss.moe(x, w13, b13, w2, b2, weights, ids, dtype=BF16))
+    assert_in_gpt_oss_bound(got, x, w13, b13, w2, b2, weights, ids)
     for i in (0, 17, 39):
         assert torch.equal(packed.forward(xt[i:i + 1], wt[i:i + 1], it[i:i + 1]), got[i:i + 1])
     out = QPNExperts(packed)(xt, it, wt)

@@ -10,7 +10,7 @@ RN16, and gpt-oss's clamped SwiGLU ("swigluoai") beside silu_and_mul.
   wide data (both clamps, infinite gates and ups); the combined output where the hidden rows keep the down
   projection's sums exact too.
 - Within a derived bound of the float64 reference qpn.ref.gpt_oss.moe on random gpt-oss-like MXFP4 experts
-  (`gpt_oss_bounds`, the interval argument of qpn.ref.moe.moe_bounds through the biases and swigluoai).
+  (qpn.ref.gpt_oss.moe_bounds, the interval argument of qpn.ref.moe.moe_bounds through the biases and swigluoai).
 - A zero bias gives the bits of no bias; bad epilogue arguments are rejected before any launch; memcheck clean.
 """
 
@@ -36,7 +36,6 @@ from qpn.ref import (
 from qpn.ref import gpt_oss as ref_gpt_oss
 from qpn.ref import mxfp4 as mx
 from qpn.ref.formats import QPN2, QPN8, QPNMX
-from qpn.ref.linear import float64_sum_slack, outward_fp16
 from qpn.ref.moe import combine
 
 EXPERTS = 8
@@ -342,74 +341,6 @@ def test_a_zero_bias_is_no_bias(fmt, activation):
 # ----------------------------------------------------------------------------- against the float64 reference
 
 
-def _f32_outward(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float64 bounds (one float64 rounding each) -> fp32 bounds below / above every RN32 of a value inside."""
-    with np.errstate(over="ignore"):
-        lo, hi = np.nextafter(lo, -np.inf), np.nextafter(hi, np.inf)
-        lo32, hi32 = lo.astype(np.float32), hi.astype(np.float32)
-    return (np.where(lo32 > lo, np.nextafter(lo32, np.float32(-np.inf)), lo32),
-            np.where(hi32 < hi, np.nextafter(hi32, np.float32(np.inf)), hi32))
-
-
-def _biased_bounds(a_lo: np.ndarray, a_hi: np.ndarray, w: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, ...]:
-    """fp16 (lo, hi) of RN16(RN32(S' + b)) for every fp32 sum S' (any order) of a @ w.T, a anywhere in the box
-    [a_lo, a_hi] (qpn.ref.moe's box bound: the least and largest float64 sums, widened by ref.linear's slack)."""
-    a_lo, a_hi = a_lo.astype(np.float64), a_hi.astype(np.float64)
-    pos, neg = np.maximum(w, 0.0), np.minimum(w, 0.0)
-    slack = float64_sum_slack(w.shape[1], 2.0**-23, np.maximum(np.abs(a_lo), np.abs(a_hi)) @ np.abs(w).T)
-    lo32, hi32 = _f32_outward(a_lo @ pos.T + a_hi @ neg.T - slack + bias, a_hi @ pos.T + a_lo @ neg.T + slack + bias)
-    return lo32.astype(np.float16), hi32.astype(np.float16)  # RN16 of fp32 values: monotone
-
-
-def _glu64(g: np.ndarray) -> np.ndarray:
-    """g * sigmoid(alpha g) in float64 (the kernels' alpha)."""
-    with np.errstate(over="ignore"):
-        return g / (1.0 + np.exp(-float(ALPHA) * g))
-
-
-GLU_ARGMIN = -1.2784645427610738 / float(ALPHA)  # g sigmoid(alpha g) = silu(alpha g) / alpha: silu's minimum
-
-
-def _swigluoai_relative(g: np.ndarray) -> np.ndarray:
-    """The fp32 chain's relative error at |g| <= g (first order, doubled): RN32(g alpha) moves expf's argument by
-    |g alpha| 2^-24 relative to 1, expf is within 2 ulps (2^-22), five more roundings of 2^-24; 1 / (1 + e)
-    passes e's relative error on at most once."""
-    return 2 * (float(ALPHA) * g + 4 + 5) * 2.0**-24
-
-
-def _swigluoai_bounds(g_lo, g_hi, u_lo, u_hi) -> tuple[np.ndarray, np.ndarray]:
-    """fp16 (lo, hi) of swigluoai over the box: min(gate, limit) and the clamp are monotone, g sigmoid(alpha g)
-    falls to its minimum at GLU_ARGMIN and rises after; the fp32 chain moves the exact product by at most
-    _swigluoai_relative of itself (and 2^-100 where it underflows)."""
-    lim = float(LIMIT)
-    a, b = (np.minimum(v.astype(np.float64), lim) for v in (g_lo, g_hi))
-    ends = np.stack([_glu64(a), _glu64(b)])
-    f_lo = np.where((a <= GLU_ARGMIN) & (GLU_ARGMIN <= b), _glu64(np.float64(GLU_ARGMIN)), ends.min(axis=0))
-    f_hi = ends.max(axis=0)
-    c_lo, c_hi = (np.clip(v.astype(np.float64), -lim, lim) + 1.0 for v in (u_lo, u_hi))
-    corners = np.stack([f * c for f in (f_lo, f_hi) for c in (c_lo, c_hi)])
-    p_lo, p_hi = corners.min(axis=0), corners.max(axis=0)
-    rel = _swigluoai_relative(np.maximum(np.abs(a), np.abs(b)))
-    return outward_fp16(p_lo - rel * np.abs(p_lo) - 2.0**-100, p_hi + rel * np.abs(p_hi) + 2.0**-100)
-
-
-def gpt_oss_bounds(x, w13, b13, w2, b2, weights, ids) -> tuple[np.ndarray, np.ndarray]:
-    """(lo, hi) fp16 [M, H]: every fp32 implementation of qpn.ref.gpt_oss.moe's contract (sums in any order,
-    CUDA's expf) returns out in [lo, hi]: gate / up and y through `_biased_bounds`, h through
-    `_swigluoai_bounds`, and the combine's fixed fp32 order is monotone in each y (weights >= 0), so its values at
-    the y box's ends bound it."""
-    inter = w13.shape[1] // 2
-    y_lo = np.zeros((*ids.shape, x.shape[1]), np.float16)
-    y_hi = np.zeros_like(y_lo)
-    for e in np.unique(ids):
-        rows, choices = np.nonzero(ids == e)
-        g_lo, g_hi = _biased_bounds(x[rows], x[rows], w13[e, :inter], b13[e, :inter])
-        u_lo, u_hi = _biased_bounds(x[rows], x[rows], w13[e, inter:], b13[e, inter:])
-        h_lo, h_hi = _swigluoai_bounds(g_lo, g_hi, u_lo, u_hi)
-        y_lo[rows, choices], y_hi[rows, choices] = _biased_bounds(h_lo, h_hi, w2[e], b2[e])
-    return combine(y_lo, weights), combine(y_hi, weights)
-
-
 def bf16_values(v: np.ndarray) -> np.ndarray:
     """float32 values that bf16 holds (gpt-oss stores its biases in bf16): round to 8 significant bits."""
     bits = np.asarray(v, np.float32).view(np.uint32)
@@ -443,7 +374,7 @@ def test_the_reference_lies_in_its_bound():
     h, inter = SHAPE
     c = gpt_oss_case(rng, h, inter, 33, 4)
     args = (c["x"], c["v13"], c["b13"], c["v2"], c["b2"], *c["routing"])
-    lo, hi = gpt_oss_bounds(*args)
+    lo, hi = ref_gpt_oss.moe_bounds(*args)
     want = ref_gpt_oss.moe(*args)
     assert np.isfinite(want).all() and ((lo <= want) & (want <= hi)).all()
     ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
@@ -467,7 +398,7 @@ def test_gpt_oss_experts_lie_in_the_reference_bound(m, top_k):
     _, out = launch(cupy, "mxfp4", c["w13"], c["w2"], inter, c["x"], weights, ids, w13_bias=c["b13"],
                     w2_bias=c["b2"], activation="swigluoai")
     args = (c["x"], c["v13"], c["b13"], c["v2"], c["b2"], weights, ids)
-    lo, hi = gpt_oss_bounds(*args)
+    lo, hi = ref_gpt_oss.moe_bounds(*args)
     want = ref_gpt_oss.moe(*args)
     assert np.isfinite(out).all()
     inside = (lo <= out) & (out <= hi)

@@ -100,3 +100,27 @@ def test_the_moe_block_is_transformers_experts_within_fp16_precision():
     want = transformers_experts(w13.transpose(0, 2, 1), b13, w2.transpose(0, 2, 1), b2, x, ids, weights)  # HF layout
     assert np.abs(want).max() > 0.5  # the block does something
     assert np.abs(got.astype(np.float64) - want).max() <= MOE_TOLERANCE * np.abs(want).max()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_moe_bound_holds_the_reference_is_not_vacuous_and_sees_a_missing_bias(dtype):
+    """gpt_oss.moe_bounds (the interval argument of ref.moe through the biases and swigluoai; bf16 with its
+    fp16-rows and subnormal terms): the float64 reference inside it, a median width of a few dozen ulps, and the
+    output without the down bias outside it."""
+    from qpn.ref.dtypes import round_to
+
+    rng = np.random.default_rng(4)
+    e, h, inter, m = 8, 64, 64, 12
+    w13 = (rng.standard_normal((e, 2 * inter, h)) * 0.3).astype(np.float16)
+    w2 = (rng.standard_normal((e, h, inter)) * 0.3).astype(np.float16)
+    b13 = round_to("bfloat16", rng.standard_normal((e, 2 * inter))).astype(np.float32)
+    b2 = round_to("bfloat16", rng.standard_normal((e, h))).astype(np.float32)
+    x = round_to(dtype, rng.standard_normal((m, h)))
+    weights, ids = gpt_oss.route(rng.standard_normal((m, e)).astype(np.float32), 4)
+    lo, hi = gpt_oss.moe_bounds(x, w13, b13, w2, b2, weights, ids, dtype=dtype)
+    want = gpt_oss.moe(x, w13, b13, w2, b2, weights, ids, dtype=dtype)
+    assert ((lo <= want) & (want <= hi)).all()
+    ulp = np.abs(np.spacing(np.abs(want).astype(np.float32))) * (2.0**13 if dtype == "float16" else 2.0**16)
+    assert np.median((hi.astype(np.float64) - lo.astype(np.float64)) / ulp) <= 64
+    unbiased = gpt_oss.moe(x, w13, b13, w2, np.zeros_like(b2), weights, ids, dtype=dtype)
+    assert ((unbiased < lo) | (hi < unbiased)).mean() > 0.5

@@ -264,9 +264,9 @@ def experts(rng: np.random.Generator, e: int, h: int, inter: int) -> tuple:
 
 
 @pytest.mark.parametrize("device", devices())
-def test_moe_with_biases_and_swigluoai_matches_the_reference(device):
-    """Within 2 fp16 ulps of the output's magnitude of ref.gpt_oss.moe (float64 sums, one rounding each: the
-    kernels' fp32 sums may move an RN16 by one ulp, which the clamped SwiGLU and down carry on)."""
+def test_moe_with_biases_and_swigluoai_is_inside_the_reference_bound(device):
+    """Inside qpn.ref.gpt_oss.moe_bounds (fp32 sums in any order, the clamped SwiGLU's fp32 chain), and mostly the
+    bits of ref.gpt_oss.moe (float64 sums, one rounding each)."""
     rng = np.random.default_rng(4)
     e, h, inter, top_k = 8, 128, 64, 2
     packed, w13, b13, w2, b2 = experts(rng, e, h, inter)
@@ -276,8 +276,8 @@ def test_moe_with_biases_and_swigluoai_matches_the_reference(device):
         weights, ids = gpt_oss.route(rng.standard_normal((m, e)).astype(np.float32), top_k)
         got = packed.forward(*on(device, x, weights, ids)).cpu().numpy()
         want = gpt_oss.moe(x, w13, b13, w2, b2, weights, ids)
-        tol = 2 * np.abs(np.spacing(np.abs(want).max()))
-        assert np.abs(got.astype(np.float64) - want).max() <= tol, m
+        lo, hi = gpt_oss.moe_bounds(x, w13, b13, w2, b2, weights, ids)
+        assert ((lo <= got) & (got <= hi)).all(), m
         assert (got == want).mean() > 0.9  # most outputs are the reference's bits
 
 
