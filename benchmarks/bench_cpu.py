@@ -29,6 +29,7 @@ import json
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -38,6 +39,9 @@ import torch.nn.functional as F
 import qpn.torch_bridge  # noqa: F401  (registers torch.ops.qpn.*)
 from qpn import ref
 from qpn.torch_bridge import _cpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402  (write_atomic)
 
 FORMATS = ("nvfp4", "fp8_channel", "fp8_block")
 G = 1e-3
@@ -174,9 +178,8 @@ def main(argv=None) -> None:
     result = dict(header=header, targets=section_targets(args, rng))
     if args.chunks:
         result["chunks"] = section_chunks(args, rng)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    if args.json:  # atomic: an interrupted run leaves the old file or the new one
+        bk.write_atomic(Path(args.json), json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
