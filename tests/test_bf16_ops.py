@@ -7,6 +7,9 @@ CUDA graphs."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -19,10 +22,13 @@ from qpn.ref import gpt_oss
 from qpn.ref import mxfp4 as mx
 from qpn.ref.dtypes import BF16, BF16_MAX, BF16_OVERFLOW
 from qpn.ref.formats import QPN2, QPNMX, weight_format
-from qpn.torch_bridge import QPNLinear, _cpu_ops, _cuda, convert, dispatch, epilogue, pack_mxfp4, pack_nvfp4
+from qpn.torch_bridge import QPNLinear, _cpu_ops, _cuda, convert, dispatch, epilogue, pack_nvfp4
 from qpn.torch_bridge.experts import QPNExperts
 from qpn.torch_bridge.packed_experts import PackedExperts
 from qpn.torch_bridge.packed_weight import PackedWeight
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_mxfp4_ops import experts as mxfp4_experts  # noqa: E402  (MXFP4 experts with biases and swigluoai)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -358,21 +364,6 @@ def test_a_converted_bf16_model_stays_bf16():
 
 
 # ----------------------------------------------------------------------------- mixture of experts
-
-
-def mxfp4_experts(rng: np.random.Generator, e: int, h: int, inter: int):
-    """MXFP4 experts with biases and swigluoai (tests/test_mxfp4_ops.py's recipe) and the reference's W16."""
-    pairs, w13, w2 = [], [], []
-    for _ in range(e):
-        qs = [ref.mxfp4_quantize((rng.standard_normal(s) * 0.05).astype(np.float32))
-              for s in ((inter, h), (inter, h), (h, inter))]
-        pairs.append((PackedWeight.stack_rows([pack_mxfp4(*qs[0]), pack_mxfp4(*qs[1])]), pack_mxfp4(*qs[2])))
-        w13.append(np.concatenate([mx.mxfp4_dequantize(*q) for q in qs[:2]]).astype(np.float16))
-        w2.append(mx.mxfp4_dequantize(*qs[2]).astype(np.float16))
-    b13 = (rng.standard_normal((e, 2 * inter)) * 0.1).astype(np.float32)
-    b2 = (rng.standard_normal((e, h)) * 0.1).astype(np.float32)
-    packed = PackedExperts.stack(pairs, torch.from_numpy(b13), torch.from_numpy(b2), "swigluoai")
-    return packed, np.stack(w13), b13, np.stack(w2), b2
 
 
 def nvfp4_experts(rng: np.random.Generator, e: int, h: int, inter: int):
