@@ -29,11 +29,12 @@ def require_activations(name: str, x: object, ndim: int = 2) -> CupyArray:
     """`x` is fp16, or bf16 bits (int16), C-contiguous on the current device."""
     import cupy  # noqa: PLC0415
 
-    dtype = x.dtype if isinstance(x, cupy.ndarray) and x.dtype in ACTIVATIONS else np.float16
-    if isinstance(x, cupy.ndarray) and x.dtype not in ACTIVATIONS:
+    if not isinstance(x, cupy.ndarray):
+        return require_cupy(name, x, np.float16, ndim=ndim)  # raises: not a CuPy array
+    if x.dtype not in ACTIVATIONS:
         raise ValueError(f"{name} must be float16, or bfloat16 as its bits in an int16 array (CuPy has no bfloat16: "
                          f"torch's tensor.view(torch.int16)), got dtype {x.dtype}; cast it to one of them")
-    return require_cupy(name, x, dtype, ndim=ndim)
+    return require_cupy(name, x, x.dtype, ndim=ndim)
 
 
 def is_bf16(x: CupyArray) -> bool:
@@ -41,9 +42,9 @@ def is_bf16(x: CupyArray) -> bool:
 
 
 def bf16_rows_elements(m: int, k: int, fragments: bool = False) -> int:
-    """fp32 workspace slots of an [M, K] bf16 x's fp16 rows (not `fragments`) and factors (K even), whole
-    16-byte units: what follows in the workspace (x fragments) stays 16-byte aligned."""
-    return -(-(m + (0 if fragments else m * k // 2)) // 4) * 4
+    """fp32 workspace slots of an [M, K] bf16 x's fp16 rows (not `fragments`) and factors (bf16_rows_slices),
+    whole 16-byte units: what follows in the workspace (x fragments) stays 16-byte aligned."""
+    return -(-bf16_rows_slices(m, k, fragments)[1].stop // 4) * 4
 
 
 def bf16_rows_slices(m: int, k: int, fragments: bool = False) -> tuple[slice, slice]:

@@ -208,7 +208,6 @@ __device__ __forceinline__ uint4 qpn_ldcs_u4(const void* p) {
 #endif
 #define QPN_NB2 ((QPN_NB + 1) / 2)  // 16-byte fragment pairs per group (QPN_X_FRAG = 1)
 
-
 // QPN_GEMM: x from shared memory. The block's tokens are pairs [QPN_NB2 z, QPN_NB2 (z + 1)) of the
 // call's nb2_all = ceil(M / 16) fragment pairs; each batch (QPN_UNROLL groups) is staged by the
 // whole block into one of two buffers (QPN_UNROLL x QPN_NB2 x 32 x 16 bytes: 8 KiB at 4 groups and
@@ -311,7 +310,6 @@ __device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, i
         if (valid) {
             const qpn_u16* p = xs.p[j] + 16 * (long long)g0 + 16 * u;
             asm volatile("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(xf[j].x), "=r"(xf[j].y) : "l"(p));
-
         } else {
             xf[j] = make_uint2(0u, 0u);
         }
@@ -512,7 +510,7 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT], const Qp
         t[h] = s[h];
 #endif
         // exact too (powers of two) unless the product lands below 2^-126; then one more fp32 rounding of at
-        // most 2^-150, inside the bf16 bound's K * eps term, which the exact fp16 products leave unused
+        // most 2^-149: with MXFP4's 2^T the two the bf16 bound allows after the sum (qpn.ref.linear FP16_ROWS_POST)
         if (row.bf16) t[h] = __fmul_rn(t[h], row.factor);
     }
 #if QPN_MOE

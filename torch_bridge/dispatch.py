@@ -21,7 +21,8 @@ the GEMM up to cupy_kernels.gemm_threshold, dense above; on the CPU the fused ke
 _cpu.FUSED_MAX_M (the measured 4096 x 4096 crossover), decode-then-BLAS above.
 
 bf16 activations take the same choice as fp16: on CUDA every path runs them through fp16 rows (each row
-times a power of two, exact: docs/DESIGN.md, "bf16 activations"), one more small launch on each path alike
+times a power of two, exact: docs/DESIGN.md, "bf16 activations"), written by one small launch that the
+decode at M <= 8 and the dense path add and the other paths take in place of their x-fragment launch
 (benchmarks/results/bf16_h200.md); the CPU paths take bf16 as they are.
 
 Every path computes the contract's W16 with fp32 accumulation: the choice moves time, never a
