@@ -40,14 +40,13 @@ import numpy as np
 from .checks import require_array
 from .dtypes import BF16, FP16, require_activations, round_to, storage
 from .linear import (
-    FP16_ROWS_POST,
     FP32_TRUNCATING_UNIT_ROUNDOFF,
     _expf,
     _float64_sums,
-    _fp32_toward,
     bf16_slack,
     float64_sum_slack,
     outward,
+    rounded_interval,
 )
 from .moe import SILU_ARGMIN, _check_experts, _check_routing, combine
 
@@ -156,14 +155,14 @@ def _biased_bounds(a_lo: np.ndarray, a_hi: np.ndarray, w16: np.ndarray, bias: np
     lo64, hi64, w = a_lo.astype(np.float64), a_hi.astype(np.float64), w16.astype(np.float64)
     pos, neg = np.maximum(w, 0.0), np.minimum(w, 0.0)
     big = np.maximum(np.abs(lo64), np.abs(hi64))
-    slack = float64_sum_slack(w.shape[1], unit_roundoff, big @ np.abs(w).T)
+    abs_sum = big @ np.abs(w).T
+    slack = float64_sum_slack(w.shape[1], unit_roundoff, abs_sum)
     if dtype == BF16:  # the corners' largest |a| bound each row's fp16-rows exponent (ref.moe)
-        slack = slack + bf16_slack(big.astype(np.float32), w16, unit_roundoff) + FP16_ROWS_POST
+        slack = slack + bf16_slack(big.astype(np.float32), w16, unit_roundoff)
     b = bias.astype(np.float64)
-    with np.errstate(over="ignore"):
-        lo = _fp32_toward(np.nextafter(lo64 @ pos.T + hi64 @ neg.T - slack + b, -np.inf), -np.inf)
-        hi = _fp32_toward(np.nextafter(hi64 @ pos.T + lo64 @ neg.T + slack + b, np.inf), np.inf)
-    return round_to(dtype, lo), round_to(dtype, hi)  # RN of fp32 values: monotone
+    with np.errstate(over="ignore", invalid="ignore"):
+        return rounded_interval(lo64 @ pos.T + hi64 @ neg.T - slack + b, hi64 @ pos.T + lo64 @ neg.T + slack + b,
+                                abs_sum, w.shape[1], unit_roundoff, dtype, through_fp32=True)  # the bias add: RN32
 
 
 GLU_ARGMIN = SILU_ARGMIN / float(np.float32(SWIGLU_ALPHA))  # g sigmoid(alpha g) = silu(alpha g) / alpha

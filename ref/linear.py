@@ -88,7 +88,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .checks import require_array, require_finite
-from .dtypes import BF16, FP16, bf16_round, fp16_rows_step, require_activations, require_dtype, round_to
+from .dtypes import BF16, FP16, fp16_rows_step, require_activations, require_dtype, round_to
 
 FP32_UNIT_ROUNDOFF = 2.0**-24  # round-to-nearest fp32 addition
 FP32_TRUNCATING_UNIT_ROUNDOFF = 2.0**-23  # fp32 addition that truncates (tensor-core accumulators)
@@ -185,13 +185,14 @@ def bf16_slack(x: np.ndarray, w16: np.ndarray, unit_roundoff: float) -> np.ndarr
 
 
 def rounded_interval(lo: np.ndarray, hi: np.ndarray, abs_sum: np.ndarray, k: int, unit_roundoff: float,
-                     dtype: str = FP16) -> tuple[np.ndarray, np.ndarray]:
+                     dtype: str = FP16, *, through_fp32: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """float64 bounds on a kernel's K-term fp32 sums (their magnitudes summing to at most abs_sum) -> the `dtype`
-    interval of the one rounding (`outward`). bf16: also the fp16 rows' two power-of-two multiplies after the
-    sum (FP16_ROWS_POST), and the whole line where an fp32 partial sum may overflow (never for fp16: |S| < 2^45)."""
+    interval of the one rounding (`outward`; through_fp32: of RN(RN32(v)), where one more fp32 operation, a
+    bias add, comes first). bf16: also the fp16 rows' two power-of-two multiplies after the sum
+    (FP16_ROWS_POST), and the whole line where an fp32 partial sum may overflow (never for fp16: |S| < 2^45)."""
     if dtype == FP16:
-        return outward_fp16(lo, hi)
-    lo, hi = outward(lo - FP16_ROWS_POST, hi + FP16_ROWS_POST, dtype)
+        return outward_through_fp32(lo, hi, FP16) if through_fp32 else outward_fp16(lo, hi)
+    lo, hi = outward_through_fp32(lo - FP16_ROWS_POST, hi + FP16_ROWS_POST, dtype)
     return _unbounded_where(_may_overflow_fp32(abs_sum * (1.0 + gamma(k, FP64_UNIT_ROUNDOFF)), k, unit_roundoff,
                                                FP32_LEAST), lo, hi)
 
@@ -235,12 +236,18 @@ def outward(lo: np.ndarray, hi: np.ndarray, dtype: str = FP16) -> tuple[np.ndarr
 
 def outward_bf16(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float64 bounds -> float32 arrays of the bf16 interval that contains RN_bf16(RN32(v)) and RN_bf16(v) for
-    every v in [lo, hi]: one float64 nextafter outward, then rounded down / up to fp32 (the kernel's last fp32
-    operation may round there: module docstring), then RN_bf16 (monotone); a NaN end becomes the whole line."""
+    every v in [lo, hi] (`outward_through_fp32`: the kernel's last fp32 operation may round: module docstring)."""
+    return outward_through_fp32(lo, hi, BF16)
+
+
+def outward_through_fp32(lo: np.ndarray, hi: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """float64 bounds -> the `dtype` interval that contains RN(RN32(v)) for every v in [lo, hi]: one float64
+    nextafter outward, rounded down / up to fp32, then the dtype's rounding (monotone); a NaN end becomes the
+    whole line."""
     with np.errstate(over="ignore", invalid="ignore"):
         lo64 = np.nextafter(np.where(np.isnan(lo), -np.inf, lo), -np.inf)
         hi64 = np.nextafter(np.where(np.isnan(hi), np.inf, hi), np.inf)
-    return bf16_round(_fp32_toward(lo64, -np.inf)), bf16_round(_fp32_toward(hi64, np.inf))
+        return round_to(dtype, _fp32_toward(lo64, -np.inf)), round_to(dtype, _fp32_toward(hi64, np.inf))
 
 
 def _fp32_toward(v: np.ndarray, direction: float) -> np.ndarray:
