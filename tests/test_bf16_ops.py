@@ -314,12 +314,35 @@ def test_fp16_outputs_do_not_change():
     assert torch.equal(y, _cpu_ops.sums_on("cpu_fused", wf, torch.from_numpy(x), buffers, 96).half())
 
 
-def test_bf16_takes_the_same_path_as_fp16():
-    """dispatch.choose has no dtype: bf16 runs every CUDA path through fp16 rows, at the fp16 paths' costs."""
-    import inspect
+def test_bf16_takes_fp16s_path_and_reaches_the_kernels_as_int16_bits(monkeypatch):
+    """_cuda.linear on bf16 x (the launches recorded, no GPU): the path dispatch.choose names for the shape (it
+    takes no dtype), a workspace sized for bf16 (its fp16 rows), x and the bf16 output handed over as their
+    int16 bits (CuPy has no bfloat16), the output bf16; fp16 x as it is."""
+    import contextlib
 
-    assert "dtype" not in inspect.signature(dispatch.choose).parameters
-    assert dispatch.choose(torch.device("cpu"), QPN2, 1, 4096, 4096, False) == "cpu_fused"
+    seen: list[tuple] = []
+
+    class Recorder:
+        def __init__(self, wf):
+            self.family = wf
+
+        def workspace_size(self, path, m, n, k, gated, bf16=False):
+            seen.append(("workspace", path, bf16))
+            return 0
+
+        def __getattr__(self, name):
+            return lambda x, buffers, n, out, gated, workspace: seen.append((name, x.dtype, out.dtype))
+
+    monkeypatch.setattr(_cuda, "_layout_kernels", Recorder)
+    monkeypatch.setattr(_cuda, "_on_torch_stream", lambda device: contextlib.nullcontext(lambda t: t))
+    monkeypatch.setattr(dispatch, "choose", lambda device, wf, m, n, k, gated: {1: "decode", 48: "gemm"}[m])
+    _, buffers, wf, _, _ = packed_case("nvfp4", "scalar", 64, 128, seed=1)
+    for m, path in ((1, "decode"), (48, "gemm")):
+        for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float16, torch.float16)):
+            seen.clear()
+            y = _cuda.linear(wf, torch.zeros((m, 128), dtype=dtype), buffers, 64, 128, 64, False)
+            assert y.dtype == dtype and y.shape == (m, 64)
+            assert seen == [("workspace", path, dtype == torch.bfloat16), (path, bits, bits)]
 
 
 # ----------------------------------------------------------------------------- opcheck, compile, modules
