@@ -637,9 +637,98 @@ def section_l2rate(ctx: bk.Context) -> bk.Section:
     return sec
 
 
+# Issue 25 part 1: the warp-specialised GEMM builds (QPN_WS, qpn_mma.cuh) against the shipped GEMM build
+# and cuBLAS fp16, same weights, same parts (gemm_split), so each build must give the shipped build's
+# bits: checked on every row before it is timed. Builds: (label, NT tiles = producer warps, CZ consumer
+# warps per tile, ring stages, groups per batch, blocks per SM the registers must allow, batches in flight).
+WS_BUILDS = (("ws 4x1 d2", 4, 1, 2, 2, 2, 2, 0), ("ws 4x1 d4", 4, 1, 2, 2, 2, 4, 0),
+             ("raw 4x1 d4", 4, 1, 2, 2, 2, 4, 1), ("raw 4x1 s4 d4", 4, 1, 4, 2, 2, 4, 1),
+             ("raw 4x2 d4", 4, 2, 2, 2, 1, 4, 1), ("raw 8x1 d2", 8, 1, 2, 2, 1, 2, 1))
+WS_MS = (64, 128, 256)
+WS_SHAPES = ((28672, 8192), (14336, 4096), (4096, 4096))
+
+
+def ws_variant(fmt_key: str, cfg: tuple, gated: bool = False):
+    """The warp-specialised build of a WS_BUILDS entry over the shipped GEMM build's macros (gemm.gemm_macros)
+    of format family fmt_key ("qpn2", "qpn8", "qpn8_block"); tests/test_gemm_ws.py checks each."""
+    from qpn.cupy_kernels import gemm
+    from qpn.cupy_kernels.variants import KernelVariant
+    from qpn.ref.formats import BY_KEY
+
+    _, nt, cz, stages, unroll, min_blocks, depth, raw = cfg
+    macros = dict(gemm.gemm_macros(BY_KEY[fmt_key], gated))
+    macros.update(QPN_WS="1", QPN_WS_CZ=str(cz), QPN_WS_STAGES=str(stages), QPN_WARPS=str(nt),
+                  QPN_UNROLL=str(unroll), QPN_MIN_BLOCKS=str(min_blocks), QPN_WS_DEPTH=str(depth))
+    if raw:  # QPN8 only: producers copy the codes, consumers decode (QPN_WS_RAW)
+        macros["QPN_WS_RAW"] = "1"
+    source = "qpn2_linear.cu" if fmt_key == "qpn2" else "qpn8_linear.cu"
+    return KernelVariant(source, source[:-3], tuple(sorted(macros.items())), archs=("sm_75",))
+
+
+def section_gemm_ws(ctx: bk.Context) -> bk.Section:
+    """Warp-specialised GEMM builds vs the shipped GEMM build and cuBLAS fp16 (QPN2 and QPN8, M in WS_MS)."""
+    from qpn.cupy_kernels import gemm
+    from qpn.ref.formats import QPN2, QPN8
+
+    cp = ctx.cp
+    g_dev = cp.full(1, G, dtype=cp.float32)
+    builds = [("shipped", None)] + [(cfg[0], cfg) for cfg in WS_BUILDS]
+    sec = bk.Section("gemm_ws", "Warp-specialised GEMM builds (QPN_WS) vs the shipped GEMM build, us", [
+        bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"), bk.Column("fmt", "format"),
+        bk.Column("cublas_us", "cuBLAS fp16 us", "{:.1f}"),
+        *[bk.Column(f"b{i}_us", label, "{:.1f}") for i, (label, _) in enumerate(builds)],
+        bk.Column("best", "best build"), bk.Column("best_x", "best x cuBLAS", "{:.2f}"),
+        bk.Column("mma_frac", "best / m16n8k8 rate", "{:.2f}"),
+        bk.Column("wrong", "builds whose bits differ (not timed)"),
+    ])
+    shapes = [s for s in WS_SHAPES if s in ctx.shapes] or ctx.shapes
+    for n, k in shapes:
+        slots, q2, q8, w16, _, _ = _layer(ctx, n, k)
+        for m in WS_MS:
+            x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
+            cublas = _torch_linear_us(ctx, x, w16)
+            for wf, bufs in ((QPN2, q2), (QPN8, q8)):
+                size = max(gemm.gemm_workspace_size(wf.format, m, n, k), 1) + 4096  # + tickets of any geometry
+                workspace = cp.empty(size, cp.float32)
+                ys = [cp.empty((m, n), cp.float16) for _ in builds]
+                variants = [(wf.key == "qpn2" and gemm.QPN2_GEMM[False] or gemm.QPN8_GEMM[False, False])
+                            if cfg is None else None if cfg[-1] and wf is QPN2 else ws_variant(wf.key, cfg)
+                            for _, cfg in builds]
+
+                def call(i, b, y):
+                    w = bufs[i % slots]
+                    weights = (*w, g_dev, np.int32(0)) if wf is QPN2 else (w[0], w[1], np.int32(0))
+                    gemm.launch_gemm(wf, variants[b], weights, x, y, n, False, workspace)
+
+                row = {"n": n, "k": k, "m": m, "fmt": wf.key, "cublas_us": cublas, "wrong": ""}
+                for b, y in enumerate(ys):  # every build on the same weights first (timing rotates them)
+                    if variants[b] is None:
+                        continue
+                    call(0, b, y)
+                    if b and not bool((ys[0].view(cp.uint16) == y.view(cp.uint16)).all()):
+                        row["wrong"] = row.get("wrong", "") + builds[b][0] + ";"  # not timed: a wrong kernel
+                        variants[b] = None
+                for b, y in enumerate(ys):
+                    row[f"b{b}_us"] = (float("nan") if variants[b] is None
+                                       else ctx.time_calls(lambda i, b=b, y=y: call(i, b, y), slots)["us"])
+                best = min((b for b in range(len(builds)) if variants[b] is not None), key=lambda b: row[f"b{b}_us"])
+                row.update(best=builds[best][0], best_x=cublas / row[f"b{best}_us"],
+                           mma_frac=2.0 * m * n * k / (row[f"b{best}_us"] * 1e-6) / MMA_RATE)
+                sec.rows.append(row)
+                print(" ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()), flush=True)
+        del q2, q8, w16
+        cp.get_default_memory_pool().free_all_blocks()
+    sec.notes.append("bits: every build's output equals the shipped build's (same parts); cuBLAS fp16 = "
+                     "F.linear on the same W16 in a torch CUDA graph; m16n8k8 rate = MMA_RATE (mma_rate.py)")
+    return sec
+
+
+MMA_RATE = 472e12  # m16n8k8 f32-accumulate FLOP/s measured on the H200 (benchmarks/mma_rate.py)
+
+
 SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants,
             "ablate": section_ablate, "mid": section_mid, "targets": section_targets, "gemm": section_gemm,
-            "l2rate": section_l2rate}
+            "l2rate": section_l2rate, "gemm_ws": section_gemm_ws}
 
 
 def build_parser() -> argparse.ArgumentParser:

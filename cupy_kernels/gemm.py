@@ -106,6 +106,7 @@ QPN8_GEMM = {(gated, block): KernelVariant("qpn8_linear.cu", "qpn8_linear",
              for gated in (False, True) for block in (False, True)}
 KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values())
 
+
 _DEVICE: dict[int, tuple[int, int]] = {}  # device id -> (multiprocessors, compute capability major)
 
 
@@ -155,12 +156,23 @@ def gemm_split(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int,
     return -(-groups // per_part), per_part
 
 
-def _grid(n: int, m: int, gated: bool, parts: int) -> tuple[int, int, int]:
+def build_geometry(defines: tuple[tuple[str, str], ...]) -> tuple[int, int, int]:
+    """(tile slots, tokens, threads) per block of a GEMM build, read from its macros (qpn_mma.cuh: QPN_WARPS
+    tiles; 8 * QPN_NB tokens, times QPN_WS_CZ consumer warps per tile in a warp-specialised build, whose
+    blocks hold the QPN_WARPS producers and the consumers)."""
+    d = dict(defines)
+    tiles, nb = int(d["QPN_WARPS"]), int(d["QPN_NB"])
+    chunks = int(d.get("QPN_WS_CZ", "1")) if d.get("QPN_WS") == "1" else 0
+    return tiles, TOKENS_PER_BLOCK * nb * max(chunks, 1), 32 * tiles * (1 + chunks)
+
+
+def _grid(n: int, m: int, gated: bool, parts: int, variant: KernelVariant) -> tuple[int, int, int]:
+    tiles, tokens, _ = build_geometry(variant.defines)
     slots = n // TILE_N // (2 if gated else 1)
-    return -(-slots // GEMM_WARPS), parts, -(-m // (TOKENS_PER_BLOCK * gemm_nb(gated)))
+    return -(-slots // tiles), parts, -(-m // tokens)
 
 
-def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool, bf16: bool
+def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool, bf16: bool, variant: KernelVariant
                     ) -> tuple[int, int, int, int, int, int]:
     """(parts, groups per part, bf16 rows end, fragment end, partial end, ticket end): the call's split and
     its workspace layout in fp32 elements -- bf16 x's fp16 rows (bf16.py), x fragments, then split-K
@@ -170,7 +182,7 @@ def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool, bf16:
     frag = rows + fragment_elements(m, k)
     if parts == 1:
         return parts, per_part, rows, frag, frag, frag
-    bx, _, bz = _grid(n, m, gated, parts)
+    bx, _, bz = _grid(n, m, gated, parts, variant)
     partial = frag + partial_elements(parts, m, n, gated)
     return parts, per_part, rows, frag, partial, partial + bx * bz
 
@@ -178,14 +190,17 @@ def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool, bf16:
 def gemm_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False, bf16: bool = False) -> int:
     """fp32 elements of the workspace a GEMM call needs (bf16 x's fp16 rows, x fragments, split-K partials,
     tickets): pass one of at least this size where allocations must come from the caller (graph capture)."""
-    return _workspace_ends(require_family(format), m, n, k, gated, bf16)[-1]
+    wf = require_family(format)
+    # every family's build has the same geometry (gemm_macros): QPN2's sizes the tickets of all
+    shipped = KernelVariant("", "", gemm_macros(QPN2, gated))
+    return _workspace_ends(wf, m, n, k, gated, bf16, shipped)[-1]
 
 
 def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int,
                 gated: bool, workspace: CupyArray | None) -> None:
     """Queue one GEMM call: bf16 x's fp16 rows, x fragments, the tickets' reset (parts > 1), the kernel."""
     m, k = x.shape
-    parts, per_part, rows_end, frag_end, partial_end, size = _workspace_ends(wf, m, n, k, gated, is_bf16(x))
+    parts, per_part, rows_end, frag_end, partial_end, size = _workspace_ends(wf, m, n, k, gated, is_bf16(x), variant)
     workspace = call_workspace(workspace, size, "gemm_workspace_size")
     x_factor = np.uint64(0)
     x_frag = workspace[rows_end:frag_end]
@@ -198,7 +213,8 @@ def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: Cup
         partial = workspace[frag_end:partial_end]
         tickets = zeroed_tickets(workspace[partial_end:size])
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(per_part), partial, tickets, x_factor)
-    kernel(variant)(_grid(n, m, gated, parts), (32 * GEMM_WARPS,), (*weights, x_frag, y, *tail))
+    threads = build_geometry(variant.defines)[2]
+    kernel(variant)(_grid(n, m, gated, parts, variant), (threads,), (*weights, x_frag, y, *tail))
 
 
 def gemm_activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:

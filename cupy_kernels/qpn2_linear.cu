@@ -6,6 +6,8 @@
 //          QPN_WARPS          most warps per block (launch bound, shared-memory size)
 //          QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH   the load batches (qpn_mma.cuh)
 //          QPN_X_FRAG         0: x as [M][K] rows;  1: x as fragments (x_fragments.cu, qpn_mma.cuh)
+//          QPN_GEMM, QPN_WS   the GEMM builds (gemm.py; qpn_mma.cuh): a warp per tile; warp-specialised
+//                             producers (decode) and consumers (mma)
 //          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py);
 //                             per launch, a bias and the gated activation (qpn_mma.cuh, QpnEpilogue)
 //          QPN_MX             1: MXFP4 in the QPNMX layout (docs/QPNMX.md): e8m0 scale bytes, one per 32 k,
@@ -93,6 +95,10 @@
 // history moved out of the kernel comments".
 #include "qpn_mma.cuh"
 #include "qpn_moe.cuh"
+
+#if QPN_WS_RAW
+#error "QPN_WS_RAW (consumers decode the codes) is built for QPN8 only (qpn8_linear.cu)"
+#endif
 
 #define QPN2_SLOW_XY 0xFFFFFFFFu  // scale-table marker: this (byte, g) block takes the exact path
 #define QPN2_SLOW_FLAG 0x40000000u  // 0100 0000 ... : Y's exponent MSB (|Y| >= 2), set in the marker
@@ -208,7 +214,7 @@ __device__ __forceinline__ void qpn2_e14_pairs(qpn_u32 w, qpn_u32 (&e)[4]) {
     e[3] = ta & 0x8E008E00u;
 }
 
-extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn2_linear(
+extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) qpn2_linear(
     const qpn_u8* __restrict__ codes, const qpn_u8* __restrict__ scales, const float* __restrict__ gscale,
     int gs_stride, const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
     int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets,
@@ -285,6 +291,14 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
 #endif
     }
     __syncthreads();
+#if QPN_WS
+    if (qpn_ws_consumer()) {  // the tile's tokens: multiply what its producer decodes, then store
+        QpnAcc cacc[QPN_HT] = {};
+        qpn_ws_consume(cacc, sl.g_begin, n_local, 0);
+        qpn_gemm_store(cacc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor QPN_OUT_SCALE_ARG(gval));
+        return;
+    }
+#endif
 #if QPN_GEMM
     const qpn_u32* tables[QPN_HT];  // this warp's tiles' tables
 #pragma unroll
@@ -356,14 +370,14 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
                 a[rb][i] = exact ? qpn2_decode_exact(e[i], __uint_as_float(c)) : qpn2_decode_fast(e[i], c);
             }
         }
-        qpn_mma_group(acc[tt], a, xf);
+        qpn_take_group(acc[tt], a, xf, xs, u, tt);
     };
 
     // One batch: look the U groups' block constants up, vote once whether any block needs the
     // exact path, then run the batch branch-free (lets the compiler interleave its groups).
-    auto compute = [&](const Qpn2Batch& b, int i, bool full) {
+    auto compute = [&](const Qpn2Batch& b, int i, bool full, const QpnStageX& sx) {
         QpnBatchX xb;
-        qpn_x_batch_start(xb, xs, i, full, n_local);
+        qpn_x_batch_start(xb, xs, i, full, n_local, sx);
         qpn_u32 xy[QPN_UNROLL][QPN_HT];
         qpn_u32 any_xy = 0;
 #pragma unroll
@@ -385,15 +399,12 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
             run(true);
         else
             run(false);
+        qpn_batch_end(xs);
     };
     // The K loop (qpn_run_batches without its partial batch): a QPN2 slice is whole batches (K % 64 == 0
     // and groups_per_warp a multiple of 4: linear.SLICE_MULTIPLE), and the pointers advance by one
     // batch per iteration, so every load is a pointer plus an immediate (no per-batch address math).
-    for (int i = 0; i + QPN_UNROLL <= n_local; i += QPN_UNROLL) {  // never reads past the slice
-        Qpn2Batch b;
-#pragma unroll
-        for (int u = 0; u < QPN_UNROLL; ++u) qpn2_load_slot(b, u, pc, ps);
-        compute(b, 0, true);
+    auto advance = [&](int i) {
 #pragma unroll
         for (int h = 0; h < QPN_HT; ++h) {
             pc[h] += 256 * QPN_UNROLL;
@@ -403,10 +414,27 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
             ps[h] += 32 * QPN_UNROLL * QPN_GROUP_K / QPN2_SCALE_K;
 #endif
         }
+    };
+#if QPN_WS  // producers: a ring of batches in flight (qpn_ws_batches), loaded in order
+    qpn_ws_batches<Qpn2Batch>(n_local, xs, [&](Qpn2Batch& b, int i) {
+#pragma unroll
+        for (int u = 0; u < QPN_UNROLL; ++u) qpn2_load_slot(b, u, pc, ps);
+        advance(i);
+    }, [&](const Qpn2Batch& b, int i, const QpnStageX& sx) { compute(b, i, true, sx); });
+#else
+    for (int i = 0; i + QPN_UNROLL <= n_local; i += QPN_UNROLL) {  // never reads past the slice
+        Qpn2Batch b;
+#pragma unroll
+        for (int u = 0; u < QPN_UNROLL; ++u) qpn2_load_slot(b, u, pc, ps);
+        compute(b, 0, true, QpnStageX{});
+        advance(i);
         qpn_x_advance(xs, QPN_UNROLL);
     }
+#endif
 
-#if QPN_GEMM
+#if QPN_WS
+    (void)acc;  // producers: the consumers hold the sums
+#elif QPN_GEMM
     qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor QPN_OUT_SCALE_ARG(gval));
 #else
 #if QPN_MOE

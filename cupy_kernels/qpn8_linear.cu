@@ -3,6 +3,8 @@
 // Kernel:  qpn8_linear
 // Macros:  QPN_NB, QPN_GATED, QPN_WARPS, QPN_UNROLL, QPN_MIN_BLOCKS, QPN_X_BATCH, QPN_X_FRAG   qpn_mma.cuh
 //          QPN8_BLOCK_SCALES  0: channel / tensor scales S16[0, n];  1: 128x128 block S16[kb, t]
+//          QPN_GEMM, QPN_WS, QPN_WS_RAW   the GEMM builds (gemm.py; qpn_mma.cuh): a warp per tile; warp-
+//                             specialised producers and consumers; consumers that exchange (ldmatrix) and decode
 //          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py);
 //                             per launch, a bias and the gated activation (qpn_mma.cuh, QpnEpilogue)
 //
@@ -75,7 +77,7 @@ __device__ __forceinline__ qpn_u32 qpn8_scale_pair(qpn_u32 bits, qpn_u32 s2) {
     return w;
 }
 
-extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn8_linear(
+extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) qpn8_linear(
     const qpn_u8* __restrict__ codes, const qpn_u16* __restrict__ gs16, int kb_stride,
     const void* __restrict__ x, qpn_u16* __restrict__ y, int m_rows, int n, int k,
     int groups_per_warp, float* __restrict__ partial, unsigned* __restrict__ tickets,
@@ -102,6 +104,34 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     }
 #endif
 
+    // The decode of one group-tile from its exchanged elements f[j] (from quad lane j's column), g the
+    // layer's group: the decode kernels' formula (producers) and QPN_WS_RAW consumers' (from ldmatrix).
+    auto decode = [&](const qpn_u32 (&f)[4], int tt, int g, QpnFragA& a) {
+        (void)g;
+#if QPN8_BLOCK_SCALES
+        const qpn_u32 sb = gs16[(long long)(g >> 3) * kb_stride + sl.tile[tt]];
+        const qpn_u32 s01 = sb | (sb << 16), s23 = s01;
+#else
+        const qpn_u32 s01 = s16[tt].x, s23 = s16[tt].y;
+#endif
+        a[0][0] = qpn8_scale_pair<0>(qpn8_pair_bytes02(f[0]), s01);
+        a[0][1] = qpn8_scale_pair<1>(qpn8_pair_bytes02(f[1]), s01);
+        a[0][2] = qpn8_scale_pair<0>(qpn8_pair_bytes13(f[0]), s01);
+        a[0][3] = qpn8_scale_pair<1>(qpn8_pair_bytes13(f[1]), s01);
+        a[1][0] = qpn8_scale_pair<0>(qpn8_pair_bytes02(f[2]), s23);
+        a[1][1] = qpn8_scale_pair<1>(qpn8_pair_bytes02(f[3]), s23);
+        a[1][2] = qpn8_scale_pair<0>(qpn8_pair_bytes13(f[2]), s23);
+        a[1][3] = qpn8_scale_pair<1>(qpn8_pair_bytes13(f[3]), s23);
+    };
+#if QPN_WS
+    if (qpn_ws_consumer()) {  // the tile's tokens: multiply what its producer decodes, then store
+        QpnAcc cacc[QPN_HT] = {};
+        qpn_ws_consume(cacc, sl.g_begin, n_local, decode);
+        qpn_gemm_store(cacc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor);
+        return;
+    }
+#endif
+
     const qpn_u8* pc[QPN_HT];
 #pragma unroll
     for (int tt = 0; tt < QPN_HT; ++tt)
@@ -119,17 +149,22 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
     QpnAcc acc[QPN_HT] = {};
 
     // One batch: groups i .. i+U-1 of the slice.
-    auto compute = [&](const Qpn8Batch& b, int i, bool full) {
-        const int g0 = sl.g_begin + i;
-        (void)g0;  // block scales only
+    auto compute = [&](const Qpn8Batch& b, int i, bool full, const QpnStageX& sx) {
+        const int g0 = sl.g_begin + i;  // (block scales only)
         QpnBatchX xb;
-        qpn_x_batch_start(xb, xs, i, full, n_local);
+        qpn_x_batch_start(xb, xs, i, full, n_local, sx);
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u) {
             const QpnFragB& xf = qpn_x_group(xb, xs, i, u, full, n_local);
 #pragma unroll
             for (int tt = 0; tt < QPN_HT; ++tt) {
                 const uint4 c = b.code[u][tt];
+#if QPN_WS_RAW  // the consumers exchange (ldmatrix) and decode
+                qpn_ws_store_codes(make_uint4(qpn_prmt(c.x, c.y, QPN_PRMT_LOW_HALVES), qpn_prmt(c.x, c.y, QPN_PRMT_HIGH_HALVES),
+                                              qpn_prmt(c.z, c.w, QPN_PRMT_LOW_HALVES), qpn_prmt(c.z, c.w, QPN_PRMT_HIGH_HALVES)),
+                                   xs, u, tt);
+                (void)xf;
+#else
                 // round 1 (partner lane ^ 1): keep the elements for receivers of my parity
                 const qpn_u32 keep_a = qpn_prmt(c.x, c.y, sel_keep), keep_b = qpn_prmt(c.z, c.w, sel_keep);
                 const qpn_u32 recv_a = __shfl_xor_sync(0xFFFFFFFFu, qpn_prmt(c.x, c.y, sel_send), 1);
@@ -143,29 +178,28 @@ extern "C" __global__ void __launch_bounds__(QPN_WARPS * 32, QPN_MIN_BLOCKS) qpn
                 const qpn_u32 r1 = __shfl_xor_sync(0xFFFFFFFFu, q1 ? pa1 : pb1, 2);
                 const qpn_u32 f[4] = {q1 ? r0 : k0, q1 ? r1 : k1, q1 ? k0 : r0, q1 ? k1 : r1};  // from quad lane 0..3
 
-#if QPN8_BLOCK_SCALES
-                const qpn_u32 sb = gs16[(long long)((g0 + u) >> 3) * kb_stride + sl.tile[tt]];
-                const qpn_u32 s01 = sb | (sb << 16), s23 = s01;
-#else
-                const qpn_u32 s01 = s16[tt].x, s23 = s16[tt].y;
-#endif
                 QpnFragA a;
-                a[0][0] = qpn8_scale_pair<0>(qpn8_pair_bytes02(f[0]), s01);
-                a[0][1] = qpn8_scale_pair<1>(qpn8_pair_bytes02(f[1]), s01);
-                a[0][2] = qpn8_scale_pair<0>(qpn8_pair_bytes13(f[0]), s01);
-                a[0][3] = qpn8_scale_pair<1>(qpn8_pair_bytes13(f[1]), s01);
-                a[1][0] = qpn8_scale_pair<0>(qpn8_pair_bytes02(f[2]), s23);
-                a[1][1] = qpn8_scale_pair<1>(qpn8_pair_bytes02(f[3]), s23);
-                a[1][2] = qpn8_scale_pair<0>(qpn8_pair_bytes13(f[2]), s23);
-                a[1][3] = qpn8_scale_pair<1>(qpn8_pair_bytes13(f[3]), s23);
+                decode(f, tt, g0 + u, a);
 
-                qpn_mma_group(acc[tt], a, xf);
+                qpn_take_group(acc[tt], a, xf, xs, u, tt);
+#endif
             }
         }
+        qpn_batch_end(xs);
     };
-    qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) { qpn8_load_slot(b, u, i, valid, pc); }, compute);
+#if QPN_WS  // producers: a ring of batches in flight (qpn_ws_batches)
+    qpn_ws_batches<Qpn8Batch>(n_local, xs, [&](Qpn8Batch& b, int i) {
+#pragma unroll
+        for (int u = 0; u < QPN_UNROLL; ++u) qpn8_load_slot(b, u, i, i + u < n_local, pc);
+    }, [&](const Qpn8Batch& b, int i, const QpnStageX& sx) { compute(b, i, i + QPN_UNROLL <= n_local, sx); });
+#else
+    qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) { qpn8_load_slot(b, u, i, valid, pc); },
+                               [&](const Qpn8Batch& b, int i, bool full) { compute(b, i, full, QpnStageX{}); });
+#endif
 
-#if QPN_GEMM
+#if QPN_WS
+    (void)acc;  // producers: the consumers hold the sums
+#elif QPN_GEMM
     qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor);
 #else
     __shared__ float red[QPN_RED_WARPS][QPN_HT][2][4][32];  // split-K rounds (qpn_reduce_store)

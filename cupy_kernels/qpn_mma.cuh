@@ -58,6 +58,38 @@
 #ifndef QPN_GEMM
 #define QPN_GEMM 0
 #endif
+// QPN_WS = 1 (with QPN_GEMM): warp-specialised. The QPN_WARPS warps above are producers: each runs the
+// decode kernels' K loop for its tile as before, but stores each group-tile's decoded A fragments into a
+// shared-memory ring instead of multiplying them, and stages the batch's x there too. QPN_WS_CZ consumer
+// warps per tile (warps QPN_WARPS ..) each multiply the tile by their own 8 * QPN_NB tokens, reading both
+// operands from the ring: a group-tile is decoded once for 8 * QPN_NB * QPN_WS_CZ tokens, and the ALU work
+// (decode, producers) and the tensor work (mma, consumers) run in different warps at the same time instead
+// of one after the other in every warp. The ring holds QPN_WS_STAGES batches; named barriers hand each
+// stage over (FULL: producers arrive, consumers wait; EMPTY: the reverse), so no block-wide barrier runs
+// in the K loop. Each consumer's sums are the plain GEMM build's for its tokens, op for op (the same
+// group order and mma sequence), so the two builds give the same bits for the same parts.
+// Not shipped: measured on the H200 (benchmarks/NOTES.md, "The warp-specialised GEMM"), no faster than the
+// plain build for QPN2 (28672 x 8192, M = 64: 248 vs 202 us) and 7-10 % faster for QPN8 with QPN_WS_RAW
+// (190 vs 204 us); bench_decode.py's gemm_ws section builds and times it.
+#ifndef QPN_WS
+#define QPN_WS 0
+#endif
+#if QPN_WS
+#if !QPN_GEMM
+#error "QPN_WS is a QPN_GEMM build"
+#endif
+#ifndef QPN_WS_CZ
+#define QPN_WS_CZ 1  // consumer warps per tile (token chunks of 8 * QPN_NB)
+#endif
+#ifndef QPN_WS_STAGES
+#define QPN_WS_STAGES 2  // batches the shared-memory ring holds
+#endif
+#define QPN_BLOCK_THREADS (QPN_WARPS * (1 + QPN_WS_CZ) * 32)
+#define QPN_BLOCK_NB2 (((QPN_NB + 1) / 2) * QPN_WS_CZ)  // x fragment pairs of the block's tokens
+#else
+#define QPN_BLOCK_THREADS (QPN_WARPS * 32)
+#define QPN_BLOCK_NB2 ((QPN_NB + 1) / 2)
+#endif
 #if QPN_GEMM
 #define QPN_WARP_TILES QPN_WARPS  // tile slots per block (each warp its own)
 #else
@@ -139,6 +171,7 @@ struct QpnSlice {
     int n_local;
     int slot;   // the tile slot (gated: the gate tile's index = the output tile's)
     bool live;  // QPN_GEMM: the warp's slot exists (a last block may have more warps than slots left)
+    int tok0;   // QPN_GEMM: the warp's first token (its 8 * QPN_NB tokens are its outputs' rows)
 };
 
 // Tile h of slot `slot` (gated: the gate tile, then the up tile N/64 tiles further).
@@ -146,11 +179,21 @@ __device__ __forceinline__ int qpn_tile_of_slot(int n, int slot, int h) {
     return slot + h * (n / QPN_TILE_N / 2);
 }
 
+// QPN_WS: whether this warp is a consumer, and the tile (producer warp) and token chunk of warp w.
+#if QPN_WS
+__device__ __forceinline__ bool qpn_ws_consumer() { return (int)(threadIdx.x >> 5) >= QPN_WARPS; }
+__device__ __forceinline__ int qpn_ws_tile(int w) { return w < QPN_WARPS ? w : (w - QPN_WARPS) % QPN_WARPS; }
+__device__ __forceinline__ int qpn_ws_chunk(int w) { return w < QPN_WARPS ? 0 : (w - QPN_WARPS) / QPN_WARPS; }
+#else
+__device__ __forceinline__ int qpn_ws_tile(int w) { return w; }
+__device__ __forceinline__ int qpn_ws_chunk(int) { return 0; }
+#endif
+
 // Slot of warp w of this block (QPN_GEMM: clamped to the last slot, whose work it then repeats
 // without storing it: every warp must take part in the block's x staging).
 __device__ __forceinline__ int qpn_slot_of_warp(int n, int w) {
 #if QPN_GEMM
-    return min((int)blockIdx.x * QPN_WARPS + w, n / QPN_TILE_N / QPN_HT - 1);
+    return min((int)blockIdx.x * QPN_WARPS + qpn_ws_tile(w), n / QPN_TILE_N / QPN_HT - 1);
 #else
     (void)n, (void)w;
     return QPN_BLOCK_TILE;
@@ -165,10 +208,12 @@ __device__ __forceinline__ QpnSlice qpn_block_slice(int n, int k, int groups_per
 #pragma unroll
     for (int h = 0; h < QPN_HT; ++h) sl.tile[h] = qpn_tile_of_slot(n, slot, h);
 #if QPN_GEMM
-    sl.live = (int)blockIdx.x * QPN_WARPS + warp < n / QPN_TILE_N / QPN_HT;
+    sl.live = (int)blockIdx.x * QPN_WARPS + qpn_ws_tile(warp) < n / QPN_TILE_N / QPN_HT;
     sl.g_begin = blockIdx.y * groups_per_warp;  // the part's groups: every warp of the block the same
+    sl.tok0 = 16 * (QPN_BLOCK_NB2 * (int)blockIdx.z + (QPN_NB + 1) / 2 * qpn_ws_chunk(warp));
 #else
     sl.live = true;
+    sl.tok0 = 0;
     sl.g_begin = (blockIdx.y * (blockDim.x >> 5) + warp) * groups_per_warp;
 #endif
     sl.n_local = min(k / QPN_GROUP_K, sl.g_begin + groups_per_warp) - sl.g_begin;
@@ -215,7 +260,36 @@ __device__ __forceinline__ uint4 qpn_ldcs_u4(const void* p) {
 #if QPN_GEMM
 #undef QPN_X_BATCH
 #define QPN_X_BATCH 0  // the batch's x is in shared memory: each group's fragments are read right before it
-#define QPN_X_STAGE (QPN_UNROLL * QPN_NB2 * 32)  // 16-byte units per staged batch
+#define QPN_X_STAGE (QPN_UNROLL * QPN_BLOCK_NB2 * 32)  // 16-byte units per staged batch
+#endif
+
+#if QPN_WS
+// The ring (file scope: producers write it, consumers read it). Stage s: the batch's x fragments
+// ([group u][pair][lane], the plain GEMM's staging order for the block's QPN_BLOCK_NB2 pairs) and each
+// producer's decoded A fragments ([warp][tile h][group u][rowblock][lane]: a lane's 8 registers of a
+// group-tile as two 16-byte words, so both sides move 512 contiguous bytes per instruction, no bank
+// conflicts). NT = 4 tiles, 2 groups, 64 tokens, 2 stages: 8 KiB of x and 16 KiB of A.
+__shared__ uint4 qpn_ws_x[QPN_WS_STAGES * QPN_X_STAGE];
+// QPN_WS_RAW = 1: the ring holds each group-tile's codes, not its decoded fragments (producers copy,
+// consumers decode): 512 bytes in the ldmatrix row order below instead of 1 KiB.
+#ifndef QPN_WS_RAW
+#define QPN_WS_RAW 0
+#endif
+__shared__ uint4 qpn_ws_a[QPN_WS_STAGES][QPN_WARPS][QPN_HT][QPN_UNROLL][QPN_WS_RAW ? 1 : 2][32];
+// named barriers (0 is __syncthreads'): FULL(s), EMPTY(s), and the consumers' epilogue hand-off
+#define QPN_WS_FULL(s) (1 + (s))
+#define QPN_WS_EMPTY(s) (1 + QPN_WS_STAGES + (s))
+#define QPN_WS_STORE_BARRIER (1 + 2 * QPN_WS_STAGES)
+static_assert(QPN_WS_STORE_BARRIER < 16, "16 named barriers per block");
+// a producer lane's share of a staged batch (QPN_WARPS * 32 producer threads)
+#define QPN_WS_X_UNITS ((QPN_X_STAGE + QPN_WARPS * 32 - 1) / (QPN_WARPS * 32))
+
+__device__ __forceinline__ void qpn_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void qpn_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 #endif
 
 struct QpnX {  // the warp's x at its slice's first group; loads add the group as an immediate
@@ -225,6 +299,7 @@ struct QpnX {  // the warp's x at its slice's first group; loads add the group a
     int nb2_all;     // fragment pairs per group in the call (ceil(M / 16))
     int pairs;       // of them, this block's (<= QPN_NB2)
     int buf;         // the buffer the next batch goes to
+    int stage;       // QPN_WS: batches handed to the consumers so far (the ring slot is stage % stages)
 #elif QPN_X_FRAG
     const uint4* p;
 #else
@@ -243,14 +318,19 @@ __device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_r
     QpnX xs;
     const int lane = threadIdx.x & 31;
 #if QPN_GEMM
+#if QPN_WS
+    uint4* const x_stage = qpn_ws_x;
+#else
     __shared__ uint4 x_stage[2 * QPN_X_STAGE];
+#endif
     (void)k, (void)lane;
     xs.nb2_all = (m_rows + 15) / 16;
-    const int pair0 = QPN_NB2 * blockIdx.z;
-    xs.pairs = min(QPN_NB2, xs.nb2_all - pair0);
+    const int pair0 = QPN_BLOCK_NB2 * blockIdx.z;
+    xs.pairs = min(QPN_BLOCK_NB2, xs.nb2_all - pair0);
     xs.g = static_cast<const uint4*>(x) + (long long)g_begin * xs.nb2_all * 32 + pair0 * 32;
     xs.s = x_stage;
     xs.buf = 0;
+    xs.stage = 0;
 #elif QPN_X_FRAG
     xs.p = static_cast<const uint4*>(x) + (long long)g_begin * QPN_NB2 * 32 + lane;
 #else
@@ -284,7 +364,11 @@ __device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
 // 8-token block j; g0 is a per-batch base, u an immediate.
 __device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, int g0, int u, bool valid)
 {
-#if QPN_GEMM
+#if QPN_WS
+    (void)xs, (void)g0, (void)u, (void)valid;  // producers do not multiply: the consumers read x from the ring
+#pragma unroll
+    for (int j = 0; j < QPN_NB; ++j) xf[j] = make_uint2(0u, 0u);
+#elif QPN_GEMM
     (void)g0;  // the staged batch starts at group g0: u indexes it
     const uint4* p = xs.s + (1 - xs.buf) * QPN_X_STAGE + u * QPN_NB2 * 32 + (threadIdx.x & 31);
 #pragma unroll
@@ -326,12 +410,47 @@ struct QpnBatchX {
     QpnFragB f[QPN_X_BATCH ? QPN_UNROLL : 1];
 };
 
+// QPN_WS: a producer lane's share of a batch's x, loaded two batches ahead of its use (qpn_ws_batches)
+// and stored into the ring when the batch is computed. Empty in the other builds.
+struct QpnStageX {
+#if QPN_WS
+    uint4 v[QPN_WS_X_UNITS];
+#endif
+};
+
+__device__ __forceinline__ void qpn_x_prefetch(QpnStageX& sx, const QpnX& xs, int i, int n_local) {
+#if QPN_WS
+#pragma unroll
+    for (int r = 0; r < QPN_WS_X_UNITS; ++r) {
+        const int v = threadIdx.x + r * QPN_WARPS * 32;
+        const int u = v / (QPN_BLOCK_NB2 * 32), jp = (v / 32) % QPN_BLOCK_NB2;
+        sx.v[r] = make_uint4(0u, 0u, 0u, 0u);
+        if (v < QPN_X_STAGE && i + u < n_local && jp < xs.pairs)
+            sx.v[r] = __ldcg(xs.g + (long long)(i + u) * xs.nb2_all * 32 + jp * 32 + (v & 31));  // L2: other blocks' x
+    }
+#else
+    (void)sx, (void)xs, (void)i, (void)n_local;
+#endif
+}
+
 // QPN_GEMM: stage batch i (groups i .. i + U - 1 of the slice) into the next buffer, then one barrier:
 // every warp has finished the batch before the previous one, the last reader of that buffer.
-__device__ __forceinline__ void qpn_x_batch_start(QpnBatchX& xb, QpnX& xs, int i, bool full, int n_local)
+// QPN_WS (producers): wait until the consumers have emptied the batch's ring slot (its previous batch),
+// then store the prefetched x; the slot is handed over by qpn_batch_end.
+__device__ __forceinline__ void qpn_x_batch_start(QpnBatchX& xb, QpnX& xs, int i, bool full, int n_local,
+                                                  const QpnStageX& sx)
 {
-#if QPN_GEMM
-    (void)xb, (void)full;
+#if QPN_WS
+    (void)xb, (void)i, (void)full, (void)n_local;
+    const int slot = xs.stage % QPN_WS_STAGES;
+    if (xs.stage >= QPN_WS_STAGES) qpn_bar_sync(QPN_WS_EMPTY(slot), QPN_BLOCK_THREADS);
+#pragma unroll
+    for (int r = 0; r < QPN_WS_X_UNITS; ++r) {
+        const int v = threadIdx.x + r * QPN_WARPS * 32;
+        if (v < QPN_X_STAGE) xs.s[slot * QPN_X_STAGE + v] = sx.v[r];
+    }
+#elif QPN_GEMM
+    (void)xb, (void)full, (void)sx;
     uint4* dst = xs.s + xs.buf * QPN_X_STAGE;
     for (int v = threadIdx.x; v < QPN_X_STAGE; v += QPN_WARPS * 32) {
         const int u = v / (QPN_NB2 * 32), jp = (v / 32) % QPN_NB2;
@@ -343,10 +462,60 @@ __device__ __forceinline__ void qpn_x_batch_start(QpnBatchX& xb, QpnX& xs, int i
     xs.buf ^= 1;
     __syncthreads();
 #elif QPN_X_BATCH
+    (void)sx;
 #pragma unroll
     for (int u = 0; u < QPN_UNROLL; ++u) qpn_load_x_group(xb.f[u], xs, i, u, full || i + u < n_local);
+#else
+    (void)xb, (void)xs, (void)i, (void)full, (void)n_local, (void)sx;
 #endif
 }
+
+// The end of a batch: QPN_WS producers hand its ring slot to the consumers (bar.arrive orders the
+// producer's shared-memory stores before the consumers' reads); nothing in the other builds.
+__device__ __forceinline__ void qpn_batch_end(QpnX& xs) {
+#if QPN_WS
+    qpn_bar_arrive(QPN_WS_FULL(xs.stage % QPN_WS_STAGES), QPN_BLOCK_THREADS);
+    ++xs.stage;
+#else
+    (void)xs;
+#endif
+}
+
+// A decoded group-tile (tile h, group u of the batch): multiplied into the warp's accumulators, or
+// (QPN_WS producers) stored into the ring for the tile's consumers. (QPN_WS_RAW producers store codes.)
+#if !QPN_WS_RAW
+__device__ __forceinline__ void qpn_take_group(QpnAcc& acc, const QpnFragA& a, const QpnFragB& xf, const QpnX& xs,
+                                               int u, int h) {
+#if QPN_WS
+    (void)acc, (void)xf;
+    uint4* p = &qpn_ws_a[xs.stage % QPN_WS_STAGES][threadIdx.x >> 5][h][u][0][threadIdx.x & 31];
+    p[0] = make_uint4(a[0][0], a[0][1], a[0][2], a[0][3]);
+    p[32] = make_uint4(a[1][0], a[1][1], a[1][2], a[1][3]);
+#else
+    (void)xs, (void)u, (void)h;
+    qpn_mma_group(acc, a, xf);
+#endif
+}
+#endif
+
+#if QPN_WS && QPN_WS_RAW
+// QPN_WS_RAW producers: the lane's 16 bytes of its column, as the four 32-bit elements E_0 .. E_3 that
+// quad lanes 0 .. 3 multiply (the format's order: qpn8_linear.cu), stored as row 8 (lane & 3) + (lane >> 2)
+// of the group-tile: ldmatrix's matrix j = lane & 3, row gid = lane >> 2. Consumer lane (gid, t) then reads
+// with one ldmatrix.x4 E_t of the columns of lanes 4 gid + j, j = 0 .. 3: the quad exchange, done by the
+// shared-memory crossbar instead of 4 shuffles and 12 selects.
+__device__ __forceinline__ void qpn_ws_store_codes(const uint4& e, const QpnX& xs, int u, int h) {
+    const int lane = threadIdx.x & 31;
+    qpn_ws_a[xs.stage % QPN_WS_STAGES][threadIdx.x >> 5][h][u][0][8 * (lane & 3) + (lane >> 2)] = e;
+}
+
+// consumer: r[j] = E_t of the column of quad lane j of this lane's quad (the exchange's f[j])
+__device__ __forceinline__ void qpn_ws_load_codes(qpn_u32 (&r)[4], int slot, int tile, int h, int u) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(&qpn_ws_a[slot][tile][h][u][0][threadIdx.x & 31]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+#endif
 
 // group u's fragments (loaded here when QPN_X_BATCH = 0)
 __device__ __forceinline__ const QpnFragB& qpn_x_group(QpnBatchX& xb, const QpnX& xs, int i, int u, bool full, int n_local)
@@ -388,6 +557,83 @@ __device__ __forceinline__ void qpn_run_batches(int n_local, Load&& load, Comput
         }
     }
 }
+
+#if QPN_WS
+// The producers' K loop: a ring of QPN_WS_DEPTH batches of weight loads in registers (load(batch, i):
+// groups i .. i + U - 1), refilled right after each batch is decoded, and the batches' x two ahead, so that
+// a producer's loads are in flight while it waits for a ring slot and decodes. Measured (benchmarks/NOTES.md,
+// "The warp-specialised GEMM"): depths 2, 4 and 6 time the same, and the producers still wait for loads
+// issued 4 batches earlier. The ring is unrolled (registers cannot be indexed): the loop body is
+// QPN_WS_DEPTH batches.
+#ifndef QPN_WS_DEPTH
+#define QPN_WS_DEPTH 4  // even: the x stages alternate between two registers sets
+#endif
+static_assert(QPN_WS_DEPTH % 2 == 0, "QPN_WS_DEPTH must be even");
+template <class Batch, class Load, class Compute>
+__device__ __forceinline__ void qpn_ws_batches(int n_local, const QpnX& xs, Load&& load, Compute&& compute) {
+    Batch b[QPN_WS_DEPTH];
+    QpnStageX sx[2];
+#pragma unroll
+    for (int d = 0; d < QPN_WS_DEPTH; ++d)
+        if (d * QPN_UNROLL < n_local) load(b[d], d * QPN_UNROLL);
+#pragma unroll
+    for (int d = 0; d < 2; ++d) qpn_x_prefetch(sx[d], xs, d * QPN_UNROLL, n_local);
+    for (int i = 0; i < n_local; i += QPN_WS_DEPTH * QPN_UNROLL) {
+#pragma unroll
+        for (int d = 0; d < QPN_WS_DEPTH; ++d) {
+            const int at = i + d * QPN_UNROLL;
+            if (at < n_local) {
+                compute(b[d], at, sx[d % 2]);
+                if (at + QPN_WS_DEPTH * QPN_UNROLL < n_local) load(b[d], at + QPN_WS_DEPTH * QPN_UNROLL);
+                qpn_x_prefetch(sx[d % 2], xs, at + 2 * QPN_UNROLL, n_local);
+            }
+        }
+    }
+}
+
+// A consumer's K loop: for each of the part's batches, wait for its ring slot, multiply the tile's A
+// fragments (its producer's) by the warp's 8 * QPN_NB tokens of x, group by group in ascending order
+// (qpn_mma_group: the plain build's sequence), and hand the slot back where a producer will refill it.
+//   decode(r, h, g, a): QPN_WS_RAW only, the A fragments of tile h, group g of the layer, from its codes r.
+template <class Decode>
+__device__ __forceinline__ void qpn_ws_consume(QpnAcc (&acc)[QPN_HT], int g_begin, int n_local, Decode&& decode) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int tile = qpn_ws_tile(w), chunk = qpn_ws_chunk(w);
+    const int stages = (n_local + QPN_UNROLL - 1) / QPN_UNROLL;
+    for (int t = 0; t < stages; ++t) {
+        const int slot = t % QPN_WS_STAGES;
+        qpn_bar_sync(QPN_WS_FULL(slot), QPN_BLOCK_THREADS);
+        const uint4* xp = qpn_ws_x + slot * QPN_X_STAGE + chunk * QPN_NB2 * 32 + lane;
+#pragma unroll
+        for (int u = 0; u < QPN_UNROLL; ++u) {
+            QpnFragB xf;
+#pragma unroll
+            for (int jp = 0; jp < QPN_NB2; ++jp) {
+                const uint4 v = xp[(u * QPN_BLOCK_NB2 + jp) * 32];
+                xf[2 * jp] = make_uint2(v.x, v.y);
+                if (2 * jp + 1 < QPN_NB) xf[2 * jp + 1] = make_uint2(v.z, v.w);
+            }
+#pragma unroll
+            for (int h = 0; h < QPN_HT; ++h) {
+#if QPN_WS_RAW
+                QpnFragA a;
+                qpn_u32 r[4];
+                qpn_ws_load_codes(r, slot, tile, h, u);
+                decode(r, h, g_begin + t * QPN_UNROLL + u, a);
+                const uint4 a0 = make_uint4(a[0][0], a[0][1], a[0][2], a[0][3]);
+                const uint4 a1 = make_uint4(a[1][0], a[1][1], a[1][2], a[1][3]);
+#else
+                (void)decode;
+                const uint4 a0 = qpn_ws_a[slot][tile][h][u][0][lane], a1 = qpn_ws_a[slot][tile][h][u][1][lane];
+                const QpnFragA a = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
+#endif
+                qpn_mma_group(acc[h], a, xf);
+            }
+        }
+        if (t + QPN_WS_STAGES < stages) qpn_bar_arrive(QPN_WS_EMPTY(slot), QPN_BLOCK_THREADS);
+    }
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Split-K reduction and epilogue.
@@ -643,7 +889,7 @@ template <class Visit>
 __device__ __forceinline__ void qpn_gemm_each_pair(const QpnSlice& sl, int m_rows, int y_cols, Visit&& visit) {
     const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
     const int col_base = 32 * sl.slot + 8 * (gid & 3) + 4 * (gid >> 2);  // col(4 gid + 2 rb) - 2 rb
-    const int m_base = 8 * QPN_NB * blockIdx.z + 2 * t;
+    const int m_base = sl.tok0 + 2 * t;
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j)
 #pragma unroll
@@ -654,6 +900,15 @@ __device__ __forceinline__ void qpn_gemm_each_pair(const QpnSlice& sl, int m_row
             for (int rb = 0; rb < 2; ++rb) visit(j, rb, tok, m, (long long)m * y_cols + col_base + 2 * rb);
         }
 }
+
+// The block's warps that store (QPN_WS: the consumers), their barrier and the one that takes the ticket.
+#if QPN_WS
+#define QPN_GEMM_STORE_SYNC() qpn_bar_sync(QPN_WS_STORE_BARRIER, QPN_WARPS * QPN_WS_CZ * 32)
+#define QPN_GEMM_STORE_LEADER (QPN_WARPS * 32)
+#else
+#define QPN_GEMM_STORE_SYNC() __syncthreads()
+#define QPN_GEMM_STORE_LEADER 0
+#endif
 
 __device__ __forceinline__ void qpn_gemm_store(
     const QpnAcc (&acc)[QPN_HT], const QpnSlice& sl, qpn_u16* __restrict__ y, int m_rows, int y_cols,
@@ -673,10 +928,10 @@ __device__ __forceinline__ void qpn_gemm_store(
                 }
             });
         __threadfence();  // this block's partials are visible device-wide before its ticket
-        __syncthreads();
-        if (threadIdx.x == 0)
+        QPN_GEMM_STORE_SYNC();
+        if (threadIdx.x == QPN_GEMM_STORE_LEADER)
             last_part = atomicAdd(&tickets[blockIdx.z * gridDim.x + blockIdx.x], 1u) == (unsigned)(parts - 1);
-        __syncthreads();
+        QPN_GEMM_STORE_SYNC();
         if (!last_part) return;
         __threadfence();
     }

@@ -21,8 +21,9 @@ import pytest
 from qpn.cupy_kernels import compile_check, linear, loader
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-# Names that only the ablations use (the ablation switch, its sink, the "never ship" exact-path switch).
-BENCHMARK_ONLY = ("QPN_ABLATE", "ablate_sink", "QPN2_EXACT_PATH")
+# Names that only the ablations use (the ablation switch, its sink, the "never ship" exact-path switch, the
+# warp-specialised GEMM's scratch switch: results/gemm_ws_h200/ablations.patch).
+BENCHMARK_ONLY = ("QPN_ABLATE", "ablate_sink", "QPN2_EXACT_PATH", "QPN_WS_ABLATE")
 # (format, ablation) -> the PTX instruction of the stage it leaves out
 STAGE_INSTRUCTION = {
     ("qpn2", "loads only"): "mma.sync",
@@ -95,14 +96,14 @@ def test_ablation_applies_compiles_and_leaves_its_stage_out(nvrtc, bench, ablate
 def test_a_moved_anchor_names_the_ablation_and_the_anchor(ablate):
     _, text = loader.read_source("qpn2_linear.cu")
     edits = ablate.ABLATIONS["qpn2", "no mma"]
-    moved = text.replace("qpn_mma_group(acc[tt], a, xf);", "qpn_mma_group(acc[tt], a, xf );")
-    with pytest.raises(ablate.TransformError,
-                       match=r"ablation qpn2 'no mma': anchor 'qpn_mma_group\(acc\[tt\], a, xf\);' occurs 0 times"):
+    moved = text.replace("qpn_take_group(acc[tt], a, xf, xs, u, tt);", "qpn_take_group(acc[tt], a, xf, xs, u, tt );")
+    with pytest.raises(ablate.TransformError, match=r"ablation qpn2 'no mma': anchor "
+                       r"'qpn_take_group\(acc\[tt\], a, xf, xs, u, tt\);' occurs 0 times"):
         ablate.apply_edits(moved, edits, "qpn2 'no mma'")
     with pytest.raises(ablate.TransformError, match="occurs 2 times"):
         ablate.apply_edits(text + text, edits, "qpn2 'no mma'")
     decode = ablate.ABLATIONS["qpn2", "no decode"]
-    with pytest.raises(ablate.TransformError, match=r"no 'qpn_mma_group\(acc\[tt\], a, xf\);' after"):
+    with pytest.raises(ablate.TransformError, match=r"no 'qpn_take_group\(acc\[tt\], a, xf, xs, u, tt\);' after"):
         ablate.apply_edits(moved, decode, "qpn2 'no decode'")
     with pytest.raises(ValueError, match="no ablation 'qpn8' 'no mma'"):
         ablate.ablated_source("qpn8", "no mma")
