@@ -69,8 +69,9 @@
 // in the K loop. Each consumer's sums are the plain GEMM build's for its tokens, op for op (the same
 // group order and mma sequence), so the two builds give the same bits for the same parts.
 // Not shipped: measured on the H200 (benchmarks/NOTES.md, "The warp-specialised GEMM"), no faster than the
-// plain build for QPN2 (28672 x 8192, M = 64: 248 vs 202 us) and 7-10 % faster for QPN8 with QPN_WS_RAW
-// (190 vs 204 us); bench_decode.py's gemm_ws section builds and times it.
+// plain build for QPN2 (28672 x 8192, M = 64: 248 vs 202 us); QPN8 with QPN_WS_RAW 0-15 % faster at M = 64-256
+// (190 vs 204 us there; 131 vs 131 at 14336 x 4096, M = 128); bench_decode.py's gemm_ws section builds and
+// times it.
 #ifndef QPN_WS
 #define QPN_WS 0
 #endif
