@@ -47,6 +47,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/run r
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_llama as tl  # noqa: E402
 import vllm_standin as st  # noqa: E402
+from conftest import HARDWARE_SKIP  # noqa: E402
 
 from qpn.torch_bridge import vllm as vm  # noqa: E402
 
@@ -365,9 +366,20 @@ def test_llm_tensor_parallel_2_equals_the_dense_twin(served):
     _compare_with_dense(served("NVFP4", "tp2"), served("NVFP4", "dense"))
 
 
+def _fp8_kv_cache_refused() -> str | None:
+    """Why vLLM 0.32's CPU attention refuses an FP8 KV cache here, or None: it needs AVX-512 or AMX
+    (vllm/v1/attention/backends/cpu_attn.py, _get_attn_isa, with torch.cpu's own two checks)."""
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    return "an FP8 KV cache needs x86 with AVX-512 or AMX, and this CPU has neither"
+
+
 def test_modelopt_fp8_kv_cache_scales_reach_vllm(tmp_path):
     """kv_cache_quant_algo FP8: vLLM picks an fp8 KV cache from the config; the scales must come from
     the checkpoint (they stayed 1.0 when attention layers got no quant method)."""
+    refused = _fp8_kv_cache_refused()
+    if refused:
+        pytest.skip(HARDWARE_SKIP + refused)
     tl.write_tiny_llama(tmp_path / "ckpt", "NVFP4", kv_cache=True)
     got = _vllm_run(tmp_path / "ckpt", tmp_path / "out.json", "--quantization", "qpn")
     assert len(got["kv_scales"]) == tl.LAYERS
