@@ -97,7 +97,7 @@ def cp():
     return cupy
 
 
-def _call(cp, fmt, gated, x, weights, n):
+def _call(fmt, gated, x, weights):
     from qpn.cupy_kernels import qpn2_gemm_linear, qpn8_gemm_linear
 
     if fmt == "qpn2":
@@ -125,9 +125,9 @@ def test_ws_build_gives_the_shipped_bits(cp, monkeypatch, build, dtype):
             x = cp.asarray(activations(rng, m, k))
             if dtype == "bfloat16":  # bf16 bits travel as int16 (cupy_kernels/bf16.py)
                 x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
-            shipped = _call(cp, fmt, gated, x, weights, n_rows)
+            shipped = _call(fmt, gated, x, weights)
             with monkeypatch.context() as patch:
                 patch.setitem(table, key, _variant(fmt, gated, cfg))
-                ws = _call(cp, fmt, gated, x, weights, n_rows)
+                ws = _call(fmt, gated, x, weights)
             assert np.array_equal(shipped.view(np.uint16), ws.view(np.uint16)), (
                 f"{_label(build)} N={n_rows} K={k} M={m} {dtype}: not the shipped build's bits")
