@@ -726,9 +726,110 @@ def section_gemm_ws(ctx: bk.Context) -> bk.Section:
 MMA_RATE = 472e12  # m16n8k8 f32-accumulate FLOP/s measured on the H200 (benchmarks/mma_rate.py)
 
 
+# Issue 25 parts 1 and 2: team builds (QPN_TEAM, qpn_mma.cuh): T warps share a tile's decode through shared
+# memory, each multiplying its own 16 tokens, against the shipped build they replace, same weights and split,
+# so each must give the shipped build's bits (checked before it is timed). GEMM builds (M = 64-256) and decode
+# builds (M = 17-32, against the shipped nb = 3 / 4 build): (label, T, groups per batch, the formats whose sm_75
+# build keeps the compile check's rules: 64 registers, no spills; tests/test_team_builds.py pins both ways).
+TEAM_GEMM_BUILDS = (("team 4 u1", 4, 1, ("qpn2", "qpn8")), ("team 4 u2", 4, 2, ()), ("team 4 u4", 4, 4, ("qpn8",)),
+                    ("team 8 u2", 8, 2, ()))
+TEAM_DECODE_BUILDS = (("team 2 u1", 2, 1, ("qpn2", "qpn8")), ("team 2 u2", 2, 2, ()))
+TEAM_GEMM_MS = (64, 128, 256)
+TEAM_DECODE_MS = (24, 32)
+
+
+def team_variant(fmt_key: str, team: int, unroll: int, gemm_build: bool):
+    """A team build (16 tokens per warp, 64 registers: 32 warps per SM) of format family fmt_key over the
+    shipped GEMM build's macros (gemm_build) or the shipped M = 25-32 decode build's."""
+    from qpn.cupy_kernels import gemm
+    from qpn.cupy_kernels import linear as L
+    from qpn.cupy_kernels.variants import KernelVariant
+    from qpn.ref.formats import BY_KEY
+
+    if gemm_build:
+        macros = dict(gemm.gemm_macros(BY_KEY[fmt_key], False))
+        macros.update(QPN_WARPS=str(32 // team))  # tiles per block: 32 warps
+    else:
+        macros = dict(L.decode_macros(fmt_key, 4, False))
+        macros.update(QPN_WARPS=str(L.MAX_WARPS), QPN_X_FRAG="1")
+    macros.update(QPN_TEAM=str(team), QPN_NB="2", QPN_MIN_BLOCKS="1", QPN_UNROLL=str(unroll))
+    source = "qpn2_linear.cu" if fmt_key == "qpn2" else "qpn8_linear.cu"
+    return KernelVariant(source, source[:-3], tuple(sorted(macros.items())), archs=("sm_75",))
+
+
+def section_team(ctx: bk.Context) -> bk.Section:
+    """Team builds vs the shipped GEMM (M = 64-256) and decode (M = 24, 32) builds and cuBLAS fp16."""
+    from qpn.cupy_kernels import gemm
+    from qpn.cupy_kernels import linear as L
+    from qpn.cupy_kernels.loader import kernel
+    from qpn.ref.formats import QPN2, QPN8
+
+    cp = ctx.cp
+    g_dev = cp.full(1, G, dtype=cp.float32)
+    sec = bk.Section("team", "Team builds (QPN_TEAM) vs the shipped builds, us", [
+        bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"), bk.Column("fmt", "format"),
+        bk.Column("cublas_us", "cuBLAS fp16 us", "{:.1f}"), bk.Column("m1_us", "shipped M=1 us", "{:.1f}"),
+        bk.Column("shipped_us", "shipped us", "{:.1f}"), bk.Column("builds", "team builds: us (x shipped)"),
+        bk.Column("best_x", "best x cuBLAS", "{:.2f}"), bk.Column("best_m1", "best / M=1", "{:.2f}"),
+        bk.Column("wrong", "builds whose bits differ (not timed)"),
+    ])
+    shapes = [s for s in WS_SHAPES if s in ctx.shapes] or ctx.shapes
+    for n, k in shapes:
+        slots, q2, q8, w16, _, _ = _layer(ctx, n, k)
+        x1 = (cp.random.RandomState(1).standard_normal((1, k)) * 0.5).astype(cp.float16)
+        for m in (*TEAM_DECODE_MS, *TEAM_GEMM_MS):
+            is_gemm = m > L.MAX_M
+            x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
+            cublas = _torch_linear_us(ctx, x, w16)
+            for wf, bufs in ((QPN2, q2), (QPN8, q8)):
+                nb = -(-m // 8)
+                shipped = ((gemm.QPN2_GEMM[False] if wf is QPN2 else gemm.QPN8_GEMM[False, False]) if is_gemm
+                           else (L.QPN2_LINEAR[nb, False] if wf is QPN2 else L.QPN8_LINEAR[nb, False, False]))
+                cfgs = TEAM_GEMM_BUILDS if is_gemm else TEAM_DECODE_BUILDS
+                variants = [shipped] + [team_variant(wf.key, t, u, is_gemm) for _, t, u, _ in cfgs]
+                labels = ["shipped"] + [c[0] for c in cfgs]
+                size = (gemm.gemm_workspace_size(wf.format, m, n, k) if is_gemm
+                        else L.decode_workspace_size(wf.format, m, n, k)) + 4096
+                workspace = cp.empty(size, cp.float32)
+
+                def call(i, v, y, xx=x):
+                    w = bufs[i % slots]
+                    weights = (*w, g_dev, np.int32(0)) if wf is QPN2 else (w[0], w[1], np.int32(0))
+                    if dict(v.defines).get("QPN_GEMM") == "1":
+                        gemm.launch_gemm(wf, v, weights, xx, y, n, False, workspace)
+                    else:
+                        L.launch_decode(wf, kernel(v), weights, xx, y, n, False, workspace, xx.shape[0] > 8,
+                                        L.team_of(v.defines))
+
+                ys = [cp.empty((m, n), cp.float16) for _ in variants]
+                row = {"n": n, "k": k, "m": m, "fmt": wf.key, "cublas_us": cublas, "wrong": ""}
+                y1 = cp.empty((1, n), cp.float16)
+                m1 = L.QPN2_LINEAR[1, False] if wf is QPN2 else L.QPN8_LINEAR[1, False, False]
+                row["m1_us"] = ctx.time_calls(lambda i: call(i, m1, y1, x1), slots)["us"]
+                live = []
+                for b, (v, y) in enumerate(zip(variants, ys, strict=True)):
+                    call(0, v, y)
+                    if b and not bool((ys[0].view(cp.uint16) == y.view(cp.uint16)).all()):
+                        row["wrong"] += labels[b] + ";"
+                        continue
+                    live.append(b)
+                us = {b: ctx.time_calls(lambda i, v=variants[b], y=ys[b]: call(i, v, y), slots)["us"] for b in live}
+                row["shipped_us"] = us[0]
+                row["builds"] = "; ".join(f"{labels[b]} {us[b]:.1f} ({us[b] / us[0]:.2f})" for b in live if b)
+                best = min(us.values())
+                row.update(best_x=cublas / best, best_m1=best / row["m1_us"])
+                sec.rows.append(row)
+                print(" | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()), flush=True)
+        del q2, q8, w16
+        cp.get_default_memory_pool().free_all_blocks()
+    sec.notes.append("bits: every team build's output equals the shipped build's (same split / parts); cuBLAS fp16 "
+                     "= F.linear on the same W16 in a torch CUDA graph; M=1: the shipped decode build")
+    return sec
+
+
 SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants,
             "ablate": section_ablate, "mid": section_mid, "targets": section_targets, "gemm": section_gemm,
-            "l2rate": section_l2rate, "gemm_ws": section_gemm_ws}
+            "l2rate": section_l2rate, "gemm_ws": section_gemm_ws, "team": section_team}
 
 
 def build_parser() -> argparse.ArgumentParser:

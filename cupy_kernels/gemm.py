@@ -42,6 +42,8 @@ from .linear import (
     require_family,
     require_group_scales_aligned,
     require_x_aligned,
+    team_of,
+    team_shared_bytes,
 )
 from .loader import kernel
 from .variants import KernelVariant
@@ -159,11 +161,14 @@ def gemm_split(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int,
 def build_geometry(defines: tuple[tuple[str, str], ...]) -> tuple[int, int, int]:
     """(tile slots, tokens, threads) per block of a GEMM build, read from its macros (qpn_mma.cuh: QPN_WARPS
     tiles; 8 * QPN_NB tokens, times QPN_WS_CZ consumer warps per tile in a warp-specialised build, whose
-    blocks hold the QPN_WARPS producers and the consumers)."""
+    blocks hold the QPN_WARPS producers and the consumers, or times the QPN_TEAM warps of a tile's team)."""
     d = dict(defines)
     tiles, nb = int(d["QPN_WARPS"]), int(d["QPN_NB"])
-    chunks = int(d.get("QPN_WS_CZ", "1")) if d.get("QPN_WS") == "1" else 0
-    return tiles, TOKENS_PER_BLOCK * nb * max(chunks, 1), 32 * tiles * (1 + chunks)
+    if d.get("QPN_WS") == "1":
+        chunks = int(d.get("QPN_WS_CZ", "1"))
+        return tiles, TOKENS_PER_BLOCK * nb * chunks, 32 * tiles * (1 + chunks)
+    team = team_of(defines)
+    return tiles, TOKENS_PER_BLOCK * nb * team, 32 * tiles * team
 
 
 def _grid(n: int, m: int, gated: bool, parts: int, variant: KernelVariant) -> tuple[int, int, int]:
@@ -214,7 +219,8 @@ def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: Cup
         tickets = zeroed_tickets(workspace[partial_end:size])
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(per_part), partial, tickets, x_factor)
     threads = build_geometry(variant.defines)[2]
-    kernel(variant)(_grid(n, m, gated, parts, variant), (threads,), (*weights, x_frag, y, *tail))
+    kernel(variant)(_grid(n, m, gated, parts, variant), (threads,), (*weights, x_frag, y, *tail),
+                    shared_mem=team_shared_bytes(team_of(variant.defines), threads // 32, gated))
 
 
 def gemm_activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:

@@ -250,11 +250,23 @@ def require_family(format: str) -> WeightFormat:
     return family
 
 
+def team_of(defines: tuple[tuple[str, str], ...]) -> int:
+    """QPN_TEAM of a build's macros (qpn_mma.cuh): the warps that share a K-slice's (GEMM: a tile's) decode."""
+    return int(dict(defines).get("QPN_TEAM", "1"))
+
+
+def team_shared_bytes(team: int, warps: int, gated: bool) -> int:
+    """Dynamic shared memory of a launch of `warps` warps of a QPN_TEAM build: the team slots, 1 KiB per warp
+    and tile (qpn_mma.cuh, qpn_team_a); 0 without teams."""
+    return warps * (2 if gated else 1) * 1024 if team > 1 else 0
+
+
 def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray,
-                  n: int, gated: bool, workspace: CupyArray | None, x_frag: bool) -> None:
+                  n: int, gated: bool, workspace: CupyArray | None, x_frag: bool, team: int = 1) -> None:
     """Queue one decode call: bf16 x's fp16 rows (cupy_kernels/bf16.py), the x fragments (x_frag: the build
     reads them), the split-K tickets' reset, and the kernel `fn` with the split (decode_split) and its grid;
-    `weights` are the format's leading kernel arguments.
+    `weights` are the format's leading kernel arguments; team: the build's QPN_TEAM (team_of), split x team
+    warps per block.
 
     The split follows the weight's tile count, gated or not: the gated kernel then sums every tile
     exactly as the plain kernel does (its gate / up values equal the plain call's, bit for bit).
@@ -280,7 +292,8 @@ def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray,
             tickets = zeroed_tickets(workspace[rows + frag + partial_size:size])
     grid = (n // TILE_N // (2 if gated else 1), parts)
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(groups_per_warp), partial, tickets, x_factor)
-    fn(grid, (32 * split,), (*weights, x_arg, y, *tail))
+    warps = split * team
+    fn(grid, (32 * warps,), (*weights, x_arg, y, *tail), shared_mem=team_shared_bytes(team, warps, gated))
 
 
 def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray,
@@ -303,8 +316,9 @@ def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale:
 def launch_qpn2_decode(x: CupyArray, codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int,
                        y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
-    fn = kernel(QPN2_LINEAR[nb, bool(gated)])
-    launch_decode(QPN2, fn, (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace, X_FRAG[QPN2.key, nb])
+    variant = QPN2_LINEAR[nb, bool(gated)]
+    launch_decode(QPN2, kernel(variant), (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace,
+                  X_FRAG[QPN2.key, nb], team_of(variant.defines))
 
 
 def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None,
@@ -334,5 +348,6 @@ def launch_qpn8_decode(x: CupyArray, codes: CupyArray, group_scales: CupyArray, 
                        y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     kb_stride = qpn8_strides(wf, n)[0]
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
-    fn = kernel(QPN8_LINEAR[nb, bool(gated), wf is QPN8_BLOCK])
-    launch_decode(QPN8, fn, (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace, X_FRAG[QPN8.key, nb])
+    variant = QPN8_LINEAR[nb, bool(gated), wf is QPN8_BLOCK]
+    launch_decode(QPN8, kernel(variant), (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace,
+                  X_FRAG[QPN8.key, nb], team_of(variant.defines))

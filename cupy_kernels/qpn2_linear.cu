@@ -8,6 +8,8 @@
 //          QPN_X_FRAG         0: x as [M][K] rows;  1: x as fragments (x_fragments.cu, qpn_mma.cuh)
 //          QPN_GEMM, QPN_WS   the GEMM builds (gemm.py; qpn_mma.cuh): a warp per tile; warp-specialised
 //                             producers (decode) and consumers (mma)
+//          QPN_TEAM           T warps per K-slice (decode builds) or tile (GEMM builds) share its decode through
+//                             shared memory, each multiplying its own 8 * QPN_NB tokens (qpn_mma.cuh)
 //          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py);
 //                             per launch, a bias and the gated activation (qpn_mma.cuh, QpnEpilogue)
 //          QPN_MX             1: MXFP4 in the QPNMX layout (docs/QPNMX.md): e8m0 scale bytes, one per 32 k,
@@ -265,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
     __shared__ int table_of[QPN_WARP_TILES * QPN_HT];
     if (threadIdx.x < QPN_WARP_TILES * QPN_HT) {
         const int e = threadIdx.x;
-        table_g[e] = gscale[(long long)qpn_tile_of_slot(n, qpn_slot_of_warp(n, e / QPN_HT), e % QPN_HT) * gs_stride];
+        table_g[e] = gscale[(long long)qpn_tile_of_slot(n, qpn_slot_of_tile(n, e / QPN_HT), e % QPN_HT) * gs_stride];
     }
     __syncthreads();
     if (threadIdx.x < QPN_WARP_TILES * QPN_HT) {
@@ -302,21 +304,22 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
 #if QPN_GEMM
     const qpn_u32* tables[QPN_HT];  // this warp's tiles' tables
 #pragma unroll
-    for (int h = 0; h < QPN_HT; ++h) tables[h] = xy_table[table_of[(threadIdx.x >> 5) * QPN_HT + h]];
+    for (int h = 0; h < QPN_HT; ++h) tables[h] = xy_table[table_of[qpn_warp_tile(threadIdx.x >> 5) * QPN_HT + h]];
 #else
     qpn_u32 (*const tables)[256] = xy_table;
 #endif
 
-    // per-tile / per-token-block base pointers at the slice's first group (see qpn2_load_slot)
+    // per-tile / per-token-block base pointers at the warp's first group (see qpn2_load_slot; QPN_TEAM: the
+    // slice's group `rank`)
     const qpn_u8* pc[QPN_HT];
     const qpn_u8* ps[QPN_HT];
 #pragma unroll
     for (int h = 0; h < QPN_HT; ++h) {
-        const long long unit = ((long long)sl.tile[h] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane;
+        const long long unit = ((long long)sl.tile[h] * (k / QPN_GROUP_K) + sl.g_begin + sl.rank) * 32 + lane;
         pc[h] = codes + unit * 8;
         // the slice starts on a whole 32-k block (g_begin: a multiple of 4 groups, linear.SLICE_MULTIPLE)
-        ps[h] = scales + ((long long)sl.tile[h] * (k / QPN2_SCALE_K) + sl.g_begin * QPN_GROUP_K / QPN2_SCALE_K) * 32
-                + lane;
+        ps[h] = scales + ((long long)sl.tile[h] * (k / QPN2_SCALE_K) + (sl.g_begin + sl.rank) * QPN_GROUP_K / QPN2_SCALE_K)
+                * 32 + lane;
     }
 #if QPN_MOE
     QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin, ex.row_map, ex.row0);
@@ -415,7 +418,16 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
 #endif
         }
     };
-#if QPN_WS  // producers: a ring of batches in flight (qpn_ws_batches), loaded in order
+#if QPN_TEAM > 1  // the warp's groups T v + rank of rounds v (a pad round past the slice: code 0, scale byte 0)
+    qpn_run_batches<Qpn2Batch>(qpn_team_rounds(n_local, groups_per_warp), [&](Qpn2Batch& b, int u, int i, bool valid) {
+        const bool own = valid && qpn_team_owns(sl, i + u);
+#pragma unroll
+        for (int h = 0; h < QPN_HT; ++h) {
+            b.code[u][h] = own ? qpn_ldcs_u2(pc[h] + 256 * QPN_TEAM * (long long)(i + u)) : make_uint2(0u, 0u);
+            b.scale[u][h] = own ? qpn_ldcs_u8(ps[h] + 32 * QPN_TEAM * (long long)(i + u)) : 0u;
+        }
+    }, [&](const Qpn2Batch& b, int i, bool full) { compute(b, i, full, QpnStageX{}); });
+#elif QPN_WS  // producers: a ring of batches in flight (qpn_ws_batches), loaded in order
     qpn_ws_batches<Qpn2Batch>(n_local, xs, [&](Qpn2Batch& b, int i) {
 #pragma unroll
         for (int u = 0; u < QPN_UNROLL; ++u) qpn2_load_slot(b, u, pc, ps);

@@ -5,6 +5,8 @@
 //          QPN8_BLOCK_SCALES  0: channel / tensor scales S16[0, n];  1: 128x128 block S16[kb, t]
 //          QPN_GEMM, QPN_WS, QPN_WS_RAW   the GEMM builds (gemm.py; qpn_mma.cuh): a warp per tile; warp-
 //                             specialised producers and consumers; consumers that exchange (ldmatrix) and decode
+//          QPN_TEAM           T warps per K-slice (decode builds) or tile (GEMM builds) share its decode through
+//                             shared memory, each multiplying its own 8 * QPN_NB tokens (qpn_mma.cuh)
 //          QPN_MOE            1: stacked experts, the block's expert from the route (qpn_moe.cuh, moe.py);
 //                             per launch, a bias and the gated activation (qpn_mma.cuh, QpnEpilogue)
 //
@@ -47,13 +49,14 @@ struct Qpn8Batch {  // one load batch (qpn_run_batches): QPN_UNROLL groups of th
     uint4 code[QPN_UNROLL][QPN_HT];
 };
 
-// Group g0 + u of the warp's slice into slot u (pc: the slice's first group; per-batch base g0
-// plus an immediate); a pad group past the slice gets code 0 (decodes to +0).
+// The warp's group of step g0 + u into slot u (pc: its first group; per-batch base g0 plus an immediate;
+// QPN_TEAM: every T-th group of the slice); a pad group past the slice gets code 0 (decodes to +0).
 __device__ __forceinline__ void qpn8_load_slot(Qpn8Batch& sl, int u, int g0, bool valid, const qpn_u8* const (&pc)[QPN_HT])
 {
 #pragma unroll
     for (int h = 0; h < QPN_HT; ++h)  // 32 lanes x 16 bytes per group
-        sl.code[u][h] = valid ? qpn_ldcs_u4(pc[h] + 512 * (long long)g0 + 512 * u) : make_uint4(0u, 0u, 0u, 0u);
+        sl.code[u][h] = valid ? qpn_ldcs_u4(pc[h] + 512 * QPN_TEAM * (long long)g0 + 512 * QPN_TEAM * u)
+                              : make_uint4(0u, 0u, 0u, 0u);
 }
 
 // e4m3 bytes 0 and 2 of e -> fp16 pair (exact e4m3 * 2^-8); bytes 1 and 3 -> the other pair.
@@ -135,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
     const qpn_u8* pc[QPN_HT];
 #pragma unroll
     for (int tt = 0; tt < QPN_HT; ++tt)
-        pc[tt] = codes + (((long long)sl.tile[tt] * (k / QPN_GROUP_K) + sl.g_begin) * 32 + lane) * 16;
+        pc[tt] = codes + (((long long)sl.tile[tt] * (k / QPN_GROUP_K) + sl.g_begin + sl.rank) * 32 + lane) * 16;
 #if QPN_MOE
     QpnX xs = qpn_x_source(x, m_rows, k, sl.g_begin, ex.row_map, ex.row0);
 #else
@@ -148,9 +151,9 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
 
     QpnAcc acc[QPN_HT] = {};
 
-    // One batch: groups i .. i+U-1 of the slice.
+    // One batch: groups i .. i+U-1 of the slice (QPN_TEAM: the warp's groups of rounds i .. i+U-1).
     auto compute = [&](const Qpn8Batch& b, int i, bool full, const QpnStageX& sx) {
-        const int g0 = sl.g_begin + i;  // (block scales only)
+        const int g0 = sl.g_begin + sl.rank + QPN_TEAM * i;  // (block scales only)
         QpnBatchX xb;
         qpn_x_batch_start(xb, xs, i, full, n_local, sx);
 #pragma unroll
@@ -179,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
                 const qpn_u32 f[4] = {q1 ? r0 : k0, q1 ? r1 : k1, q1 ? k0 : r0, q1 ? k1 : r1};  // from quad lane 0..3
 
                 QpnFragA a;
-                decode(f, tt, g0 + u, a);
+                decode(f, tt, g0 + QPN_TEAM * u, a);
 
                 qpn_take_group(acc[tt], a, xf, xs, u, tt);
 #endif
@@ -193,8 +196,10 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
         for (int u = 0; u < QPN_UNROLL; ++u) qpn8_load_slot(b, u, i, i + u < n_local, pc);
     }, [&](const Qpn8Batch& b, int i, const QpnStageX& sx) { compute(b, i, i + QPN_UNROLL <= n_local, sx); });
 #else
-    qpn_run_batches<Qpn8Batch>(n_local, [&](Qpn8Batch& b, int u, int i, bool valid) { qpn8_load_slot(b, u, i, valid, pc); },
-                               [&](const Qpn8Batch& b, int i, bool full) { compute(b, i, full, QpnStageX{}); });
+    qpn_run_batches<Qpn8Batch>(
+        qpn_team_rounds(n_local, groups_per_warp),
+        [&](Qpn8Batch& b, int u, int i, bool valid) { qpn8_load_slot(b, u, i, valid && qpn_team_owns(sl, i + u), pc); },
+        [&](const Qpn8Batch& b, int i, bool full) { compute(b, i, full, QpnStageX{}); });
 #endif
 
 #if QPN_WS

@@ -87,9 +87,31 @@
 #endif
 #define QPN_BLOCK_THREADS (QPN_WARPS * (1 + QPN_WS_CZ) * 32)
 #define QPN_BLOCK_NB2 (((QPN_NB + 1) / 2) * QPN_WS_CZ)  // x fragment pairs of the block's tokens
-#else
-#define QPN_BLOCK_THREADS (QPN_WARPS * 32)
-#define QPN_BLOCK_NB2 ((QPN_NB + 1) / 2)
+#endif
+// QPN_TEAM = T > 1: teams of T warps share one tile's decode through shared memory. Each warp of a team
+// multiplies its own 8 * QPN_NB tokens (the team's are 8 * QPN_NB * T); the team walks its K range in rounds
+// of T groups: in round v warp r (its rank) loads and decodes group T v + r only, stores its A fragments into
+// its shared-memory slot, and after a team barrier every warp multiplies the round's T group-tiles, in
+// ascending group order, by its own tokens (qpn_take_group; a second barrier before the slots are refilled).
+// Each output is the same fp32 sum as in the build without teams (the same groups in the same order through
+// the same mma: 8-token blocks never share a sum), so the bits are that build's. What changes: a warp decodes
+// 1/T of the groups and holds 1/T of the accumulators, so more warps fit per SM (the M = 25-32 decode build:
+// 32 warps at 64 registers instead of 16 at 108-116) and the GEMM decodes each group-tile once per 8 * QPN_NB
+// * T tokens. A team is a K-slice in the decode builds (the block holds split x T warps) and a tile slot in
+// the GEMM builds (QPN_WARPS slots x T warps). The slots: dynamic shared memory, QPN_HT KiB per warp.
+// Not shipped: measured on the H200 (benchmarks/NOTES.md, "Team builds"), decode teams at M = 24-32 are
+// 1.2-1.9x slower than the shipped builds (the exchange and x loads cost more instructions than the doubled
+// occupancy wins back); GEMM teams of 8 take 0.75-0.91x the shipped GEMM's time at M = 128-256, teams of 4
+// 0.5-1.1x at M = 64. bench_decode.py's team section builds and times them.
+#ifndef QPN_TEAM
+#define QPN_TEAM 1
+#endif
+#if QPN_TEAM > 1 && (QPN_WS || QPN_MOE || QPN_MX || QPN_NB > 2)
+#error "QPN_TEAM: the dense NVFP4 / FP8 decode and GEMM builds of 8-16 tokens per warp only"
+#endif
+#if !QPN_WS
+#define QPN_BLOCK_THREADS (QPN_WARPS * QPN_TEAM * 32)
+#define QPN_BLOCK_NB2 (((QPN_NB + 1) / 2) * QPN_TEAM)  // x fragment pairs of the block's (team's) tokens
 #endif
 #if QPN_GEMM
 #define QPN_WARP_TILES QPN_WARPS  // tile slots per block (each warp its own)
@@ -173,33 +195,62 @@ struct QpnSlice {
     int slot;   // the tile slot (gated: the gate tile's index = the output tile's)
     bool live;  // QPN_GEMM: the warp's slot exists (a last block may have more warps than slots left)
     int tok0;   // QPN_GEMM: the warp's first token (its 8 * QPN_NB tokens are its outputs' rows)
+    int rank;   // QPN_TEAM: the warp's rank in its team (its own groups: g_begin + rank + T v); else 0
 };
+
+// The K loop's count of batches' steps (rounds) and whether the warp loads a group in round v. Without teams:
+// the slice's groups, all of them. QPN_TEAM: rounds of T groups, the same count for every team of a block
+// (two teams share a named barrier where a block has more than 15: the decode builds of split 16), so in the
+// decode builds from groups_per_warp, the slice every team but a trailing one has; the warp of rank r loads
+// group T v + r where it lies in the slice (a pad round loads nothing and adds +0).
+__device__ __forceinline__ int qpn_team_rounds(int n_local, int groups_per_warp) {
+#if QPN_TEAM > 1 && QPN_GEMM
+    (void)groups_per_warp;  // every warp of a GEMM block shares the part
+    return (n_local + QPN_TEAM - 1) / QPN_TEAM;
+#elif QPN_TEAM > 1
+    (void)n_local;
+    return (groups_per_warp + QPN_TEAM - 1) / QPN_TEAM;
+#else
+    (void)groups_per_warp;
+    return n_local;
+#endif
+}
+__device__ __forceinline__ bool qpn_team_owns(const QpnSlice& sl, int v) {
+#if QPN_TEAM > 1
+    return QPN_TEAM * v + sl.rank < sl.n_local;
+#else
+    (void)sl, (void)v;
+    return true;
+#endif
+}
 
 // Tile h of slot `slot` (gated: the gate tile, then the up tile N/64 tiles further).
 __device__ __forceinline__ int qpn_tile_of_slot(int n, int slot, int h) {
     return slot + h * (n / QPN_TILE_N / 2);
 }
 
-// QPN_WS: whether this warp is a consumer, and the tile (producer warp) and token chunk of warp w.
+// Warp w's tile (its K-slice in the decode builds) and token chunk: QPN_WS, producer w or consumer; QPN_TEAM,
+// team w / T and rank w % T; otherwise w and 0.
 #if QPN_WS
 __device__ __forceinline__ bool qpn_ws_consumer() { return (int)(threadIdx.x >> 5) >= QPN_WARPS; }
-__device__ __forceinline__ int qpn_ws_tile(int w) { return w < QPN_WARPS ? w : (w - QPN_WARPS) % QPN_WARPS; }
-__device__ __forceinline__ int qpn_ws_chunk(int w) { return w < QPN_WARPS ? 0 : (w - QPN_WARPS) / QPN_WARPS; }
+__device__ __forceinline__ int qpn_warp_tile(int w) { return w < QPN_WARPS ? w : (w - QPN_WARPS) % QPN_WARPS; }
+__device__ __forceinline__ int qpn_warp_chunk(int w) { return w < QPN_WARPS ? 0 : (w - QPN_WARPS) / QPN_WARPS; }
 #else
-__device__ __forceinline__ int qpn_ws_tile(int w) { return w; }
-__device__ __forceinline__ int qpn_ws_chunk(int) { return 0; }
+__device__ __forceinline__ int qpn_warp_tile(int w) { return w / QPN_TEAM; }
+__device__ __forceinline__ int qpn_warp_chunk(int w) { return w % QPN_TEAM; }
 #endif
 
-// Slot of warp w of this block (QPN_GEMM: clamped to the last slot, whose work it then repeats
+// The block's tile slot `tile` (QPN_GEMM: clamped to the last slot, whose work a warp then repeats
 // without storing it: every warp must take part in the block's x staging).
-__device__ __forceinline__ int qpn_slot_of_warp(int n, int w) {
+__device__ __forceinline__ int qpn_slot_of_tile(int n, int tile) {
 #if QPN_GEMM
-    return min((int)blockIdx.x * QPN_WARPS + qpn_ws_tile(w), n / QPN_TILE_N / QPN_HT - 1);
+    return min((int)blockIdx.x * QPN_WARPS + tile, n / QPN_TILE_N / QPN_HT - 1);
 #else
-    (void)n, (void)w;
+    (void)n, (void)tile;
     return QPN_BLOCK_TILE;
 #endif
 }
+__device__ __forceinline__ int qpn_slot_of_warp(int n, int w) { return qpn_slot_of_tile(n, qpn_warp_tile(w)); }
 
 __device__ __forceinline__ QpnSlice qpn_block_slice(int n, int k, int groups_per_warp) {
     QpnSlice sl;
@@ -209,14 +260,15 @@ __device__ __forceinline__ QpnSlice qpn_block_slice(int n, int k, int groups_per
 #pragma unroll
     for (int h = 0; h < QPN_HT; ++h) sl.tile[h] = qpn_tile_of_slot(n, slot, h);
 #if QPN_GEMM
-    sl.live = (int)blockIdx.x * QPN_WARPS + qpn_ws_tile(warp) < n / QPN_TILE_N / QPN_HT;
+    sl.live = (int)blockIdx.x * QPN_WARPS + qpn_warp_tile(warp) < n / QPN_TILE_N / QPN_HT;
     sl.g_begin = blockIdx.y * groups_per_warp;  // the part's groups: every warp of the block the same
-    sl.tok0 = 16 * (QPN_BLOCK_NB2 * (int)blockIdx.z + (QPN_NB + 1) / 2 * qpn_ws_chunk(warp));
+    sl.tok0 = 16 * (QPN_BLOCK_NB2 * (int)blockIdx.z + (QPN_NB + 1) / 2 * qpn_warp_chunk(warp));
 #else
     sl.live = true;
     sl.tok0 = 0;
-    sl.g_begin = (blockIdx.y * (blockDim.x >> 5) + warp) * groups_per_warp;
+    sl.g_begin = (blockIdx.y * ((blockDim.x >> 5) / QPN_TEAM) + qpn_warp_tile(warp)) * groups_per_warp;
 #endif
+    sl.rank = QPN_TEAM > 1 ? qpn_warp_chunk(warp) : 0;
     sl.n_local = min(k / QPN_GROUP_K, sl.g_begin + groups_per_warp) - sl.g_begin;
     return sl;
 }
@@ -284,17 +336,30 @@ __shared__ uint4 qpn_ws_a[QPN_WS_STAGES][QPN_WARPS][QPN_HT][QPN_UNROLL][QPN_WS_R
 static_assert(QPN_WS_STORE_BARRIER < 16, "16 named barriers per block");
 // a producer lane's share of a staged batch (QPN_WARPS * 32 producer threads)
 #define QPN_WS_X_UNITS ((QPN_X_STAGE + QPN_WARPS * 32 - 1) / (QPN_WARPS * 32))
+#endif
 
+// named barriers (QPN_WS, QPN_TEAM)
 __device__ __forceinline__ void qpn_bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ void qpn_bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+
+#if QPN_TEAM > 1
+// The team slots: warp w's decoded group-tile of tile h as [w][h][rowblock][lane] 16-byte words (QPN_HT KiB
+// per warp, sized by the launch): 512 contiguous bytes per store and load, no bank conflicts.
+extern __shared__ uint4 qpn_team_a[];
 #endif
 
 struct QpnX {  // the warp's x at its slice's first group; loads add the group as an immediate
-#if QPN_GEMM
+#if QPN_TEAM > 1
+    const char* p;    // x fragments (x_fragments.cu) of the slice's first group: the warp's pair, this lane
+    unsigned stride;  // bytes per group: 512 per fragment pair of the call
+    int round;        // the first round of the batch being computed (qpn_x_batch_start)
+    int left;         // groups of the slice (a group past it gets x = 0)
+    int bar_id, bar_threads;  // the team's named barrier
+#elif QPN_GEMM
     const uint4* g;  // global fragments of the slice's first group, the block's first pair
     uint4* s;        // shared memory: two staging buffers of QPN_X_STAGE units
     int nb2_all;     // fragment pairs per group in the call (ceil(M / 16))
@@ -318,7 +383,29 @@ __device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_r
 ) {
     QpnX xs;
     const int lane = threadIdx.x & 31;
+#if QPN_TEAM > 1
+    (void)k;
+    const int w = threadIdx.x >> 5;
 #if QPN_GEMM
+    const int teams = QPN_WARPS;  // a team per tile slot (a compile-time barrier size: one register less)
+    const int nb2_all = (m_rows + 15) / 16;  // the call's fragment pairs
+    const int pair0 = QPN_BLOCK_NB2 * blockIdx.z + QPN_NB2 * qpn_warp_chunk(w);
+#else
+    (void)m_rows;
+    const int teams = (blockDim.x >> 5) / QPN_TEAM;  // the launch's K-slices
+    const int nb2_all = QPN_BLOCK_NB2;  // ceil(M / 16): the decode builds' team holds all of the call's tokens
+    const int pair0 = QPN_NB2 * qpn_warp_chunk(w);
+#endif
+    xs.stride = 512u * nb2_all;
+    // a GEMM warp whose tokens all lie past M reads the last pair instead: its sums are never stored
+    xs.p = reinterpret_cast<const char*>(static_cast<const uint4*>(x) + (long long)g_begin * nb2_all * 32 +
+                                         min(pair0, nb2_all - 1) * 32 + lane);
+    xs.round = 0;
+    xs.left = 0;
+    const int share = teams > 15 ? 2 : 1;  // 16 named barriers per block, 0 is __syncthreads'
+    xs.bar_id = 1 + qpn_warp_tile(w) / share;
+    xs.bar_threads = 32 * QPN_TEAM * share;
+#elif QPN_GEMM
 #if QPN_WS
     uint4* const x_stage = qpn_ws_x;
 #else
@@ -351,7 +438,9 @@ __device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_r
 
 // advance by `groups` groups (the QPN2 K loop moves its pointers one batch at a time)
 __device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
-#if QPN_GEMM
+#if QPN_TEAM > 1
+    (void)xs, (void)groups;  // not called: team builds index their rounds from the slice's start (qpn_run_batches)
+#elif QPN_GEMM
     xs.g += (long long)groups * xs.nb2_all * 32;
 #elif QPN_X_FRAG
     xs.p += groups * QPN_NB2 * 32;
@@ -365,8 +454,10 @@ __device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
 // 8-token block j; g0 is a per-batch base, u an immediate.
 __device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, int g0, int u, bool valid)
 {
-#if QPN_WS
-    (void)xs, (void)g0, (void)u, (void)valid;  // producers do not multiply: the consumers read x from the ring
+#if QPN_WS || QPN_TEAM > 1
+    // QPN_WS producers do not multiply: the consumers read x from the ring; QPN_TEAM: qpn_take_group loads
+    // the x of each of the round's groups (qpn_team_x)
+    (void)xs, (void)g0, (void)u, (void)valid;
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j) xf[j] = make_uint2(0u, 0u);
 #elif QPN_GEMM
@@ -401,6 +492,21 @@ __device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, i
     }
 #endif
 }
+
+#if QPN_TEAM > 1
+// The warp's B fragments of group g of the slice (relative to xs.p; QPN_NB <= 2: one 16-byte load); guarded:
+// x = 0 past the slice (a pad group's A is +0, and an x of another slice might be inf). The address is one
+// 32 x 32 -> 64-bit multiply-add.
+__device__ __forceinline__ void qpn_team_x(QpnFragB& xf, const QpnX& xs, int g, bool guarded) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (!guarded || g < xs.left) {
+        const char* p = xs.p + (unsigned long long)(unsigned)g * xs.stride;
+        asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    }
+    xf[0] = make_uint2(v.x, v.y);
+    if (QPN_NB > 1) xf[QPN_NB - 1] = make_uint2(v.z, v.w);
+}
+#endif
 
 // When a batch's x is loaded (QPN_X_BATCH, per format by measurement on the H200, bench_decode.py):
 // 1 = all U groups' fragments as the batch starts computing, 0 = each group's right before it.
@@ -441,7 +547,11 @@ __device__ __forceinline__ void qpn_x_prefetch(QpnStageX& sx, const QpnX& xs, in
 __device__ __forceinline__ void qpn_x_batch_start(QpnBatchX& xb, QpnX& xs, int i, bool full, int n_local,
                                                   const QpnStageX& sx)
 {
-#if QPN_WS
+#if QPN_TEAM > 1  // the round the batch starts at; each group's x is loaded by qpn_take_group
+    (void)xb, (void)full, (void)sx;
+    xs.round = i;
+    xs.left = n_local;
+#elif QPN_WS
     (void)xb, (void)i, (void)full, (void)n_local;
     const int slot = xs.stage % QPN_WS_STAGES;
     if (xs.stage >= QPN_WS_STAGES) qpn_bar_sync(QPN_WS_EMPTY(slot), QPN_BLOCK_THREADS);
@@ -487,7 +597,31 @@ __device__ __forceinline__ void qpn_batch_end(QpnX& xs) {
 #if !QPN_WS_RAW
 __device__ __forceinline__ void qpn_take_group(QpnAcc& acc, const QpnFragA& a, const QpnFragB& xf, const QpnX& xs,
                                                int u, int h) {
-#if QPN_WS
+#if QPN_TEAM > 1  // into the warp's slot; then the round's T group-tiles (the team's slots) by the warp's tokens
+    (void)xf;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    uint4* mine = qpn_team_a + (w * QPN_HT + h) * 64 + lane;
+    mine[0] = make_uint4(a[0][0], a[0][1], a[0][2], a[0][3]);
+    mine[32] = make_uint4(a[1][0], a[1][1], a[1][2], a[1][3]);
+    qpn_bar_sync(xs.bar_id, xs.bar_threads);
+    const uint4* team = qpn_team_a + ((w - qpn_warp_chunk(w)) * QPN_HT + h) * 64 + lane;
+    const int g0 = QPN_TEAM * (xs.round + u);
+    auto multiply = [&](bool guarded) {
+#pragma unroll
+        for (int q = 0; q < QPN_TEAM; ++q) {
+            const uint4 a0 = team[q * QPN_HT * 64], a1 = team[q * QPN_HT * 64 + 32];
+            const QpnFragA aq = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
+            QpnFragB xq;
+            qpn_team_x(xq, xs, g0 + q, guarded);
+            qpn_mma_group(acc, aq, xq);
+        }
+    };
+    if (g0 + QPN_TEAM <= xs.left)  // uniform: the round lies in the slice (all but a last, partial one)
+        multiply(false);
+    else
+        multiply(true);
+    qpn_bar_sync(xs.bar_id, xs.bar_threads);  // every warp has read the slots before they are refilled
+#elif QPN_WS
     (void)acc, (void)xf;
     uint4* p = &qpn_ws_a[xs.stage % QPN_WS_STAGES][threadIdx.x >> 5][h][u][0][threadIdx.x & 31];
     p[0] = make_uint4(a[0][0], a[0][1], a[0][2], a[0][3]);
@@ -599,7 +733,7 @@ __device__ __forceinline__ void qpn_ws_batches(int n_local, const QpnX& xs, Load
 template <class Decode>
 __device__ __forceinline__ void qpn_ws_consume(QpnAcc (&acc)[QPN_HT], int g_begin, int n_local, Decode&& decode) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int tile = qpn_ws_tile(w), chunk = qpn_ws_chunk(w);
+    const int tile = qpn_warp_tile(w), chunk = qpn_warp_chunk(w);
     const int stages = (n_local + QPN_UNROLL - 1) / QPN_UNROLL;
     for (int t = 0; t < stages; ++t) {
         const int slot = t % QPN_WS_STAGES;
@@ -796,24 +930,25 @@ __device__ __forceinline__ void qpn_reduce_store(
 {
     __shared__ unsigned last_part;
     const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int split = blockDim.x >> 5;
+    // the warp's K-slice and token chunk (QPN_TEAM: the team's warps hold its 8-token blocks QPN_NB at a time)
+    const int warp = qpn_warp_tile(threadIdx.x >> 5), chunk = qpn_warp_chunk(threadIdx.x >> 5);
+    const int split = (blockDim.x >> 5) / QPN_TEAM;
     const int parts = gridDim.y, part = blockIdx.y;
     const int col0 = 32 * QPN_BLOCK_TILE;
 #pragma unroll
-    for (int j = 0; j < QPN_NB; ++j) {
+    for (int j = 0; j < QPN_NB * QPN_TEAM; ++j) {
         if (8 * j >= m_rows) break;  // uniform
         for (int w0 = 0; w0 < split; w0 += QPN_RED_WARPS) {  // rounds (uniform)
             const int round_warps = min(QPN_RED_WARPS, split - w0);
             const bool last_round = w0 + QPN_RED_WARPS >= split;
             __syncthreads();  // the previous round's (or block's) slots and sums are consumed
-            if (warp >= w0 && warp < w0 + QPN_RED_WARPS) {
+            if (warp >= w0 && warp < w0 + QPN_RED_WARPS && chunk == j / QPN_NB) {
 #pragma unroll
                 for (int h = 0; h < QPN_HT; ++h)
 #pragma unroll
                     for (int rb = 0; rb < 2; ++rb)
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) red[warp - w0][h][rb][i][lane] = acc[h][j][rb][i];
+                        for (int i = 0; i < 4; ++i) red[warp - w0][h][rb][i][lane] = acc[h][j % QPN_NB][rb][i];
             }
             __syncthreads();
             // 256 outputs of this 8-token block: v = 32 * token + column (consecutive threads store
