@@ -101,8 +101,8 @@
 // the GEMM builds (QPN_WARPS slots x T warps). The slots: dynamic shared memory, QPN_HT KiB per warp.
 // Not shipped: measured on the H200 (benchmarks/NOTES.md, "Team builds"), decode teams at M = 24-32 are
 // 1.2-1.9x slower than the shipped builds (the exchange and x loads cost more instructions than the doubled
-// occupancy wins back); GEMM teams of 8 take 0.75-0.91x the shipped GEMM's time at M = 128-256, teams of 4
-// 0.5-1.1x at M = 64. bench_decode.py's team section builds and times them.
+// occupancy wins back); GEMM teams of 8 take 0.64-0.91x the shipped GEMM's time at M = 128-256, teams of 4
+// 0.5-1.2x at M = 64. bench_decode.py's team section builds and times them.
 #ifndef QPN_TEAM
 #define QPN_TEAM 1
 #endif
