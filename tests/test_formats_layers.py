@@ -103,12 +103,14 @@ class FakeArray:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """A stand-in `cupy` and a recording `kernel`: the list of (variant, arguments) launched."""
+    """A stand-in `cupy` and a recording `kernel`: the list of (variant, arguments + dynamic shared memory) launched
+    (the launch signature of cupy.RawKernel: grid, block, args, shared_mem=0)."""
     fake = SimpleNamespace(ndarray=FakeArray, cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     calls: list = []
     for module in (D, L):
-        monkeypatch.setattr(module, "kernel", lambda variant: lambda grid, block, args: calls.append((variant, args)))
+        monkeypatch.setattr(module, "kernel", lambda variant: lambda grid, block, args, shared_mem=0: calls.append(
+            (variant, (*args, np.int64(shared_mem)))))
     monkeypatch.setattr(L, "decode_split", lambda fmt, n, k: (1, 8, 4))  # one part: no workspace
     return calls
 
