@@ -450,6 +450,18 @@ __device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
 #endif
 }
 
+// A lane's 16 bytes of fragment pair jp (x_fragments.cu order): the B fragments of 8-token block 2 jp (bytes
+// 0-7) and, where the build has it, 2 jp + 1 (bytes 8-15).
+__device__ __forceinline__ void qpn_split_pair(QpnFragB& xf, int jp, const uint4& v) {
+    xf[2 * jp] = make_uint2(v.x, v.y);
+    if (2 * jp + 1 < QPN_NB) xf[2 * jp + 1] = make_uint2(v.z, v.w);
+}
+
+// 16 bytes of x fragments through the read-only path (L1-allocating: the other tiles of the SM re-read them)
+__device__ __forceinline__ void qpn_ldg_nc_u4(uint4& v, const void* p) {
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+}
+
 // The B fragments of group g0 + u of the slice (from the source's current position) for every
 // 8-token block j; g0 is a per-batch base, u an immediate.
 __device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, int g0, int u, bool valid)
@@ -465,20 +477,16 @@ __device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, i
     const uint4* p = xs.s + (1 - xs.buf) * QPN_X_STAGE + u * QPN_NB2 * 32 + (threadIdx.x & 31);
 #pragma unroll
     for (int jp = 0; jp < QPN_NB2; ++jp) {
-        const uint4 v = valid ? p[jp * 32] : make_uint4(0u, 0u, 0u, 0u);
-        xf[2 * jp] = make_uint2(v.x, v.y);
-        if (2 * jp + 1 < QPN_NB) xf[2 * jp + 1] = make_uint2(v.z, v.w);
+        qpn_split_pair(xf, jp, valid ? p[jp * 32] : make_uint4(0u, 0u, 0u, 0u));
     }
 #elif QPN_X_FRAG
 #pragma unroll
     for (int jp = 0; jp < QPN_NB2; ++jp) {
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (valid) {
-            const uint4* p = xs.p + (long long)g0 * (QPN_NB2 * 32) + (u * QPN_NB2 + jp) * 32;
-            asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+            qpn_ldg_nc_u4(v, xs.p + (long long)g0 * (QPN_NB2 * 32) + (u * QPN_NB2 + jp) * 32);
         }
-        xf[2 * jp] = make_uint2(v.x, v.y);
-        if (2 * jp + 1 < QPN_NB) xf[2 * jp + 1] = make_uint2(v.z, v.w);
+        qpn_split_pair(xf, jp, v);
     }
 #else
 #pragma unroll
@@ -499,12 +507,8 @@ __device__ __forceinline__ void qpn_load_x_group(QpnFragB& xf, const QpnX& xs, i
 // 32 x 32 -> 64-bit multiply-add.
 __device__ __forceinline__ void qpn_team_x(QpnFragB& xf, const QpnX& xs, int g, bool guarded) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (!guarded || g < xs.left) {
-        const char* p = xs.p + (unsigned long long)(unsigned)g * xs.stride;
-        asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    }
-    xf[0] = make_uint2(v.x, v.y);
-    if (QPN_NB > 1) xf[QPN_NB - 1] = make_uint2(v.z, v.w);
+    if (!guarded || g < xs.left) qpn_ldg_nc_u4(v, xs.p + (unsigned long long)(unsigned)g * xs.stride);
+    qpn_split_pair(xf, 0, v);
 }
 #endif
 
@@ -744,9 +748,7 @@ __device__ __forceinline__ void qpn_ws_consume(QpnAcc (&acc)[QPN_HT], int g_begi
             QpnFragB xf;
 #pragma unroll
             for (int jp = 0; jp < QPN_NB2; ++jp) {
-                const uint4 v = xp[(u * QPN_BLOCK_NB2 + jp) * 32];
-                xf[2 * jp] = make_uint2(v.x, v.y);
-                if (2 * jp + 1 < QPN_NB) xf[2 * jp + 1] = make_uint2(v.z, v.w);
+                qpn_split_pair(xf, jp, xp[(u * QPN_BLOCK_NB2 + jp) * 32]);
             }
 #pragma unroll
             for (int h = 0; h < QPN_HT; ++h) {
