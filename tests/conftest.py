@@ -87,6 +87,14 @@ def compute_sanitizer():
 
 
 @pytest.fixture(scope="session")
+def cp():
+    """CuPy, for the gpu-marked tests (which the collection hook above skips, naming why, where it is absent)."""
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture(scope="session")
 def nvrtc():
     """NVRTC through cuda-bindings (the compile check's compiler, CPU-only); skips with the fix."""
     from qpn.cupy_kernels import loader

@@ -19,13 +19,6 @@ SHAPES = [(64, 128), (256, 512), (4096, 4096)]  # (N, K)
 MS = (1, 7, 64, 300)
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def activations(rng, m, k):
     return rng.standard_normal((m, k)).astype(np.float16)
 

@@ -29,13 +29,6 @@ QPN8_BLOCK_SHAPES = [(128, 128), (256, 384), (384, 256)]
 REAL_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def qpn2_buffers(rng, n, k, scale_bytes=None):
     weight_packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
     weight_scale = rng.choice(NON_NAN_E4M3, size=(n, k // 16)).astype(np.uint8) if scale_bytes is None else scale_bytes

@@ -42,13 +42,6 @@ SHAPES = [(256, 512), (96, 1024), (384, 192), (64, 8192)]
 QPN8_CASES = [(256, 512, False), (96, 1024, False), (384, 256, True), (128, 8192, True), (64, 2064, False)]
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint16)
 

@@ -36,13 +36,6 @@ NON_NAN_E4M3 = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.ui
 G_SCALAR = np.float32(0.1 / 2688)  # ModelOpt-like: amax 0.1
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 # ----------------------------------------------------------------------------- data
 
 

@@ -25,13 +25,6 @@ REAL_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
 SEEDS = (0, 1)
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def nvfp4_tensors(rng, n, k):
     weight_packed = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)  # every nibble, -0 included
     weight_scale = rng.choice(NON_NAN_E4M3, size=(n, k // 16)).astype(np.uint8)

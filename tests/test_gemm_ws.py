@@ -90,13 +90,6 @@ def test_shipped_gemm_geometry_is_a_warp_per_tile():
 SHAPES = [(192, 4096), (1024, 1024)]
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def _call(fmt, gated, x, weights):
     from qpn.cupy_kernels import qpn2_gemm_linear, qpn8_gemm_linear
 

@@ -88,13 +88,6 @@ DECODE_SHAPES = {"qpn2": [(192, 4096), (4096, 2048), (1024, 1024)], "qpn8": [(19
 GEMM_SHAPES = [(192, 4096), (1024, 1024)]
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def _weights(cp, fmt, rng, n, k):
     if fmt == "qpn2":
         codes, scales = qpn2_buffers(rng, n, k)
