@@ -731,24 +731,28 @@ MMA_RATE = 472e12  # m16n8k8 f32-accumulate FLOP/s measured on the H200 (benchma
 # so each must give the shipped build's bits (checked before it is timed). GEMM builds (M = 64-256) and decode
 # builds (M = 17-32, against the shipped nb = 3 / 4 build): (label, T, groups per batch, the formats whose sm_75
 # build keeps the compile check's rules: 64 registers, no spills; tests/test_team_builds.py pins both ways).
-TEAM_GEMM_BUILDS = (("team 4 u1", 4, 1, ("qpn2", "qpn8")), ("team 4 u2", 4, 2, ()), ("team 4 u4", 4, 4, ("qpn8",)),
-                    ("team 8 u2", 8, 2, ()))
+TEAM_GEMM_BUILDS = (("team 4 u1", 4, 1, ("qpn8",)), ("team 4 u2", 4, 2, ("qpn8",)), ("team 4 u4", 4, 4, ("qpn8",)),
+                    ("team 8 u1", 8, 1, ("qpn8",)), ("team 8 u2", 8, 2, ("qpn8",)))
 TEAM_DECODE_BUILDS = (("team 2 u1", 2, 1, ("qpn2", "qpn8")), ("team 2 u2", 2, 2, ()))
-TEAM_GEMM_MS = (64, 128, 256)
+# gated QPN8 (the 64-token build's gated form multiplies 32 tokens per pass): (label, T, groups per batch, tile
+# slots per block: 16 warps, <= 128 registers, all spill-free on sm_75)
+TEAM_GATED_BUILDS = (("gated team 4", 4, 1, 4), ("gated team 8 u1", 8, 1, 2), ("gated team 8 u2", 8, 2, 2))
+TEAM_GEMM_MS = (64, 96, 128, 256)
 TEAM_DECODE_MS = (24, 32)
 
 
-def team_variant(fmt_key: str, team: int, unroll: int, gemm_build: bool):
-    """A team build (16 tokens per warp, 64 registers: 32 warps per SM) of format family fmt_key over the
-    shipped GEMM build's macros (gemm_build) or the shipped M = 25-32 decode build's."""
+def team_variant(fmt_key: str, team: int, unroll: int, gemm_build: bool, gated: bool = False, slots: int = 0):
+    """A team build (16 tokens per warp and tile) of format family fmt_key over the 64-token GEMM build's macros
+    (gemm_build; `slots` tiles per block, default 32 warps at 64 registers) or the shipped M = 25-32 decode
+    build's."""
     from qpn.cupy_kernels import gemm
     from qpn.cupy_kernels import linear as L
     from qpn.cupy_kernels.variants import KernelVariant
     from qpn.ref.formats import BY_KEY
 
     if gemm_build:
-        macros = dict(gemm.gemm_macros(BY_KEY[fmt_key], False))
-        macros.update(QPN_WARPS=str(32 // team))  # tiles per block: 32 warps
+        macros = dict(gemm.gemm_macros(BY_KEY[fmt_key], gated))
+        macros.update(QPN_WARPS=str(slots or 32 // team))  # tiles per block
     else:
         macros = dict(L.decode_macros(fmt_key, 4, False))
         macros.update(QPN_WARPS=str(L.MAX_WARPS), QPN_X_FRAG="1")
@@ -758,7 +762,8 @@ def team_variant(fmt_key: str, team: int, unroll: int, gemm_build: bool):
 
 
 def section_team(ctx: bk.Context) -> bk.Section:
-    """Team builds vs the shipped GEMM (M = 64-256) and decode (M = 24, 32) builds and cuBLAS fp16."""
+    """Team builds vs the 64-token GEMM build (M = 64-256; gated QPN8: its 32-token form) and the shipped decode
+    build (M = 24, 32), and cuBLAS fp16."""
     from qpn.cupy_kernels import gemm
     from qpn.cupy_kernels import linear as L
     from qpn.cupy_kernels.loader import kernel
@@ -769,7 +774,7 @@ def section_team(ctx: bk.Context) -> bk.Section:
     sec = bk.Section("team", "Team builds (QPN_TEAM) vs the shipped builds, us", [
         bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"), bk.Column("fmt", "format"),
         bk.Column("cublas_us", "cuBLAS fp16 us", "{:.1f}"), bk.Column("m1_us", "shipped M=1 us", "{:.1f}"),
-        bk.Column("shipped_us", "shipped us", "{:.1f}"), bk.Column("builds", "team builds: us (x shipped)"),
+        bk.Column("shipped_us", "baseline us", "{:.1f}"), bk.Column("builds", "team builds: us (x baseline)"),
         bk.Column("best_x", "best x cuBLAS", "{:.2f}"), bk.Column("best_m1", "best / M=1", "{:.2f}"),
         bk.Column("wrong", "builds whose bits differ (not timed)"),
     ])
@@ -781,28 +786,35 @@ def section_team(ctx: bk.Context) -> bk.Section:
             is_gemm = m > L.MAX_M
             x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
             cublas = _torch_linear_us(ctx, x, w16)
-            for wf, bufs in ((QPN2, q2), (QPN8, q8)):
+            for wf, bufs, gated in ((QPN2, q2, False), (QPN8, q8, False), *(((QPN8, q8, True),) if is_gemm else ())):
                 nb = -(-m // 8)
-                shipped = ((gemm.QPN2_GEMM[False] if wf is QPN2 else gemm.QPN8_GEMM[False, False]) if is_gemm
+                # the build a team build would replace: the 64-token GEMM build (gated: 32) or the decode build
+                shipped = ((gemm.QPN2_GEMM[False] if wf is QPN2 else gemm.QPN8_GEMM[gated, False]) if is_gemm
                            else (L.QPN2_LINEAR[nb, False] if wf is QPN2 else L.QPN8_LINEAR[nb, False, False]))
-                cfgs = TEAM_GEMM_BUILDS if is_gemm else TEAM_DECODE_BUILDS
-                variants = [shipped] + [team_variant(wf.key, t, u, is_gemm) for _, t, u, _ in cfgs]
-                labels = ["shipped"] + [c[0] for c in cfgs]
-                size = (gemm.gemm_workspace_size(wf.format, m, n, k) if is_gemm
+                if gated:
+                    teams = [team_variant(wf.key, t, u, True, True, sl) for _, t, u, sl in TEAM_GATED_BUILDS]
+                    labels = ["GEMM-32"] + [c[0] for c in TEAM_GATED_BUILDS]
+                else:
+                    cfgs = TEAM_GEMM_BUILDS if is_gemm else TEAM_DECODE_BUILDS
+                    teams = [team_variant(wf.key, t, u, is_gemm) for _, t, u, _ in cfgs]
+                    labels = ["GEMM-64" if is_gemm else "shipped"] + [c[0] for c in cfgs]
+                variants = [shipped, *teams]
+                size = (max(gemm._workspace_ends(wf, m, n, k, gated, False, v)[-1] for v in variants) if is_gemm
                         else L.decode_workspace_size(wf.format, m, n, k)) + 4096
                 workspace = cp.empty(size, cp.float32)
 
-                def call(i, v, y, xx=x):
+                def call(i, v, y, xx=x, gated=gated):
                     w = bufs[i % slots]
                     weights = (*w, g_dev, np.int32(0)) if wf is QPN2 else (w[0], w[1], np.int32(0))
                     if dict(v.defines).get("QPN_GEMM") == "1":
-                        gemm.launch_gemm(wf, v, weights, xx, y, n, False, workspace)
+                        gemm.launch_gemm(wf, v, weights, xx, y, n, gated, workspace)
                     else:
                         L.launch_decode(wf, kernel(v), weights, xx, y, n, False, workspace, xx.shape[0] > 8,
                                         L.team_of(v.defines))
 
-                ys = [cp.empty((m, n), cp.float16) for _ in variants]
-                row = {"n": n, "k": k, "m": m, "fmt": wf.key, "cublas_us": cublas, "wrong": ""}
+                ys = [cp.empty((m, n // 2 if gated else n), cp.float16) for _ in variants]
+                row = {"n": n, "k": k, "m": m, "fmt": wf.key + (" gated" if gated else ""), "cublas_us": cublas,
+                       "wrong": ""}
                 y1 = cp.empty((1, n), cp.float16)
                 m1 = L.QPN2_LINEAR[1, False] if wf is QPN2 else L.QPN8_LINEAR[1, False, False]
                 row["m1_us"] = ctx.time_calls(lambda i: call(i, m1, y1, x1), slots)["us"]
@@ -822,8 +834,10 @@ def section_team(ctx: bk.Context) -> bk.Section:
                 print(" | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()), flush=True)
         del q2, q8, w16
         cp.get_default_memory_pool().free_all_blocks()
-    sec.notes.append("bits: every team build's output equals the shipped build's (same split / parts); cuBLAS fp16 "
-                     "= F.linear on the same W16 in a torch CUDA graph; M=1: the shipped decode build")
+    sec.notes.append("baseline: the build a team build replaces -- GEMM rows the 64-token GEMM build (GEMM-64; gated: "
+                     "GEMM-32, its gated form), decode rows the shipped M = 17-32 decode build; bits: every team "
+                     "build's output equals the baseline's (same split / parts); cuBLAS fp16 = F.linear on the same "
+                     "W16 (gated rows: the plain layer) in a torch CUDA graph; M=1: the shipped plain decode build")
     return sec
 
 

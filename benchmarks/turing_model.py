@@ -27,7 +27,9 @@ Method (every step reads the compiled code, nothing about the loop is hard-coded
 4. Unit: the group-tile, 16 k x 32 columns = 512 weights, one warp's work per group and tile.
    Group-tiles per iteration = HMMA / (4 * QPN_NB): an m16n8k8 HMMA multiplies 16 columns x 8 k
    of weights by one 8-token block, so a group-tile is 4 HMMA per 8-token block. It must equal
-   QPN_UNROLL x tiles per block from the variant's macros (checked: a mismatch is an error).
+   QPN_UNROLL x tiles per block from the variant's macros (checked: a mismatch is an error). A team build
+   (QPN_TEAM = T: the QPN8 GEMM above M = 64) decodes U group-tiles per iteration and multiplies T U, so
+   its HMMA per group-tile are 4 QPN_NB T and its loop is followed for the QPN_WARPS x T warps of a block.
 5. Pipes (`PIPES_*`): instructions per group-tile by class, cycles per SM at each pipe's rate,
    plus issue (one warp-instruction per clock per SM sub-partition, 4 per SM). Option
    (`Card.fp16_on_tensor`): fp16x2 instructions share a dispatch port with the tensor cores (Turing
@@ -73,7 +75,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from qpn.cupy_kernels import compile_check, gemm, loader, moe, mxfp4
+from qpn.cupy_kernels import compile_check, gemm, linear, loader, moe, mxfp4
 from qpn.cupy_kernels.variants import KernelVariant
 
 # ----------------------------------------------------------------------------- the machines
@@ -780,7 +782,7 @@ class LoopStats:
 
     label: str
     arch: str
-    nb: int  # 8-token blocks (QPN_NB)
+    nb: int  # 8-token blocks of each warp (QPN_NB)
     instructions: float  # per iteration, mean over the block's warps
     group_tiles: int  # per iteration
     counts: Counter  # class -> per iteration (mean over the warps)
@@ -791,6 +793,13 @@ class LoopStats:
     warps: int = 1  # warps per block the loop was followed for (QPN_WARPS)
     per_warp: tuple[int, ...] = ()  # instructions per iteration of each warp
     fp16: float = 0.0  # fp16x2 instructions (FP16X2_OPS, part of "fp") per iteration
+    team: int = 1  # QPN_TEAM: warps that share each decoded group-tile, each multiplying its own 8 nb tokens
+    tiles: int = 1  # tiles per warp (gated: the gate and the up tile), which share each x load
+
+    @property
+    def tokens(self) -> int:
+        """Tokens each decoded group-tile is multiplied by: a GEMM build's tokens per pass over the weight."""
+        return 8 * self.nb * self.team
 
     def per_gt(self, cls: str | None = None) -> float:
         return (self.instructions if cls is None else self.counts.get(cls, 0)) / self.group_tiles
@@ -816,26 +825,33 @@ def measure(variant: KernelVariant, arch: str, nvrtc: loader.NVRTC, nvdisasm: Pa
     if variant.kernel not in functions:
         raise ValueError(f"{variant.kernel} not in the {arch} SASS of {variant.source} (found {sorted(functions)})")
     fn = functions[variant.kernel]
-    warps = _macro(variant, "QPN_WARPS", 16)
+    # a team build (QPN_TEAM = T) has T warps per tile slot (K-slice), and a warp's iteration holds its own U
+    # groups' decode and the T U group-tiles of its team multiplied by its tokens: per group-tile of the team's
+    # 8 nb T tokens, the team issues one warp's iteration / U (qpn_mma.cuh)
+    team = _macro(variant, "QPN_TEAM", 1)
+    warps = _macro(variant, "QPN_WARPS", 16) * team
     loops = [steady_loop(fn, WarpLaunch(w, warps)) for w in range(warps)]
     nb = _macro(variant, "QPN_NB", 1)
-    tiles = 2 if _macro(variant, "QPN_GATED", 0) else 1  # per warp: gated, the gate and the up tile
+    gated = bool(_macro(variant, "QPN_GATED", 0))
+    tiles = 2 if gated else 1  # per warp: gated, the gate and the up tile
     expected = _macro(variant, "QPN_UNROLL", 4) * tiles
     counts: Counter = Counter()
     for loop in loops:
         c = class_counts(loop)
         hmma = c.get("hmma", 0)
-        if hmma != HMMA_PER_GROUP_TILE_PER_NB * nb * expected:
+        if hmma != HMMA_PER_GROUP_TILE_PER_NB * nb * team * expected:
             raise ValueError(
                 f"{variant.label} {arch}: the loop holds {hmma} HMMA, not {HMMA_PER_GROUP_TILE_PER_NB} x QPN_NB {nb} x "
-                f"QPN_UNROLL x tiles {expected}: the loop's unit changed, update turing_model's group-tile rule"
+                f"QPN_TEAM {team} x QPN_UNROLL x tiles {expected}: the loop's unit changed, update turing_model's "
+                "group-tile rule"
             )
         counts.update({k: v / warps for k, v in c.items()})
     unknown = tuple(sorted({x.base for loop in loops for x in loop if classify(x.op) == "other"}))
+    smem = resources.smem + linear.team_shared_bytes(team, warps, gated)  # + the team slots (dynamic)
     return LoopStats(variant.label, arch, nb, sum(map(len, loops)) / warps, expected, counts,
                      sum(stream_bytes(loop) for loop in loops) / warps, unknown, resources.registers or 0,
-                     resources.smem, warps, tuple(len(loop) for loop in loops),
-                     sum(x.base in FP16X2_OPS for loop in loops for x in loop) / warps)
+                     smem, warps, tuple(len(loop) for loop in loops),
+                     sum(x.base in FP16X2_OPS for loop in loops for x in loop) / warps, team, tiles)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -909,14 +925,16 @@ def project_gemm(stats: LoopStats, card: Card, m: int, n: int, k: int) -> GemmPr
     """A GEMM-build call (cupy_kernels/gemm.py) on `card`: ceil(M / tokens) passes over the weight, each
     pass `group-tiles x` the slowest per-group-tile limit (issue, pipes, HMMA, DRAM for the weight,
     L2 for weight + x staged once per block). The same upper-bound assumptions as `project`."""
-    tokens = 8 * stats.nb
+    tokens = stats.tokens
     passes = -(-m // tokens)
     cycles = pipe_cycles(stats, card)
     ns = {name: c / (card.sms * card.ghz) for name, c in cycles.items()}
     weight = stats.stream_bytes / stats.group_tiles
     ns["dram"] = weight / card.read_ceiling_gbps
     if card.l2_gbps:
-        ns["l2"] = (weight + X_BYTES_PER_TOKEN * tokens / gemm.GEMM_WARPS) / card.l2_gbps  # x: once per block
+        # x: staged once per block of GEMM_WARPS warps; a team build's warps load their own; a warp's tiles share it
+        x_share = stats.tiles * (1 if stats.team > 1 else gemm.GEMM_WARPS)
+        ns["l2"] = (weight + X_BYTES_PER_TOKEN * tokens / x_share) / card.l2_gbps
     limit = max(ns, key=lambda name: ns[name])
     group_tiles = (n // 32) * (k // 16)
     tensor = 2.0 * m * n * k / (2.0 * card.hmma_fma_per_clk * card.sms * card.ghz * 1e9) * 1e6
@@ -995,8 +1013,6 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
               l2rate_results: Path | None = None) -> dict:
     """Measure every decode variant and GEMM build on sm_75 (and the decode variants on sm_90 for the
     H200 check and the estimates); returns everything the report and the record need."""
-    from qpn.cupy_kernels import linear  # the wrapper module registers the decode variants
-
     variants = (*linear.DECODE_VARIANTS, *mxfp4.QPNMX_LINEAR.values()) if variants is None else variants
     nvrtc = nvrtc or loader.CudaBindingsNVRTC()
     nvdisasm = nvdisasm or find_nvdisasm()
@@ -1260,8 +1276,12 @@ def _gemm_section(res: dict) -> list[str]:
         "## GEMM builds (M > 32) on the Tesla T4: bounds",
         "",
         "The decode kernels built as a GEMM (cupy_kernels/gemm.py): 64 tokens per warp (gated: 32), x staged "
-        "once per block of 8 tiles. Loops as they run (x staging included; warps whose tid leaves the staging "
-        "loop empty take the shorter way: 'per warp').",
+        "once per block of 8 tiles; the QPN8 team builds (gemm.GEMM_TEAMS, run from M = 65; gated teams of 4 "
+        "from M = 33): T warps per tile, each decoding every T-th group into shared memory and multiplying all "
+        "of them by its own 16 tokens (gated: of both tiles), 16 T tokens per pass. Loops as they run (x "
+        "staging included; warps whose tid leaves the staging loop empty take the shorter way: 'per warp'); "
+        "a team build's instr/gt is its team's per group-tile (one warp's iteration / its own groups), and its "
+        "loop does not show the cost of waiting at the team's barriers (two per round).",
         "",
         "| build | per iter (per warp) | gt/iter | instr/gt | hmma/gt | fp16x2/gt | weight B/gt | regs | smem B | "
         "warps/SM |",
@@ -1271,23 +1291,25 @@ def _gemm_section(res: dict) -> list[str]:
         per_warp = "/".join(str(n) for n in sorted(set(s.per_warp)))
         out.append(f"| {_family_name(v)} | {_fmt(s.instructions)} ({per_warp}) | {s.group_tiles} | "
                    f"{_fmt(s.per_gt())} | {_fmt(s.per_gt('hmma'))} | {_fmt(s.fp16 / s.group_tiles)} | "
-                   f"{_fmt(s.stream_bytes / s.group_tiles)} | {s.registers} | {s.smem} | {_warps(s, 8)} |")
+                   f"{_fmt(s.stream_bytes / s.group_tiles)} | {s.registers} | {s.smem} | {_warps(s, s.warps)} |")
     out += [
         "",
-        "One call = ceil(M / 64) passes over the weight (each re-streams it from DRAM: no T4 L2 holds a layer), "
+        "One call = ceil(M / tokens) passes over the weight (64 tokens; team builds 16 T; each re-streams it "
+        "from DRAM: no T4 L2 holds a layer), "
         "each group-tile at its slowest limit. Floors of any fp16 GEMM on the card: tensor = 2 M N K at "
         f"{2 * t4.hmma_fma_per_clk * t4.sms * t4.ghz / 1e3:.1f} TFLOP/s at 1.59 GHz (HMMA with fp32 accumulation, "
         f"full rate on the T4); fp16 read = the fp16 weight + x + y once at {t4.read_ceiling_gbps:.0f} GB/s. "
         "cuBLAS fp16 cannot beat max(tensor, fp16 read); the dense path adds the dequantize pass "
-        "(write 2 N K, read 0.5625 N K bytes) to it. The 1.25 GHz column: fp16 on the tensor port too.",
+        "(write 2 N K, read 0.5625 N K bytes) to it. The 1.25 GHz column: fp16 on the tensor port too. Gated "
+        "rows: N x K is the gate and up weight together (N / 2 outputs). x bytes through L2: staged once per "
+        "block of 8 warps; a team build's warps load their own tokens' x (gated: once for both tiles; no reuse "
+        "between the teams of a block counted: where the block's teams hit the same x in L1 the L2 bound is lower).",
         "",
         "| build | N x K | M | bound us 1.59 GHz (limit) | bound us 1.25 GHz (limit) | tensor floor us | "
         "fp16 read floor us | x max(floors) | dense path floor us |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for v, s in res.get("gemm", {}).items():
-        if dict(v.defines).get("QPN_GATED") == "1":
-            continue
         for n, k in GEMM_SHAPES:
             for m in GEMM_MS:
                 p = project_gemm(s, t4, m, n, k)
@@ -1331,7 +1353,8 @@ def _family_name(v: KernelVariant) -> str:
     """The family name of a build: its kernel, gated, FP8 block scales, MXFP4 (QPN_MX)."""
     d = dict(v.defines)
     return v.kernel + (" gated" if d.get("QPN_GATED") == "1" else "") + (
-        " block-scales" if d.get("QPN8_BLOCK_SCALES") == "1" else "") + (" mx" if d.get("QPN_MX") == "1" else "")
+        " block-scales" if d.get("QPN8_BLOCK_SCALES") == "1" else "") + (" mx" if d.get("QPN_MX") == "1" else "") + (
+        f" team {d['QPN_TEAM']}" if d.get("QPN_TEAM", "1") != "1" else "")
 
 
 def _h200_section(res: dict) -> list[str]:

@@ -9,12 +9,16 @@ GEMM build changes is the work split and where x comes from (qpn_mma.cuh, "QPN_G
 - the block stages each batch's x fragments (x_fragments.cu order) into shared memory once and
   all its tiles read them there: x crosses L2 -> SM once per 256 columns instead of once per 32;
 - K is split across blocks into `parts` only to fill the GPU (gemm_split); the parts are added in
-  a fixed order by the last block to arrive, as in the decode kernels.
+  a fixed order by the last block to arrive, as in the decode kernels;
+- QPN8 above M = 64 (gated: 32): team builds (qpn_mma.cuh, QPN_TEAM): 8 (gated M <= 64: 4) warps share
+  each tile's decode through shared memory, each multiplying its own 16 tokens, so one pass over the
+  weight serves 128 (64) tokens instead of 64 (gated: 32). GEMM_TEAMS says why QPN8 only.
 
 Numerics: the contract's W16, fp32 accumulation in the tensor core (m16n8k8), one RN16 per output.
 Batch invariance: each output is the fp32 sum over the part's groups in ascending order, then the
 parts in ascending order; the split depends on N, K and the SM count only, and tokens never share
-a sum, so a row gives the same bits in every GEMM call whatever M. It may differ from the same row
+a sum, so a row gives the same bits in every GEMM call whatever M (and whichever build runs it: the
+team builds add the same terms in the same order). It may differ from the same row
 run through the decode kernels (M <= 32) in the last bits before rounding: those split K between
 warps as well (decode_split), a different order of the same fp32 additions, within the contract's
 bound (qpn.ref.linear_bounds). Keeping the decode order here would cost a second set of 64
@@ -83,6 +87,25 @@ GEMM_MAX_M_OTHER = 64  # the H200's crossover, for every card newer than Turing
 GEMM_MAX_PARTS_OTHER = 13
 
 
+# Team builds (QPN8 only): T warps share each tile's decode, each multiplying its own 16 tokens (gated: of both its
+# tiles, one x load for the two) and decoding every T-th group into a 1 KiB shared-memory slot per tile
+# (qpn_mma.cuh, QPN_TEAM), so one pass over the weight serves 16 T tokens: 128 from M = 65, and for gated layers,
+# whose build above holds 32 tokens in its 64 accumulators per lane, 64 from M = 33. The same fp32 sums in the
+# same order as that build, with the same split (gemm_split): every row keeps its bits whichever build runs it.
+# Blocks: plain 32 warps at 64 registers (one per SM on sm_75 and sm_90), gated 16 at <= 128.
+# Measured on the H200 (benchmarks/results/team_h200/team6.md), time / the build above: plain team of 8 0.79-0.93
+# at M = 96-256 on 28672x8192 and 14336x4096 (4096x4096: 0.61-0.75), gated team of 8 0.67-0.81, gated team of 4
+# at M = 64 0.57-0.85. Turing, by the model's bounds (results/turing_model.md; not measured): each pass of the
+# QPN8 GEMM is DRAM-bound (28672x8192: 816 us per 64 tokens), so fewer passes lower the bound where x does not
+# take over: gated M = 128 3262 -> 925 us, M = 64 1631 -> 816; plain M = 128 1631 -> 1665 us with x from L2 for
+# each of the block's 4 teams (the x of one 128-token group-tile is 8x its weight bytes), 923 if they share it
+# in L1. QPN2's passes are bound by the HMMA already (923 us either way) and its team builds spill at 64 registers.
+GEMM_TEAMS = {False: ((65, 8),), True: ((65, 8), (33, 4))}  # by gated: (from M, T), the first that M reaches
+GEMM_TEAM_WARPS = {False: 32, True: 16}  # warps per block (tile slots = warps / T), by gated
+# groups per batch: 2 spills the plain block-scale build (8 bytes on sm_75); teams of 4 measured at 1
+GEMM_TEAM_UNROLL = {(QPN8.key, 8): 2, (QPN8.key, 4): 1, (QPN8_BLOCK.key, 8): 1, (QPN8_BLOCK.key, 4): 1}
+
+
 def gemm_nb(gated: bool) -> int:
     """8-token blocks per GEMM block: 64 fp32 accumulators per lane (gated holds two tiles)."""
     return 4 if gated else 8
@@ -101,12 +124,34 @@ def gemm_macros(wf: WeightFormat, gated: bool) -> tuple[tuple[str, str], ...]:
     )))
 
 
+def team_macros(wf: WeightFormat, gated: bool, team: int) -> tuple[tuple[str, str], ...]:
+    """The team build of QPN8 family `wf` with teams of `team` warps (the constants above), over gemm_macros."""
+    macros = dict(gemm_macros(wf, gated))
+    macros.update(QPN_TEAM=str(team), QPN_NB="2", QPN_WARPS=str(GEMM_TEAM_WARPS[gated] // team),
+                  QPN_UNROLL=str(GEMM_TEAM_UNROLL[wf.key, team]), QPN_MIN_BLOCKS="1")
+    return tuple(sorted(macros.items()))
+
+
 QPN2_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", gemm_macros(QPN2, gated), archs=("sm_75",))
              for gated in (False, True)}
 QPN8_GEMM = {(gated, block): KernelVariant("qpn8_linear.cu", "qpn8_linear",
                                            gemm_macros(QPN8_BLOCK if block else QPN8, gated), archs=("sm_75",))
              for gated in (False, True) for block in (False, True)}
-KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values())
+QPN8_TEAM = {(gated, block, team): KernelVariant("qpn8_linear.cu", "qpn8_linear",
+                                                 team_macros(QPN8_BLOCK if block else QPN8, gated, team),
+                                                 archs=("sm_75",))
+             for gated in (False, True) for block in (False, True) for _, team in GEMM_TEAMS[gated]}
+KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values(), *QPN8_TEAM.values())
+
+
+def gemm_variant(wf: WeightFormat, gated: bool, m: int) -> KernelVariant:
+    """The GEMM build a call of M rows runs: QPN8's team build of the largest team M reaches (GEMM_TEAMS), else
+    the build of gemm_macros."""
+    gated, block = bool(gated), wf is QPN8_BLOCK
+    if wf is QPN2:
+        return QPN2_GEMM[gated]
+    team = next((t for from_m, t in GEMM_TEAMS[gated] if m >= from_m), None)
+    return QPN8_GEMM[gated, block] if team is None else QPN8_TEAM[gated, block, team]
 
 
 _DEVICE: dict[int, tuple[int, int]] = {}  # device id -> (multiprocessors, compute capability major)
@@ -195,10 +240,8 @@ def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool, bf16:
 def gemm_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False, bf16: bool = False) -> int:
     """fp32 elements of the workspace a GEMM call needs (bf16 x's fp16 rows, x fragments, split-K partials,
     tickets): pass one of at least this size where allocations must come from the caller (graph capture)."""
-    wf = require_family(format)
-    # every family's build has the same geometry (gemm_macros): QPN2's sizes the tickets of all
-    shipped = KernelVariant("", "", gemm_macros(QPN2, gated))
-    return _workspace_ends(wf, m, n, k, gated, bf16, shipped)[-1]
+    wf = require_family(format)  # QPN8's channel- and block-scale builds have one geometry (team_macros)
+    return _workspace_ends(wf, m, n, k, gated, bf16, gemm_variant(wf, gated, m))[-1]
 
 
 def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int,
@@ -261,10 +304,11 @@ def qpn8_gemm_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, ou
 
 def launch_qpn2_gemm(x: CupyArray, codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int,
                      y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
-    launch_gemm(QPN2, QPN2_GEMM[bool(gated)], (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace)
+    launch_gemm(QPN2, gemm_variant(QPN2, gated, x.shape[0]), (codes, scales, g, np.int32(g_stride)), x, y, n, gated,
+                workspace)
 
 
 def launch_qpn8_gemm(x: CupyArray, codes: CupyArray, group_scales: CupyArray, wf: WeightFormat, n: int,
                      y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     weights = (codes, group_scales, np.int32(qpn8_strides(wf, n)[0]))
-    launch_gemm(QPN8, QPN8_GEMM[bool(gated), wf is QPN8_BLOCK], weights, x, y, n, gated, workspace)
+    launch_gemm(QPN8, gemm_variant(wf, gated, x.shape[0]), weights, x, y, n, gated, workspace)

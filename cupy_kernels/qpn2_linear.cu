@@ -373,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
                 a[rb][i] = exact ? qpn2_decode_exact(e[i], __uint_as_float(c)) : qpn2_decode_fast(e[i], c);
             }
         }
-        qpn_take_group(acc[tt], a, xf, xs, u, tt);
+        qpn_take_group(acc, a, xf, xs, u, tt);
     };
 
     // One batch: look the U groups' block constants up, vote once whether any block needs the

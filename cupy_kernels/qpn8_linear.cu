@@ -184,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
                 QpnFragA a;
                 decode(f, tt, g0 + QPN_TEAM * u, a);
 
-                qpn_take_group(acc[tt], a, xf, xs, u, tt);
+                qpn_take_group(acc, a, xf, xs, u, tt);
 #endif
             }
         }

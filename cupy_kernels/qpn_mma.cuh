@@ -92,17 +92,18 @@
 // multiplies its own 8 * QPN_NB tokens (the team's are 8 * QPN_NB * T); the team walks its K range in rounds
 // of T groups: in round v warp r (its rank) loads and decodes group T v + r only, stores its A fragments into
 // its shared-memory slot, and after a team barrier every warp multiplies the round's T group-tiles, in
-// ascending group order, by its own tokens (qpn_take_group; a second barrier before the slots are refilled).
+// ascending group order, by its own tokens (qpn_take_group; a second barrier before the slots are refilled;
+// gated: both tiles' group-tiles of the round, one x load per group for the two).
 // Each output is the same fp32 sum as in the build without teams (the same groups in the same order through
 // the same mma: 8-token blocks never share a sum), so the bits are that build's. What changes: a warp decodes
 // 1/T of the groups and holds 1/T of the accumulators, so more warps fit per SM (the M = 25-32 decode build:
 // 32 warps at 64 registers instead of 16 at 108-116) and the GEMM decodes each group-tile once per 8 * QPN_NB
 // * T tokens. A team is a K-slice in the decode builds (the block holds split x T warps) and a tile slot in
 // the GEMM builds (QPN_WARPS slots x T warps). The slots: dynamic shared memory, QPN_HT KiB per warp.
-// Not shipped: measured on the H200 (benchmarks/NOTES.md, "Team builds"), decode teams at M = 24-32 are
-// 1.2-1.9x slower than the shipped builds (the exchange and x loads cost more instructions than the doubled
-// occupancy wins back); GEMM teams of 8 take 0.64-0.91x the shipped GEMM's time at M = 128-256, teams of 4
-// 0.5-1.2x at M = 64. bench_decode.py's team section builds and times them.
+// Shipped: the QPN8 GEMM's teams (gemm.py, GEMM_TEAMS: 128 tokens per pass from M = 65, gated 64 from M = 33;
+// 0.57-0.93x the time of the build they replace on the H200). Not shipped: the decode teams, 1.2-1.9x slower at
+// M = 24-32 (the exchange and x loads cost more instructions than the doubled occupancy wins back), and QPN2's
+// (they spill at 64 registers). benchmarks/NOTES.md, "Team builds"; bench_decode.py's team section times them.
 #ifndef QPN_TEAM
 #define QPN_TEAM 1
 #endif
@@ -596,28 +597,34 @@ __device__ __forceinline__ void qpn_batch_end(QpnX& xs) {
 #endif
 }
 
-// A decoded group-tile (tile h, group u of the batch): multiplied into the warp's accumulators, or
+// A decoded group-tile (tile h, group u of the batch): multiplied into the warp's accumulators of tile h, or
 // (QPN_WS producers) stored into the ring for the tile's consumers. (QPN_WS_RAW producers store codes.)
 #if !QPN_WS_RAW
-__device__ __forceinline__ void qpn_take_group(QpnAcc& acc, const QpnFragA& a, const QpnFragB& xf, const QpnX& xs,
-                                               int u, int h) {
-#if QPN_TEAM > 1  // into the warp's slot; then the round's T group-tiles (the team's slots) by the warp's tokens
+__device__ __forceinline__ void qpn_take_group(QpnAcc (&acc)[QPN_HT], const QpnFragA& a, const QpnFragB& xf,
+                                               const QpnX& xs, int u, int h) {
+#if QPN_TEAM > 1
+    // into the warp's slot of tile h; after the last tile's, the round's T group-tiles of every tile (the team's
+    // slots) by the warp's tokens: one barrier pair and one x load per group for all QPN_HT tiles
     (void)xf;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     uint4* mine = qpn_team_a + (w * QPN_HT + h) * 64 + lane;
     mine[0] = make_uint4(a[0][0], a[0][1], a[0][2], a[0][3]);
     mine[32] = make_uint4(a[1][0], a[1][1], a[1][2], a[1][3]);
+    if (h < QPN_HT - 1) return;
     qpn_bar_sync(xs.bar_id, xs.bar_threads);
-    const uint4* team = qpn_team_a + ((w - qpn_warp_chunk(w)) * QPN_HT + h) * 64 + lane;
+    const uint4* team = qpn_team_a + (w - qpn_warp_chunk(w)) * QPN_HT * 64 + lane;
     const int g0 = QPN_TEAM * (xs.round + u);
     auto multiply = [&](bool guarded) {
 #pragma unroll
         for (int q = 0; q < QPN_TEAM; ++q) {
-            const uint4 a0 = team[q * QPN_HT * 64], a1 = team[q * QPN_HT * 64 + 32];
-            const QpnFragA aq = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
             QpnFragB xq;
-            qpn_team_x(xq, xs, g0 + q, guarded);
-            qpn_mma_group(acc, aq, xq);
+#pragma unroll
+            for (int t = 0; t < QPN_HT; ++t) {
+                const uint4 a0 = team[(q * QPN_HT + t) * 64], a1 = team[(q * QPN_HT + t) * 64 + 32];
+                const QpnFragA aq = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
+                if (t == 0) qpn_team_x(xq, xs, g0 + q, guarded);  // after tile 0's A: the plain build's order
+                qpn_mma_group(acc[t], aq, xq);
+            }
         }
     };
     if (g0 + QPN_TEAM <= xs.left)  // uniform: the round lies in the slice (all but a last, partial one)
@@ -631,8 +638,8 @@ __device__ __forceinline__ void qpn_take_group(QpnAcc& acc, const QpnFragA& a, c
     p[0] = make_uint4(a[0][0], a[0][1], a[0][2], a[0][3]);
     p[32] = make_uint4(a[1][0], a[1][1], a[1][2], a[1][3]);
 #else
-    (void)xs, (void)u, (void)h;
-    qpn_mma_group(acc, a, xf);
+    (void)xs, (void)u;
+    qpn_mma_group(acc[h], a, xf);
 #endif
 }
 #endif
@@ -1026,7 +1033,17 @@ __device__ __forceinline__ void qpn_reduce_store(
 template <class Visit>
 __device__ __forceinline__ void qpn_gemm_each_pair(const QpnSlice& sl, int m_rows, int y_cols, Visit&& visit) {
     const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
-    const int col_base = 32 * sl.slot + 8 * (gid & 3) + 4 * (gid >> 2);  // col(4 gid + 2 rb) - 2 rb
+#if QPN_TEAM > 1
+    // the warp's slot (a live warp's: unclamped) re-read here: held through the K loop, it spilled the
+    // 64-register team builds (the other builds keep sl.slot: re-read, it spilled the gated MXFP4 GEMM)
+    unsigned bx, tid;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bx));
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const int slot = (int)bx * QPN_WARPS + qpn_warp_tile((int)(tid >> 5));
+#else
+    const int slot = sl.slot;
+#endif
+    const int col_base = 32 * slot + 8 * (gid & 3) + 4 * (gid >> 2);  // col(4 gid + 2 rb) - 2 rb
     const int m_base = sl.tok0 + 2 * t;
 #pragma unroll
     for (int j = 0; j < QPN_NB; ++j)

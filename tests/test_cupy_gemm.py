@@ -89,6 +89,33 @@ def test_gemm_builds_are_in_the_compile_registry():
     assert all(dict(v.defines)["QPN_GEMM"] == "1" for v in gemm.KERNEL_VARIANTS)
 
 
+def test_qpn8_runs_team_builds_past_one_pass(nvrtc):
+    """Which build a GEMM call runs (gemm.gemm_variant): QPN8 from M = 65 the team of 8 (128 tokens per pass),
+    gated QPN8 from M = 33 the team of 4 (64) and from 65 the team of 8; QPN2 and every smaller M the build of
+    gemm_macros. Each team build keeps the compile check's rules on sm_75 and holds 32 warps per Turing SM
+    (gated: 16, at <= 128 registers) with its shared-memory slots, and its launch geometry is what its macros say."""
+    from qpn.cupy_kernels import compile_check, gemm
+    from qpn.cupy_kernels import linear as L
+    from qpn.ref.formats import QPN2, QPN8, QPN8_BLOCK
+
+    def tokens(wf, gated, m):
+        return gemm.build_geometry(gemm.gemm_variant(wf, gated, m).defines)[1]
+
+    for wf in (QPN8, QPN8_BLOCK):
+        assert [tokens(wf, False, m) for m in (1, 33, 64, 65, 128, 512)] == [64, 64, 64, 128, 128, 128]
+        assert [tokens(wf, True, m) for m in (1, 32, 33, 64, 65, 512)] == [32, 32, 64, 64, 128, 128]
+    assert {tokens(QPN2, g, m) for g in (False, True) for m in (1, 65, 512)} == {64, 32}
+    reports, _ = compile_check.check_variants(tuple(gemm.QPN8_TEAM.values()), nvrtc=nvrtc)
+    for (gated, _, team), variant in gemm.QPN8_TEAM.items():
+        (report,) = [r for r in reports if r.label == variant.label and r.arch == "sm_75"]
+        assert report.stats is not None and not report.problems, f"{variant.label}: {report.problems}"
+        slots, _, threads = gemm.build_geometry(variant.defines)
+        warps = threads // 32
+        assert warps == gemm.GEMM_TEAM_WARPS[gated] == slots * team
+        smem = report.stats.smem + L.team_shared_bytes(team, warps, gated)
+        assert compile_check.occupancy_sm75(report.stats.registers, smem, warps).warps == (16 if gated else 32)
+
+
 # ----------------------------------------------------------------------------- GPU: accuracy
 
 
@@ -174,19 +201,52 @@ def test_gemm_gated(cp, fmt, m):
 
 
 @pytest.mark.gpu
-def test_gemm_workspace_from_the_caller(cp):
-    """A caller-provided workspace of gemm_workspace_size elements gives the same bits; a smaller one is refused."""
-    from qpn.cupy_kernels import gemm_workspace_size, qpn2_gemm_linear
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_team_builds_give_the_one_pass_builds_bits(cp, monkeypatch, block, gated, dtype):
+    """Every QPN8 team build the GEMM runs gives, call for call, the bits of the build of gemm_macros (64 tokens
+    per pass; gated 32): the same split and the same fp32 sums in the same order (gemm.GEMM_TEAMS). M crosses
+    the teams' thresholds and leaves warps with no tokens; K in parts (8192) and one part (256)."""
+    from qpn.cupy_kernels import gemm, qpn8_gemm_linear
 
-    n, k, m = 64, 8192, 70  # parts > 1: fragments, partials and tickets all in the workspace
+    rng = np.random.default_rng(11)
+    for n, k in ((384, 256), (128, 8192)):
+        codes, gs = qpn8_buffers(rng, n, k, block=block)
+        weights = (cp.asarray(codes), cp.asarray(gs))
+        for m in (33, 64, 65, 100, 200):
+            x = cp.asarray(activations(rng, m, k))
+            if dtype == "bfloat16":  # bf16 bits travel as int16 (cupy_kernels/bf16.py)
+                x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
+            ran = qpn8_gemm_linear(x, *weights, gated=gated).get()
+            with monkeypatch.context() as patch:
+                patch.setattr(gemm, "gemm_variant", lambda wf, g, mm: gemm.QPN8_GEMM[g, block])
+                one_pass = qpn8_gemm_linear(x, *weights, gated=gated).get()
+            assert np.array_equal(ran.view(np.uint16), one_pass.view(np.uint16)), f"N={n} K={k} M={m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,m,gated", [("nvfp4", 70, False), ("fp8", 70, False), ("fp8", 40, True),
+                                         ("fp8", 130, True)])
+def test_gemm_workspace_from_the_caller(cp, fmt, m, gated):
+    """A caller-provided workspace of gemm_workspace_size elements gives the same bits; a smaller one is refused
+    (the QPN8 team builds' ticket grid included: gated M = 40 and 130, plain M = 70)."""
+    from qpn.cupy_kernels import gemm_workspace_size, qpn2_gemm_linear, qpn8_gemm_linear
+
+    n, k = 128, 8192  # parts > 1: fragments, partials and tickets all in the workspace
     rng = np.random.default_rng(5)
-    codes, scales = qpn2_buffers(rng, n, k)
-    args = (cp.asarray(activations(rng, m, k)), cp.asarray(codes), cp.asarray(scales), G_SCALAR)
-    size = gemm_workspace_size("nvfp4", m, n, k)
-    y = qpn2_gemm_linear(*args, workspace=cp.full(size, np.nan, dtype=np.float32)).get()
-    assert np.array_equal(_bits(y), _bits(qpn2_gemm_linear(*args).get()))
+    if fmt == "nvfp4":
+        codes, scales = qpn2_buffers(rng, n, k)
+        op, args = qpn2_gemm_linear, (cp.asarray(codes), cp.asarray(scales), G_SCALAR)
+    else:
+        codes, gs = qpn8_buffers(rng, n, k)
+        op, args = qpn8_gemm_linear, (cp.asarray(codes), cp.asarray(gs))
+    args = (cp.asarray(activations(rng, m, k)), *args)
+    size = gemm_workspace_size(fmt, m, n, k, gated)
+    y = op(*args, gated=gated, workspace=cp.full(size, np.nan, dtype=np.float32)).get()
+    assert np.array_equal(_bits(y), _bits(op(*args, gated=gated).get()))
     with pytest.raises(ValueError, match="gemm_workspace_size"):
-        qpn2_gemm_linear(*args, workspace=cp.empty(size - 1, dtype=np.float32))
+        op(*args, gated=gated, workspace=cp.empty(size - 1, dtype=np.float32))
 
 
 @pytest.mark.gpu

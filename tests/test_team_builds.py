@@ -1,16 +1,18 @@
 """The team builds (QPN_TEAM: qpn_mma.cuh) that bench_decode.py's team section explores (issue 25 parts 1 and
 2): T warps share a K-slice's (decode builds) or a tile's (GEMM builds) decode through shared memory, each
-multiplying its own 16 tokens. Not what the ops launch; these tests keep them honest while they stay in the
+multiplying its own 16 tokens. The ops launch none of these explored builds (the QPN8 team builds they run,
+gemm.QPN8_TEAM, are tested in tests/test_cupy_gemm.py); these tests keep them honest while they stay in the
 kernel text:
 
 1. CPU: every explored build compiles for sm_75 at <= 64 registers (32 warps per Turing SM with its team
    slots, 1 KiB per warp of dynamic shared memory), its launch geometry is what its macros say, and it keeps
    the compile check's rules exactly where bench_decode's TEAM_*_BUILDS say so; elsewhere its only problem is
    the register spill that keeps it from shipping (pinned both ways).
-2. GPU: each build gives the bits of the shipped build it would replace, call for call (the same groups in the
-   same order through the same mma per output): decode builds at M = 17-32 on layers split 8-16 ways inside a
-   block (16-32 warps: teams sharing named barriers) and into parts, with a trailing slice shorter than the
-   rest (pad rounds); GEMM builds at M = 17-200 (warps whose tokens lie past M), fp16 and bf16 x.
+2. GPU: each build gives the bits of the build it would replace (GEMM: the 64-token build), call for call
+   (the same groups in the same order through the same mma per output): decode builds at M = 17-32 on layers
+   split 8-16 ways inside a block (16-32 warps: teams sharing named barriers) and into parts, with a trailing
+   slice shorter than the rest (pad rounds); GEMM builds at M = 17-200 (warps whose tokens lie past M), fp16
+   and bf16 x.
 Skips (with the reason) where the NVRTC wheels are absent (conftest's nvrtc fixture).
 """
 
@@ -116,14 +118,17 @@ def test_team_build_gives_the_shipped_bits(cp, monkeypatch, build, dtype):
             x = cp.asarray(activations(rng, m, k))
             if dtype == "bfloat16":  # bf16 bits travel as int16 (cupy_kernels/bf16.py)
                 x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
-            shipped = op(x, *weights).get()
             with monkeypatch.context() as patch:
-                if is_gemm:
-                    table, key = (gemm.QPN2_GEMM, False) if fmt == "qpn2" else (gemm.QPN8_GEMM, (False, False))
+                if is_gemm:  # against the 64-token build (the ops run QPN8's own team build from M = 65)
+                    sixty_four = gemm.QPN2_GEMM[False] if fmt == "qpn2" else gemm.QPN8_GEMM[False, False]
+                    patch.setattr(gemm, "gemm_variant", lambda wf, gated, m, v=sixty_four: v)
+                    shipped = op(x, *weights).get()
+                    patch.setattr(gemm, "gemm_variant", lambda wf, gated, m: _variant(build))
                 else:
+                    shipped = op(x, *weights).get()
                     nb = -(-m // 8)
                     table, key = (L.QPN2_LINEAR, (nb, False)) if fmt == "qpn2" else (L.QPN8_LINEAR, (nb, False, False))
-                patch.setitem(table, key, _variant(build))
+                    patch.setitem(table, key, _variant(build))
                 team = op(x, *weights).get()
             assert np.array_equal(shipped.view(np.uint16), team.view(np.uint16)), (
                 f"{_label(build)} N={n} K={k} M={m} {dtype}: not the shipped build's bits")
