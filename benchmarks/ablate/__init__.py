@@ -60,7 +60,7 @@ def _sink(lambda_start: str) -> tuple[Edit, Edit]:
 QPN2_SINK = _sink("    auto group_tile = [&]")
 QPN8_SINK = _sink("    auto compute = [&]")
 QPN2_CODES = "const qpn_u32 w0 = b.code[u][tt].x, w1 = b.code[u][tt].y;\n"
-QPN2_MMA = "        qpn_take_group(acc[tt], a, xf, xs, u, tt);\n"  # the mma (qpn_mma_group) in the decode builds
+QPN2_MMA = "        qpn_take_group(acc, a, xf, xs, u, tt);\n"  # the mma (qpn_mma_group) in the decode builds
 QPN2_FINAL_PERMUTE = "const qpn_u32 wq[2] = {qpn_prmt(keep2, recv2, sel_fin0), qpn_prmt(keep2, recv2, sel_fin1)};\n"
 QPN2_DECODE = "        // the owner column's decode constant"
 QPN8_CODES = "const uint4 c = b.code[u][tt];\n"
