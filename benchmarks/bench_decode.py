@@ -798,6 +798,9 @@ def section_team(ctx: bk.Context) -> bk.Section:
                     cfgs = TEAM_GEMM_BUILDS if is_gemm else TEAM_DECODE_BUILDS
                     teams = [team_variant(wf.key, t, u, is_gemm) for _, t, u, _ in cfgs]
                     labels = ["GEMM-64" if is_gemm else "shipped"] + [c[0] for c in cfgs]
+                    if is_gemm and wf is QPN8:  # the paired team of 8 the ops run where N % 64 == 0 (gemm.py)
+                        teams.append(gemm.QPN8_TEAM[False, False, 8, True])
+                        labels.append("team 8 pair")
                 variants = [shipped, *teams]
                 size = (max(gemm._workspace_ends(wf, m, n, k, gated, False, v)[-1] for v in variants) if is_gemm
                         else L.decode_workspace_size(wf.format, m, n, k)) + 4096

@@ -794,7 +794,7 @@ class LoopStats:
     per_warp: tuple[int, ...] = ()  # instructions per iteration of each warp
     fp16: float = 0.0  # fp16x2 instructions (FP16X2_OPS, part of "fp") per iteration
     team: int = 1  # QPN_TEAM: warps that share each decoded group-tile, each multiplying its own 8 nb tokens
-    tiles: int = 1  # tiles per warp (gated: the gate and the up tile), which share each x load
+    tiles: int = 1  # tiles per warp (gated: the gate and the up tile; QPN_PAIR), which share each x load
 
     @property
     def tokens(self) -> int:
@@ -832,8 +832,7 @@ def measure(variant: KernelVariant, arch: str, nvrtc: loader.NVRTC, nvdisasm: Pa
     warps = _macro(variant, "QPN_WARPS", 16) * team
     loops = [steady_loop(fn, WarpLaunch(w, warps)) for w in range(warps)]
     nb = _macro(variant, "QPN_NB", 1)
-    gated = bool(_macro(variant, "QPN_GATED", 0))
-    tiles = 2 if gated else 1  # per warp: gated, the gate and the up tile
+    tiles = gemm.tiles_per_warp(variant.defines)  # per warp: gated, the gate and the up tile; paired
     expected = _macro(variant, "QPN_UNROLL", 4) * tiles
     counts: Counter = Counter()
     for loop in loops:
@@ -847,7 +846,7 @@ def measure(variant: KernelVariant, arch: str, nvrtc: loader.NVRTC, nvdisasm: Pa
             )
         counts.update({k: v / warps for k, v in c.items()})
     unknown = tuple(sorted({x.base for loop in loops for x in loop if classify(x.op) == "other"}))
-    smem = resources.smem + linear.team_shared_bytes(team, warps, gated)  # + the team slots (dynamic)
+    smem = resources.smem + linear.team_shared_bytes(team, warps, tiles == 2)  # + the team slots (dynamic)
     return LoopStats(variant.label, arch, nb, sum(map(len, loops)) / warps, expected, counts,
                      sum(stream_bytes(loop) for loop in loops) / warps, unknown, resources.registers or 0,
                      smem, warps, tuple(len(loop) for loop in loops),
@@ -1352,9 +1351,9 @@ def _moe_section(res: dict) -> list[str]:
 def _family_name(v: KernelVariant) -> str:
     """The family name of a build: its kernel, gated, FP8 block scales, MXFP4 (QPN_MX)."""
     d = dict(v.defines)
-    return v.kernel + (" gated" if d.get("QPN_GATED") == "1" else "") + (
-        " block-scales" if d.get("QPN8_BLOCK_SCALES") == "1" else "") + (" mx" if d.get("QPN_MX") == "1" else "") + (
-        f" team {d['QPN_TEAM']}" if d.get("QPN_TEAM", "1") != "1" else "")
+    flags = (("QPN_GATED", " gated"), ("QPN8_BLOCK_SCALES", " block-scales"), ("QPN_MX", " mx"), ("QPN_PAIR", " pair"))
+    team = f" team {d['QPN_TEAM']}" if d.get("QPN_TEAM", "1") != "1" else ""
+    return v.kernel + "".join(name for macro, name in flags if d.get(macro) == "1") + team
 
 
 def _h200_section(res: dict) -> list[str]:

@@ -11,8 +11,9 @@ GEMM build changes is the work split and where x comes from (qpn_mma.cuh, "QPN_G
 - K is split across blocks into `parts` only to fill the GPU (gemm_split); the parts are added in
   a fixed order by the last block to arrive, as in the decode kernels;
 - QPN8 above M = 64 (gated: 32): team builds (qpn_mma.cuh, QPN_TEAM): 8 (gated M <= 64: 4) warps share
-  each tile's decode through shared memory, each multiplying its own 16 tokens, so one pass over the
-  weight serves 128 (64) tokens instead of 64 (gated: 32). GEMM_TEAMS says why QPN8 only.
+  each tile's decode through shared memory, each multiplying its own 16 tokens of two tiles (gated: gate
+  and up; plain: tiles s and s + N/64), so one pass over the weight serves 128 (64) tokens instead of 64
+  (gated: 32). GEMM_TEAMS says why QPN8 only.
 
 Numerics: the contract's W16, fp32 accumulation in the tensor core (m16n8k8), one RN16 per output.
 Batch invariance: each output is the fp32 sum over the part's groups in ascending order, then the
@@ -78,8 +79,11 @@ GEMM_MIN_FILL = 0.75  # of the resident block slots one wave of parts must fill 
 # the dense path's own dequantize pass (2.56 bytes per weight) costs more than the GEMM's extra passes
 # up to M = 512 for QPN2 (tensor-bound: 3693 us at M = 512 vs a 5783 us dense floor, 28672x8192, at
 # 1.59 GHz; 5578 vs 6787 at the T4's sustained 1.25 GHz) and to M ~ 256 for QPN8 (each pass
-# re-streams its 1 byte per weight: 6524 vs 5783 us at M = 512, 3262 vs 3936 at 256; GDDR6 at 0.90).
+# re-streams its 1 byte per weight: 6524 vs 5783 us at M = 512, 3262 vs 3936 at 256; GDDR6 at 0.90), and
+# to 512 for QPN8 layers of N % 64 == 0, which from M = 65 run the paired team build (GEMM_TEAMS: one pass per
+# 128 tokens; 3699 vs 5783 us at M = 512, 28672x8192; 34816x5120 2807 vs 4389; 4844 / 3677 at 1.25 GHz).
 GEMM_MAX_M = {(7, QPN2.format): 512, (7, QPN8.format): 256}
+GEMM_MAX_M_PAIRED = {(7, QPN8.format): 512}  # N % 64 == 0
 GEMM_MAX_M_OTHER = 64  # the H200's crossover, for every card newer than Turing
 # ... except layers of so few column blocks that the GEMM needs more parts than this: there the
 # dense path wins already at M = 48-64 on the H200 (4096x14336, 16 parts: QPN2 85.4 / 99.8 us vs
@@ -87,21 +91,23 @@ GEMM_MAX_M_OTHER = 64  # the H200's crossover, for every card newer than Turing
 GEMM_MAX_PARTS_OTHER = 13
 
 
-# Team builds (QPN8 only): T warps share each tile's decode, each multiplying its own 16 tokens (gated: of both its
-# tiles, one x load for the two) and decoding every T-th group into a 1 KiB shared-memory slot per tile
-# (qpn_mma.cuh, QPN_TEAM), so one pass over the weight serves 16 T tokens: 128 from M = 65, and for gated layers,
-# whose build above holds 32 tokens in its 64 accumulators per lane, 64 from M = 33. The same fp32 sums in the
-# same order as that build, with the same split (gemm_split): every row keeps its bits whichever build runs it.
-# Blocks: plain 32 warps at 64 registers (one per SM on sm_75 and sm_90), gated 16 at <= 128.
-# Measured on the H200 (benchmarks/results/team_h200/team6.md), time / the build above: plain team of 8 0.79-0.93
-# at M = 96-256 on 28672x8192 and 14336x4096 (4096x4096: 0.61-0.75), gated team of 8 0.67-0.81, gated team of 4
-# at M = 64 0.57-0.85. Turing, by the model's bounds (results/turing_model.md; not measured): each pass of the
-# QPN8 GEMM is DRAM-bound (28672x8192: 816 us per 64 tokens), so fewer passes lower the bound where x does not
-# take over: gated M = 128 3262 -> 925 us, M = 64 1631 -> 816; plain M = 128 1631 -> 1665 us with x from L2 for
-# each of the block's 4 teams (the x of one 128-token group-tile is 8x its weight bytes), 923 if they share it
-# in L1. QPN2's passes are bound by the HMMA already (923 us either way) and its team builds spill at 64 registers.
+# Team builds (QPN8 only): T warps share each tile's decode, each multiplying its own 16 tokens and decoding every
+# T-th group into a 1 KiB shared-memory slot per tile (qpn_mma.cuh, QPN_TEAM), so one pass over the weight serves
+# 16 T tokens: 128 from M = 65, and for gated layers, whose build above holds 32 tokens in its 64 accumulators per
+# lane, 64 from M = 33. A warp takes two tiles with one x load for both: a gated layer's gate and up tile, a plain
+# layer's tiles s and s + N/64 where N % 64 == 0 (QPN_PAIR; else one tile). The same fp32 sums in the same order as
+# the build above, with its split (gemm_split): every row keeps its bits whichever build runs it. Blocks: 16 warps
+# at <= 128 registers (two tiles per warp), 32 at 64 (one).
+# Measured on the H200 (benchmarks/results/team_h200/team7.md), time / the build above at M = 96-256: plain paired
+# 0.81-0.85 (28672x8192), 0.85-0.98 (14336x4096), 0.73-0.84 (4096x4096), unpaired 0.60-0.93; gated team of 8
+# 0.67-0.81, gated team of 4 at M = 64 0.56-0.85. Pairs, not the faster unpaired teams, because of
+# Turing, by the model's bounds (results/turing_model.md; not measured): each 64-token pass of the QPN8 GEMM is
+# DRAM-bound (28672x8192: 816 us), and a team reads its tokens' x from L2 for each of its tiles (128 tokens: 8x
+# the weight bytes of a group-tile); at M = 128 two passes bound 1631 us, one unpaired pass 1665 (923 if a
+# block's 4 teams share x in L1), one paired pass 925, gated 3262 -> 925 us. QPN2's passes are bound by the HMMA
+# already (923 us either way) and its team builds spill at 64 registers.
 GEMM_TEAMS = {False: ((65, 8),), True: ((65, 8), (33, 4))}  # by gated: (from M, T), the first that M reaches
-GEMM_TEAM_WARPS = {False: 32, True: 16}  # warps per block (tile slots = warps / T), by gated
+GEMM_TEAM_WARPS = {1: 32, 2: 16}  # warps per block (tile slots = warps / T), by tiles per warp
 # groups per batch: 2 spills the plain block-scale build (8 bytes on sm_75); teams of 4 measured at 1
 GEMM_TEAM_UNROLL = {(QPN8.key, 8): 2, (QPN8.key, 4): 1, (QPN8_BLOCK.key, 8): 1, (QPN8_BLOCK.key, 4): 1}
 
@@ -124,12 +130,21 @@ def gemm_macros(wf: WeightFormat, gated: bool) -> tuple[tuple[str, str], ...]:
     )))
 
 
-def team_macros(wf: WeightFormat, gated: bool, team: int) -> tuple[tuple[str, str], ...]:
-    """The team build of QPN8 family `wf` with teams of `team` warps (the constants above), over gemm_macros."""
+def team_macros(wf: WeightFormat, gated: bool, team: int, pair: bool = False) -> tuple[tuple[str, str], ...]:
+    """The team build of QPN8 family `wf` with teams of `team` warps (the constants above), over gemm_macros;
+    pair: a plain build whose warps take two tiles (QPN_PAIR)."""
     macros = dict(gemm_macros(wf, gated))
-    macros.update(QPN_TEAM=str(team), QPN_NB="2", QPN_WARPS=str(GEMM_TEAM_WARPS[gated] // team),
+    macros.update(QPN_TEAM=str(team), QPN_NB="2", QPN_WARPS=str(GEMM_TEAM_WARPS[2 if gated or pair else 1] // team),
                   QPN_UNROLL=str(GEMM_TEAM_UNROLL[wf.key, team]), QPN_MIN_BLOCKS="1")
+    if pair:
+        macros["QPN_PAIR"] = "1"
     return tuple(sorted(macros.items()))
+
+
+def tiles_per_warp(defines: tuple[tuple[str, str], ...]) -> int:
+    """Tiles each warp of a GEMM build multiplies (qpn_mma.cuh, QPN_HT): 2 gated or paired, else 1."""
+    d = dict(defines)
+    return 2 if d.get("QPN_GATED") == "1" or d.get("QPN_PAIR") == "1" else 1
 
 
 QPN2_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", gemm_macros(QPN2, gated), archs=("sm_75",))
@@ -137,21 +152,24 @@ QPN2_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", gemm_macros(Q
 QPN8_GEMM = {(gated, block): KernelVariant("qpn8_linear.cu", "qpn8_linear",
                                            gemm_macros(QPN8_BLOCK if block else QPN8, gated), archs=("sm_75",))
              for gated in (False, True) for block in (False, True)}
-QPN8_TEAM = {(gated, block, team): KernelVariant("qpn8_linear.cu", "qpn8_linear",
-                                                 team_macros(QPN8_BLOCK if block else QPN8, gated, team),
-                                                 archs=("sm_75",))
-             for gated in (False, True) for block in (False, True) for _, team in GEMM_TEAMS[gated]}
+QPN8_TEAM = {(gated, block, team, pair): KernelVariant("qpn8_linear.cu", "qpn8_linear",
+                                                       team_macros(QPN8_BLOCK if block else QPN8, gated, team, pair),
+                                                       archs=("sm_75",))
+             for gated in (False, True) for block in (False, True) for _, team in GEMM_TEAMS[gated]
+             for pair in ((False,) if gated else (False, True))}
 KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values(), *QPN8_TEAM.values())
 
 
-def gemm_variant(wf: WeightFormat, gated: bool, m: int) -> KernelVariant:
-    """The GEMM build a call of M rows runs: QPN8's team build of the largest team M reaches (GEMM_TEAMS), else
-    the build of gemm_macros."""
+def gemm_variant(wf: WeightFormat, gated: bool, m: int, n: int) -> KernelVariant:
+    """The GEMM build a call of M rows and N weight rows runs: QPN8's team build of the largest team M reaches
+    (GEMM_TEAMS; plain, paired where N % 64 == 0), else the build of gemm_macros."""
     gated, block = bool(gated), wf is QPN8_BLOCK
     if wf is QPN2:
         return QPN2_GEMM[gated]
     team = next((t for from_m, t in GEMM_TEAMS[gated] if m >= from_m), None)
-    return QPN8_GEMM[gated, block] if team is None else QPN8_TEAM[gated, block, team]
+    if team is None:
+        return QPN8_GEMM[gated, block]
+    return QPN8_TEAM[gated, block, team, not gated and n % (2 * TILE_N) == 0]
 
 
 _DEVICE: dict[int, tuple[int, int]] = {}  # device id -> (multiprocessors, compute capability major)
@@ -171,6 +189,8 @@ def gemm_threshold(format: str, n: int, k: int) -> int:
     (GEMM_MAX_M; torch_bridge/dispatch.py reads the measured tables first). Host arithmetic only."""
     decode_threshold(format, n, k)  # the same argument rules
     sms, major = _device()
+    if n % (2 * TILE_N) == 0 and (major, format) in GEMM_MAX_M_PAIRED:
+        return max(MAX_M, GEMM_MAX_M_PAIRED[major, format])
     if (major, format) in GEMM_MAX_M:
         return max(MAX_M, GEMM_MAX_M[major, format])
     parts, _ = gemm_split(n // TILE_N, k // GROUP_K, SLICE_MULTIPLE[require_family(format).key], sms)
@@ -216,9 +236,9 @@ def build_geometry(defines: tuple[tuple[str, str], ...]) -> tuple[int, int, int]
     return tiles, TOKENS_PER_BLOCK * nb * team, 32 * tiles * team
 
 
-def _grid(n: int, m: int, gated: bool, parts: int, variant: KernelVariant) -> tuple[int, int, int]:
+def _grid(n: int, m: int, parts: int, variant: KernelVariant) -> tuple[int, int, int]:
     tiles, tokens, _ = build_geometry(variant.defines)
-    slots = n // TILE_N // (2 if gated else 1)
+    slots = n // TILE_N // tiles_per_warp(variant.defines)
     return -(-slots // tiles), parts, -(-m // tokens)
 
 
@@ -232,7 +252,7 @@ def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool, bf16:
     frag = rows + fragment_elements(m, k)
     if parts == 1:
         return parts, per_part, rows, frag, frag, frag
-    bx, _, bz = _grid(n, m, gated, parts, variant)
+    bx, _, bz = _grid(n, m, parts, variant)
     partial = frag + partial_elements(parts, m, n, gated)
     return parts, per_part, rows, frag, partial, partial + bx * bz
 
@@ -241,7 +261,7 @@ def gemm_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False
     """fp32 elements of the workspace a GEMM call needs (bf16 x's fp16 rows, x fragments, split-K partials,
     tickets): pass one of at least this size where allocations must come from the caller (graph capture)."""
     wf = require_family(format)  # QPN8's channel- and block-scale builds have one geometry (team_macros)
-    return _workspace_ends(wf, m, n, k, gated, bf16, gemm_variant(wf, gated, m))[-1]
+    return _workspace_ends(wf, m, n, k, gated, bf16, gemm_variant(wf, gated, m, n))[-1]
 
 
 def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int,
@@ -262,8 +282,9 @@ def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: Cup
         tickets = zeroed_tickets(workspace[partial_end:size])
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(per_part), partial, tickets, x_factor)
     threads = build_geometry(variant.defines)[2]
-    kernel(variant)(_grid(n, m, gated, parts, variant), (threads,), (*weights, x_frag, y, *tail),
-                    shared_mem=team_shared_bytes(team_of(variant.defines), threads // 32, gated))
+    kernel(variant)(_grid(n, m, parts, variant), (threads,), (*weights, x_frag, y, *tail),
+                    shared_mem=team_shared_bytes(team_of(variant.defines), threads // 32,
+                                                 tiles_per_warp(variant.defines) == 2))
 
 
 def gemm_activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:
@@ -304,11 +325,11 @@ def qpn8_gemm_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, ou
 
 def launch_qpn2_gemm(x: CupyArray, codes: CupyArray, scales: CupyArray, g: CupyArray, g_stride: int, n: int,
                      y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
-    launch_gemm(QPN2, gemm_variant(QPN2, gated, x.shape[0]), (codes, scales, g, np.int32(g_stride)), x, y, n, gated,
+    launch_gemm(QPN2, gemm_variant(QPN2, gated, x.shape[0], n), (codes, scales, g, np.int32(g_stride)), x, y, n, gated,
                 workspace)
 
 
 def launch_qpn8_gemm(x: CupyArray, codes: CupyArray, group_scales: CupyArray, wf: WeightFormat, n: int,
                      y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     weights = (codes, group_scales, np.int32(qpn8_strides(wf, n)[0]))
-    launch_gemm(QPN8, gemm_variant(wf, gated, x.shape[0]), weights, x, y, n, gated, workspace)
+    launch_gemm(QPN8, gemm_variant(wf, gated, x.shape[0], n), weights, x, y, n, gated, workspace)

@@ -255,10 +255,10 @@ def team_of(defines: tuple[tuple[str, str], ...]) -> int:
     return int(dict(defines).get("QPN_TEAM", "1"))
 
 
-def team_shared_bytes(team: int, warps: int, gated: bool) -> int:
+def team_shared_bytes(team: int, warps: int, two_tiles: bool) -> int:
     """Dynamic shared memory of a launch of `warps` warps of a QPN_TEAM build: the team slots, 1 KiB per warp
-    and tile (qpn_mma.cuh, qpn_team_a); 0 without teams."""
-    return warps * (2 if gated else 1) * 1024 if team > 1 else 0
+    and tile (qpn_mma.cuh, qpn_team_a; two_tiles: gated or paired, QPN_HT = 2); 0 without teams."""
+    return warps * (2 if two_tiles else 1) * 1024 if team > 1 else 0
 
 
 def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray,

@@ -297,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
     if (qpn_ws_consumer()) {  // the tile's tokens: multiply what its producer decodes, then store
         QpnAcc cacc[QPN_HT] = {};
         qpn_ws_consume(cacc, sl.g_begin, n_local, 0);
-        qpn_gemm_store(cacc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor QPN_OUT_SCALE_ARG(gval));
+        qpn_gemm_store(cacc, sl, y, m_rows, QPN_HT == 2 ? n / 2 : n, partial, tickets, x_factor QPN_OUT_SCALE_ARG(gval));
         return;
     }
 #endif
@@ -447,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
 #if QPN_WS
     (void)acc;  // producers: the consumers hold the sums
 #elif QPN_GEMM
-    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor QPN_OUT_SCALE_ARG(gval));
+    qpn_gemm_store(acc, sl, y, m_rows, QPN_HT == 2 ? n / 2 : n, partial, tickets, x_factor QPN_OUT_SCALE_ARG(gval));
 #else
 #if QPN_MOE
     const QpnEpilogue ep = qpn_moe_epilogue(route, experts, slots, route_class, passes, map_x, bias, x_factor, n,

@@ -130,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
     if (qpn_ws_consumer()) {  // the tile's tokens: multiply what its producer decodes, then store
         QpnAcc cacc[QPN_HT] = {};
         qpn_ws_consume(cacc, sl.g_begin, n_local, decode);
-        qpn_gemm_store(cacc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor);
+        qpn_gemm_store(cacc, sl, y, m_rows, QPN_HT == 2 ? n / 2 : n, partial, tickets, x_factor);
         return;
     }
 #endif
@@ -205,7 +205,7 @@ extern "C" __global__ void __launch_bounds__(QPN_BLOCK_THREADS, QPN_MIN_BLOCKS) 
 #if QPN_WS
     (void)acc;  // producers: the consumers hold the sums
 #elif QPN_GEMM
-    qpn_gemm_store(acc, sl, y, m_rows, QPN_GATED ? n / 2 : n, partial, tickets, x_factor);
+    qpn_gemm_store(acc, sl, y, m_rows, QPN_HT == 2 ? n / 2 : n, partial, tickets, x_factor);  // QPN_PAIR: planes
 #else
     __shared__ float red[QPN_RED_WARPS][QPN_HT][2][4][32];  // split-K rounds (qpn_reduce_store)
     __shared__ float red_sum[QPN_HT][256];

@@ -45,7 +45,15 @@
 #define QPN_UNROLL 4  // groups per load batch (qpn_run_batches)
 #endif
 
-#define QPN_HT (QPN_GATED ? 2 : 1)  // tiles per block and warp: gated, the gate tile and the up tile
+// QPN_PAIR = 1 (the QPN8 GEMM's plain team builds, gemm.py): a plain layer's tiles s and s + N/64 go through one
+// warp as a gated build's gate and up tiles do (one x load for the two), each stored as its own output columns
+#ifndef QPN_PAIR
+#define QPN_PAIR 0
+#endif
+#if QPN_PAIR && (QPN_GATED || !QPN_GEMM || QPN_MX)
+#error "QPN_PAIR: the plain NVFP4 / FP8 GEMM builds only"
+#endif
+#define QPN_HT (QPN_GATED || QPN_PAIR ? 2 : 1)  // tiles per block and warp: gated, the gate tile and the up tile
 
 // QPN_GEMM = 1: the same kernels as a tiled GEMM for M = 33-512 (cupy_kernels/gemm.py). What changes:
 //   work split  warp w of block (b, part, z) owns tile slot QPN_WARPS * b + w and the part's whole K range
@@ -100,8 +108,8 @@
 // 32 warps at 64 registers instead of 16 at 108-116) and the GEMM decodes each group-tile once per 8 * QPN_NB
 // * T tokens. A team is a K-slice in the decode builds (the block holds split x T warps) and a tile slot in
 // the GEMM builds (QPN_WARPS slots x T warps). The slots: dynamic shared memory, QPN_HT KiB per warp.
-// Shipped: the QPN8 GEMM's teams (gemm.py, GEMM_TEAMS: 128 tokens per pass from M = 65, gated 64 from M = 33;
-// 0.57-0.93x the time of the build they replace on the H200). Not shipped: the decode teams, 1.2-1.9x slower at
+// Shipped: the QPN8 GEMM's teams (gemm.py, GEMM_TEAMS: 128 tokens per pass from M = 65, gated 64 from M = 33,
+// plain ones paired as QPN_PAIR where N % 64 == 0; 0.57-0.98x the time of the build they replace on the H200). Not shipped: the decode teams, 1.2-1.9x slower at
 // M = 24-32 (the exchange and x loads cost more instructions than the doubled occupancy wins back), and QPN2's
 // (they spill at 64 registers). benchmarks/NOTES.md, "Team builds"; bench_decode.py's team section times them.
 #ifndef QPN_TEAM
@@ -921,6 +929,13 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT], const Qp
 #endif
 }
 
+#if QPN_PAIR
+// QPN_PAIR: tile h's own output from its fp32 sum (one RN16; bf16: times the row's factor, one RN_bf16)
+__device__ __forceinline__ qpn_u16 qpn_output_tile(float s, const QpnOutRow& row) {
+    return qpn_round_to(row.bf16 ? __fmul_rn(s, row.factor) : s, row.bf16);
+}
+#endif
+
 // Every warp's acc[h][j][rb][i] (the block's QPN_HT tiles) -> y.
 //   non-gated: y [M][N], tile = QPN_BLOCK_TILE      gated: gate tile, up tile -> y [M][N/2]
 // y_cols = row length of y; the block's outputs are y columns [32 b, 32 b + 32), b = QPN_BLOCK_TILE.
@@ -1110,8 +1125,15 @@ __device__ __forceinline__ void qpn_gemm_store(
             }
         }
         const QpnOutRow row = qpn_out_row(x_factor, m);
+#if QPN_PAIR  // y [M][2 y_cols]: tile h's columns are y_cols h further (`at` indexes the planes of y_cols)
+#pragma unroll
+        for (int h = 0; h < QPN_HT; ++h)
+            *reinterpret_cast<qpn_u32*>(y + at + (long long)m * y_cols + h * y_cols) =
+                (qpn_u32)qpn_output_tile(s0[h], row) | ((qpn_u32)qpn_output_tile(s1[h], row) << 16);
+#else
         *reinterpret_cast<qpn_u32*>(y + at) = (qpn_u32)qpn_output(s0, row QPN_OUT_SCALE_ARG(out_scale)) |
                                               ((qpn_u32)qpn_output(s1, row QPN_OUT_SCALE_ARG(out_scale)) << 16);
+#endif
     });
 }
 #endif

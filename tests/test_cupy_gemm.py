@@ -65,13 +65,16 @@ def test_split_covers_k_in_whole_batches_and_ignores_m():
 
 
 def test_threshold_by_card_and_format(monkeypatch):
-    """Turing: the model's crossovers (QPN2 512, QPN8 256); newer cards: the H200's measured 64; never
-    below the decode kernels' 32; the arguments are checked as decode_threshold's."""
+    """Turing: the model's crossovers (QPN2 512, QPN8 512 where its team build pairs tiles, N % 64 == 0, else
+    256); newer cards: the H200's measured 64; never below the decode kernels' 32; the arguments are checked as
+    decode_threshold's."""
     from qpn.cupy_kernels import gemm
 
-    for major, want in ((7, {"nvfp4": 512, "fp8": 256}), (9, {"nvfp4": 64, "fp8": 64}), (12, {"nvfp4": 64, "fp8": 64})):
+    for major, want in ((7, {"nvfp4": 512, "fp8": 512}), (9, {"nvfp4": 64, "fp8": 64}), (12, {"nvfp4": 64, "fp8": 64})):
         monkeypatch.setattr(gemm, "_device", lambda major=major: (40, major))
         assert {fmt: gemm.gemm_threshold(fmt, 4096, 4096) for fmt in want} == want
+    monkeypatch.setattr(gemm, "_device", lambda: (40, 7))
+    assert (gemm.gemm_threshold("fp8", 4096 + 32, 4096), gemm.gemm_threshold("nvfp4", 4096 + 32, 4096)) == (256, 512)
     monkeypatch.setattr(gemm, "_device", lambda: (132, 9))  # the H200
     assert gemm.gemm_threshold("nvfp4", 4096, 14336) == 32  # 16 parts: the dense path wins from M = 33
     assert gemm.gemm_threshold("nvfp4", 5120, 17408) == 64  # 13 parts
@@ -90,30 +93,34 @@ def test_gemm_builds_are_in_the_compile_registry():
 
 
 def test_qpn8_runs_team_builds_past_one_pass(nvrtc):
-    """Which build a GEMM call runs (gemm.gemm_variant): QPN8 from M = 65 the team of 8 (128 tokens per pass),
-    gated QPN8 from M = 33 the team of 4 (64) and from 65 the team of 8; QPN2 and every smaller M the build of
-    gemm_macros. Each team build keeps the compile check's rules on sm_75 and holds 32 warps per Turing SM
-    (gated: 16, at <= 128 registers) with its shared-memory slots, and its launch geometry is what its macros say."""
+    """Which build a GEMM call runs (gemm.gemm_variant): QPN8 from M = 65 the team of 8 (128 tokens per pass;
+    its warps take tiles s and s + N/64 where N % 64 == 0), gated QPN8 from M = 33 the team of 4 (64) and from
+    65 the team of 8; QPN2 and every smaller M the build of gemm_macros. Each team build keeps the compile
+    check's rules on sm_75 and holds 32 warps per Turing SM (two tiles per warp: 16, at <= 128 registers) with
+    its shared-memory slots, and its launch geometry is what its macros say."""
     from qpn.cupy_kernels import compile_check, gemm
     from qpn.cupy_kernels import linear as L
     from qpn.ref.formats import QPN2, QPN8, QPN8_BLOCK
 
-    def tokens(wf, gated, m):
-        return gemm.build_geometry(gemm.gemm_variant(wf, gated, m).defines)[1]
+    def geometry(wf, gated, m, n=4096):
+        variant = gemm.gemm_variant(wf, gated, m, n)
+        return gemm.build_geometry(variant.defines)[1], gemm.tiles_per_warp(variant.defines)
 
     for wf in (QPN8, QPN8_BLOCK):
-        assert [tokens(wf, False, m) for m in (1, 33, 64, 65, 128, 512)] == [64, 64, 64, 128, 128, 128]
-        assert [tokens(wf, True, m) for m in (1, 32, 33, 64, 65, 512)] == [32, 32, 64, 64, 128, 128]
-    assert {tokens(QPN2, g, m) for g in (False, True) for m in (1, 65, 512)} == {64, 32}
+        assert [geometry(wf, False, m) for m in (1, 33, 64, 65, 128, 512)] == [(64, 1)] * 3 + [(128, 2)] * 3
+        assert [geometry(wf, False, m, 4096 + 32) for m in (64, 65)] == [(64, 1), (128, 1)]  # N % 64: unpaired
+        gated = [geometry(wf, True, m) for m in (1, 32, 33, 64, 65, 512)]
+        assert gated == [(32, 2)] * 2 + [(64, 2)] * 2 + [(128, 2)] * 2
+    assert {geometry(QPN2, g, m) for g in (False, True) for m in (1, 65, 512)} == {(64, 1), (32, 2)}
     reports, _ = compile_check.check_variants(tuple(gemm.QPN8_TEAM.values()), nvrtc=nvrtc)
-    for (gated, _, team), variant in gemm.QPN8_TEAM.items():
+    for (_, _, team, _), variant in gemm.QPN8_TEAM.items():
         (report,) = [r for r in reports if r.label == variant.label and r.arch == "sm_75"]
         assert report.stats is not None and not report.problems, f"{variant.label}: {report.problems}"
         slots, _, threads = gemm.build_geometry(variant.defines)
-        warps = threads // 32
-        assert warps == gemm.GEMM_TEAM_WARPS[gated] == slots * team
-        smem = report.stats.smem + L.team_shared_bytes(team, warps, gated)
-        assert compile_check.occupancy_sm75(report.stats.registers, smem, warps).warps == (16 if gated else 32)
+        warps, tiles = threads // 32, gemm.tiles_per_warp(variant.defines)
+        assert warps == gemm.GEMM_TEAM_WARPS[tiles] == slots * team
+        smem = report.stats.smem + L.team_shared_bytes(team, warps, tiles == 2)
+        assert compile_check.occupancy_sm75(report.stats.registers, smem, warps).warps == (16 if tiles == 2 else 32)
 
 
 # ----------------------------------------------------------------------------- GPU: accuracy
@@ -207,11 +214,12 @@ def test_gemm_gated(cp, fmt, m):
 def test_team_builds_give_the_one_pass_builds_bits(cp, monkeypatch, block, gated, dtype):
     """Every QPN8 team build the GEMM runs gives, call for call, the bits of the build of gemm_macros (64 tokens
     per pass; gated 32): the same split and the same fp32 sums in the same order (gemm.GEMM_TEAMS). M crosses
-    the teams' thresholds and leaves warps with no tokens; K in parts (8192) and one part (256)."""
+    the teams' thresholds and leaves warps with no tokens; K in parts (8192) and one part (256); N = 96: an odd
+    tile count, whose plain team does not pair its tiles."""
     from qpn.cupy_kernels import gemm, qpn8_gemm_linear
 
     rng = np.random.default_rng(11)
-    for n, k in ((384, 256), (128, 8192)):
+    for n, k in ((384, 256), (128, 8192), *(() if gated else ((96, 1024),))):
         codes, gs = qpn8_buffers(rng, n, k, block=block)
         weights = (cp.asarray(codes), cp.asarray(gs))
         for m in (33, 64, 65, 100, 200):
@@ -220,7 +228,7 @@ def test_team_builds_give_the_one_pass_builds_bits(cp, monkeypatch, block, gated
                 x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
             ran = qpn8_gemm_linear(x, *weights, gated=gated).get()
             with monkeypatch.context() as patch:
-                patch.setattr(gemm, "gemm_variant", lambda wf, g, mm: gemm.QPN8_GEMM[g, block])
+                patch.setattr(gemm, "gemm_variant", lambda wf, g, mm, nn: gemm.QPN8_GEMM[g, block])
                 one_pass = qpn8_gemm_linear(x, *weights, gated=gated).get()
             assert np.array_equal(ran.view(np.uint16), one_pass.view(np.uint16)), f"N={n} K={k} M={m}"
 

@@ -121,9 +121,9 @@ def test_team_build_gives_the_shipped_bits(cp, monkeypatch, build, dtype):
             with monkeypatch.context() as patch:
                 if is_gemm:  # against the 64-token build (the ops run QPN8's own team build from M = 65)
                     sixty_four = gemm.QPN2_GEMM[False] if fmt == "qpn2" else gemm.QPN8_GEMM[False, False]
-                    patch.setattr(gemm, "gemm_variant", lambda wf, gated, m, v=sixty_four: v)
+                    patch.setattr(gemm, "gemm_variant", lambda wf, gated, m, n, v=sixty_four: v)
                     shipped = op(x, *weights).get()
-                    patch.setattr(gemm, "gemm_variant", lambda wf, gated, m: _variant(build))
+                    patch.setattr(gemm, "gemm_variant", lambda wf, gated, m, n: _variant(build))
                 else:
                     shipped = op(x, *weights).get()
                     nb = -(-m // 8)
