@@ -50,7 +50,7 @@
 #ifndef QPN_PAIR
 #define QPN_PAIR 0
 #endif
-#if QPN_PAIR && (QPN_GATED || !QPN_GEMM || QPN_MX)
+#if QPN_PAIR && (QPN_GATED || !QPN_GEMM || QPN_MX || QPN_MOE)
 #error "QPN_PAIR: the plain NVFP4 / FP8 GEMM builds only"
 #endif
 #define QPN_HT (QPN_GATED || QPN_PAIR ? 2 : 1)  // tiles per block and warp: gated, the gate tile and the up tile
@@ -101,7 +101,7 @@
 // of T groups: in round v warp r (its rank) loads and decodes group T v + r only, stores its A fragments into
 // its shared-memory slot, and after a team barrier every warp multiplies the round's T group-tiles, in
 // ascending group order, by its own tokens (qpn_take_group; a second barrier before the slots are refilled;
-// gated: both tiles' group-tiles of the round, one x load per group for the two).
+// two tiles per warp, gated or QPN_PAIR: both tiles' group-tiles of the round, one x load per group for the two).
 // Each output is the same fp32 sum as in the build without teams (the same groups in the same order through
 // the same mma: 8-token blocks never share a sum), so the bits are that build's. What changes: a warp decodes
 // 1/T of the groups and holds 1/T of the accumulators, so more warps fit per SM (the M = 25-32 decode build:
@@ -109,9 +109,10 @@
 // * T tokens. A team is a K-slice in the decode builds (the block holds split x T warps) and a tile slot in
 // the GEMM builds (QPN_WARPS slots x T warps). The slots: dynamic shared memory, QPN_HT KiB per warp.
 // Shipped: the QPN8 GEMM's teams (gemm.py, GEMM_TEAMS: 128 tokens per pass from M = 65, gated 64 from M = 33,
-// plain ones paired as QPN_PAIR where N % 64 == 0; 0.57-0.98x the time of the build they replace on the H200). Not shipped: the decode teams, 1.2-1.9x slower at
-// M = 24-32 (the exchange and x loads cost more instructions than the doubled occupancy wins back), and QPN2's
-// (they spill at 64 registers). benchmarks/NOTES.md, "Team builds"; bench_decode.py's team section times them.
+// plain ones paired as QPN_PAIR where N % 64 == 0; 0.56-0.98x the time of the build they replace on the H200).
+// Not shipped: the decode teams, 1.2-1.9x slower at M = 24-32 (the exchange and x loads cost more instructions
+// than the doubled occupancy wins back), and QPN2's (they spill at 64 registers). benchmarks/NOTES.md, "Team
+// builds"; bench_decode.py's team section times them.
 #ifndef QPN_TEAM
 #define QPN_TEAM 1
 #endif
@@ -930,9 +931,10 @@ __device__ __forceinline__ qpn_u16 qpn_output(const float (&s)[QPN_HT], const Qp
 }
 
 #if QPN_PAIR
-// QPN_PAIR: tile h's own output from its fp32 sum (one RN16; bf16: times the row's factor, one RN_bf16)
+// QPN_PAIR: tile h's own output from its fp32 sum: qpn_output's plain form, which reads the first sum only
 __device__ __forceinline__ qpn_u16 qpn_output_tile(float s, const QpnOutRow& row) {
-    return qpn_round_to(row.bf16 ? __fmul_rn(s, row.factor) : s, row.bf16);
+    const float t[QPN_HT] = {s, s};
+    return qpn_output(t, row);
 }
 #endif
 
