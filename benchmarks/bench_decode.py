@@ -734,8 +734,8 @@ MMA_RATE = 472e12  # m16n8k8 f32-accumulate FLOP/s measured on the H200 (benchma
 TEAM_GEMM_BUILDS = (("team 4 u1", 4, 1, ("qpn8",)), ("team 4 u2", 4, 2, ("qpn8",)), ("team 4 u4", 4, 4, ("qpn8",)),
                     ("team 8 u1", 8, 1, ("qpn8",)), ("team 8 u2", 8, 2, ("qpn8",)))
 TEAM_DECODE_BUILDS = (("team 2 u1", 2, 1, ("qpn2", "qpn8")), ("team 2 u2", 2, 2, ()))
-# gated QPN8 (the 64-token build's gated form multiplies 32 tokens per pass): (label, T, groups per batch, tile
-# slots per block: 16 warps, <= 128 registers, all spill-free on sm_75)
+# gated QPN2 and QPN8 (the 64-token build's gated form multiplies 32 tokens per pass): (label, T, groups per batch,
+# tile slots per block: 16 warps, <= 128 registers, all spill-free on sm_75)
 TEAM_GATED_BUILDS = (("gated team 4", 4, 1, 4), ("gated team 8 u1", 8, 1, 2), ("gated team 8 u2", 8, 2, 2))
 TEAM_GEMM_MS = (64, 96, 128, 256)
 TEAM_DECODE_MS = (24, 32)
@@ -786,10 +786,11 @@ def section_team(ctx: bk.Context) -> bk.Section:
             is_gemm = m > L.MAX_M
             x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
             cublas = _torch_linear_us(ctx, x, w16)
-            for wf, bufs, gated in ((QPN2, q2, False), (QPN8, q8, False), *(((QPN8, q8, True),) if is_gemm else ())):
+            gated_rows = ((QPN2, q2, True), (QPN8, q8, True)) if is_gemm else ()
+            for wf, bufs, gated in ((QPN2, q2, False), (QPN8, q8, False), *gated_rows):
                 nb = -(-m // 8)
                 # the build a team build would replace: the 64-token GEMM build (gated: 32) or the decode build
-                shipped = ((gemm.QPN2_GEMM[False] if wf is QPN2 else gemm.QPN8_GEMM[gated, False]) if is_gemm
+                shipped = ((gemm.QPN2_GEMM[gated] if wf is QPN2 else gemm.QPN8_GEMM[gated, False]) if is_gemm
                            else (L.QPN2_LINEAR[nb, False] if wf is QPN2 else L.QPN8_LINEAR[nb, False, False]))
                 if gated:
                     teams = [team_variant(wf.key, t, u, True, True, sl) for _, t, u, sl in TEAM_GATED_BUILDS]
