@@ -46,6 +46,16 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint16)
 
 
+def run_gemm_build(monkeypatch, variant, op, *args, **kwargs) -> np.ndarray:
+    """op(*args, **kwargs) (a GEMM wrapper) with the GEMM build `variant` in place of the one gemm.gemm_variant
+    picks for the call's M and N, as a host array."""
+    from qpn.cupy_kernels import gemm
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gemm, "gemm_variant", lambda wf, gated, m, n: variant)
+        return op(*args, **kwargs).get()
+
+
 # ----------------------------------------------------------------------------- CPU
 
 
@@ -227,9 +237,8 @@ def test_team_builds_give_the_one_pass_builds_bits(cp, monkeypatch, block, gated
             if dtype == "bfloat16":  # bf16 bits travel as int16 (cupy_kernels/bf16.py)
                 x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
             ran = qpn8_gemm_linear(x, *weights, gated=gated).get()
-            with monkeypatch.context() as patch:
-                patch.setattr(gemm, "gemm_variant", lambda wf, g, mm, nn: gemm.QPN8_GEMM[g, block])
-                one_pass = qpn8_gemm_linear(x, *weights, gated=gated).get()
+            one_pass = run_gemm_build(monkeypatch, gemm.QPN8_GEMM[gated, block], qpn8_gemm_linear, x, *weights,
+                                      gated=gated)
             assert np.array_equal(ran.view(np.uint16), one_pass.view(np.uint16)), f"N={n} K={k} M={m}"
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_cupy_gemm import run_gemm_build  # noqa: E402
 from test_cupy_linear import G_SCALAR, activations, qpn2_buffers, qpn8_buffers  # noqa: E402
 
 from qpn.cupy_kernels import compile_check, gemm  # noqa: E402
@@ -92,37 +93,30 @@ def test_shipped_gemm_geometry_is_a_warp_per_tile():
 SHAPES = [(192, 4096), (1024, 1024)]
 
 
-def _call(fmt, gated, x, weights):
-    from qpn.cupy_kernels import qpn2_gemm_linear, qpn8_gemm_linear
-
-    if fmt == "qpn2":
-        return qpn2_gemm_linear(x, *weights, gated=gated).get()
-    return qpn8_gemm_linear(x, *weights, gated=gated).get()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("build", _builds(), ids=_label)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_ws_build_gives_the_shipped_bits(cp, monkeypatch, build, dtype):
+    """Against the one-pass GEMM build at every M (the ops run QPN8's team builds from M = 65, gated 33)."""
+    from qpn.cupy_kernels import qpn2_gemm_linear, qpn8_gemm_linear
+
     fmt, gated, cfg = build
     rng = np.random.default_rng(11)
     for n, k in SHAPES:
         n_rows = 2 * n if gated else n
         if fmt == "qpn2":
             codes, scales = qpn2_buffers(rng, n_rows, k)
-            weights = (cp.asarray(codes), cp.asarray(scales), G_SCALAR)
-            table, key = gemm.QPN2_GEMM, bool(gated)
+            op, weights = qpn2_gemm_linear, (cp.asarray(codes), cp.asarray(scales), G_SCALAR)
+            one_pass = gemm.QPN2_GEMM[bool(gated)]
         else:
             codes, gs = qpn8_buffers(rng, n_rows, k, block=fmt == "qpn8_block")
-            weights = (cp.asarray(codes), cp.asarray(gs))
-            table, key = gemm.QPN8_GEMM, (bool(gated), fmt == "qpn8_block")
+            op, weights = qpn8_gemm_linear, (cp.asarray(codes), cp.asarray(gs))
+            one_pass = gemm.QPN8_GEMM[bool(gated), fmt == "qpn8_block"]
         for m in (17, 64, 100):
             x = cp.asarray(activations(rng, m, k))
             if dtype == "bfloat16":  # bf16 bits travel as int16 (cupy_kernels/bf16.py)
                 x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
-            shipped = _call(fmt, gated, x, weights)
-            with monkeypatch.context() as patch:
-                patch.setitem(table, key, _variant(fmt, gated, cfg))
-                ws = _call(fmt, gated, x, weights)
+            shipped = run_gemm_build(monkeypatch, one_pass, op, x, *weights, gated=gated)
+            ws = run_gemm_build(monkeypatch, _variant(fmt, gated, cfg), op, x, *weights, gated=gated)
             assert np.array_equal(shipped.view(np.uint16), ws.view(np.uint16)), (
                 f"{_label(build)} N={n_rows} K={k} M={m} {dtype}: not the shipped build's bits")

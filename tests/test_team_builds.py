@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_cupy_gemm import run_gemm_build  # noqa: E402
 from test_cupy_linear import G_SCALAR, activations, qpn2_buffers, qpn8_buffers  # noqa: E402
 from test_gemm_ws import BD  # noqa: E402
 
@@ -118,17 +119,16 @@ def test_team_build_gives_the_shipped_bits(cp, monkeypatch, build, dtype):
             x = cp.asarray(activations(rng, m, k))
             if dtype == "bfloat16":  # bf16 bits travel as int16 (cupy_kernels/bf16.py)
                 x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
-            with monkeypatch.context() as patch:
-                if is_gemm:  # against the 64-token build (the ops run QPN8's own team build from M = 65)
-                    sixty_four = gemm.QPN2_GEMM[False] if fmt == "qpn2" else gemm.QPN8_GEMM[False, False]
-                    patch.setattr(gemm, "gemm_variant", lambda wf, gated, m, n, v=sixty_four: v)
-                    shipped = op(x, *weights).get()
-                    patch.setattr(gemm, "gemm_variant", lambda wf, gated, m, n: _variant(build))
-                else:
-                    shipped = op(x, *weights).get()
-                    nb = -(-m // 8)
-                    table, key = (L.QPN2_LINEAR, (nb, False)) if fmt == "qpn2" else (L.QPN8_LINEAR, (nb, False, False))
+            if is_gemm:  # against the 64-token build (the ops run QPN8's own team build from M = 65)
+                sixty_four = gemm.QPN2_GEMM[False] if fmt == "qpn2" else gemm.QPN8_GEMM[False, False]
+                shipped = run_gemm_build(monkeypatch, sixty_four, op, x, *weights)
+                team = run_gemm_build(monkeypatch, _variant(build), op, x, *weights)
+            else:
+                shipped = op(x, *weights).get()
+                nb = -(-m // 8)
+                table, key = (L.QPN2_LINEAR, (nb, False)) if fmt == "qpn2" else (L.QPN8_LINEAR, (nb, False, False))
+                with monkeypatch.context() as patch:
                     patch.setitem(table, key, _variant(build))
-                team = op(x, *weights).get()
+                    team = op(x, *weights).get()
             assert np.array_equal(shipped.view(np.uint16), team.view(np.uint16)), (
                 f"{_label(build)} N={n} K={k} M={m} {dtype}: not the shipped build's bits")
