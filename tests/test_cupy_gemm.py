@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_cupy_linear import (  # noqa: E402  (the decode kernels' data and checks)
     G_SCALAR,
     activations,
+    activations_as,
     assert_gated_matches,
     assert_in_bounds,
     check_gated,
@@ -233,9 +234,7 @@ def test_team_builds_give_the_one_pass_builds_bits(cp, monkeypatch, block, gated
         codes, gs = qpn8_buffers(rng, n, k, block=block)
         weights = (cp.asarray(codes), cp.asarray(gs))
         for m in (33, 64, 65, 100, 200):
-            x = cp.asarray(activations(rng, m, k))
-            if dtype == "bfloat16":  # bf16 bits travel as int16 (cupy_kernels/bf16.py)
-                x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
+            x = cp.asarray(activations_as(rng, m, k, dtype))
             ran = qpn8_gemm_linear(x, *weights, gated=gated).get()
             one_pass = run_gemm_build(monkeypatch, gemm.QPN8_GEMM[gated, block], qpn8_gemm_linear, x, *weights,
                                       gated=gated)

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qpn.ref import linear_bounds, qpn2_dequantize, qpn8_dequantize, silu_and_mul
+from qpn.ref import bf16_bits, bf16_round, linear_bounds, qpn2_dequantize, qpn8_dequantize, silu_and_mul
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +73,12 @@ def w16_qpn8(cp, codes, group_scales, n, k, on_gpu):
 
 def activations(rng, m, k):
     return rng.standard_normal((m, k)).astype(np.float16)
+
+
+def activations_as(rng, m, k, dtype: str) -> np.ndarray:
+    """activations(rng, m, k) as the CuPy kernels take x of `dtype`: fp16, or bf16 bits as int16 (bf16.py)."""
+    x = activations(rng, m, k)
+    return x if dtype == "float16" else bf16_bits(bf16_round(x.astype(np.float32))).view(np.int16)
 
 
 # ----------------------------------------------------------------------------- checks

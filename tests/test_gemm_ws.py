@@ -23,7 +23,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_cupy_gemm import run_gemm_build  # noqa: E402
-from test_cupy_linear import G_SCALAR, activations, qpn2_buffers, qpn8_buffers  # noqa: E402
+from test_cupy_linear import G_SCALAR, activations_as, qpn2_buffers, qpn8_buffers  # noqa: E402
 
 from qpn.cupy_kernels import compile_check, gemm  # noqa: E402
 from qpn.cupy_kernels.variants import KernelVariant  # noqa: E402
@@ -113,9 +113,7 @@ def test_ws_build_gives_the_shipped_bits(cp, monkeypatch, build, dtype):
             op, weights = qpn8_gemm_linear, (cp.asarray(codes), cp.asarray(gs))
             one_pass = gemm.QPN8_GEMM[bool(gated), fmt == "qpn8_block"]
         for m in (17, 64, 100):
-            x = cp.asarray(activations(rng, m, k))
-            if dtype == "bfloat16":  # bf16 bits travel as int16 (cupy_kernels/bf16.py)
-                x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
+            x = cp.asarray(activations_as(rng, m, k, dtype))
             shipped = run_gemm_build(monkeypatch, one_pass, op, x, *weights, gated=gated)
             ws = run_gemm_build(monkeypatch, _variant(fmt, gated, cfg), op, x, *weights, gated=gated)
             assert np.array_equal(shipped.view(np.uint16), ws.view(np.uint16)), (

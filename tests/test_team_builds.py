@@ -26,7 +26,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_cupy_gemm import run_gemm_build  # noqa: E402
-from test_cupy_linear import G_SCALAR, activations, qpn2_buffers, qpn8_buffers  # noqa: E402
+from test_cupy_linear import G_SCALAR, activations_as, qpn2_buffers, qpn8_buffers  # noqa: E402
 from test_gemm_ws import BD  # noqa: E402
 
 from qpn.cupy_kernels import compile_check, gemm  # noqa: E402
@@ -116,9 +116,7 @@ def test_team_build_gives_the_shipped_bits(cp, monkeypatch, build, dtype):
     for n, k in shapes:
         weights = _weights(cp, fmt, rng, n, k)
         for m in ms:
-            x = cp.asarray(activations(rng, m, k))
-            if dtype == "bfloat16":  # bf16 bits travel as int16 (cupy_kernels/bf16.py)
-                x = (x.astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(cp.int16)
+            x = cp.asarray(activations_as(rng, m, k, dtype))
             if is_gemm:  # against the 64-token build (the ops run QPN8's own team build from M = 65)
                 sixty_four = gemm.QPN2_GEMM[False] if fmt == "qpn2" else gemm.QPN8_GEMM[False, False]
                 shipped = run_gemm_build(monkeypatch, sixty_four, op, x, *weights)
