@@ -224,16 +224,19 @@ def test_gemm_gated(cp, fmt, m):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_team_builds_give_the_one_pass_builds_bits(cp, monkeypatch, block, gated, dtype):
     """Every QPN8 team build the GEMM runs gives, call for call, the bits of the build of gemm_macros (64 tokens
-    per pass; gated 32): the same split and the same fp32 sums in the same order (gemm.GEMM_TEAMS). M crosses
-    the teams' thresholds and leaves warps with no tokens; K in parts (8192) and one part (256); N = 96: an odd
-    tile count, whose plain team does not pair its tiles."""
+    per pass; gated 32): the same split and the same fp32 sums in the same order (gemm.GEMM_TEAMS). Every M is
+    one a team build runs (the teams of 4 and 8 for gated) and most leave warps with no tokens; K in parts (8192)
+    and one part (256); N = 96: an odd tile count, whose plain team does not pair its tiles."""
     from qpn.cupy_kernels import gemm, qpn8_gemm_linear
+    from qpn.cupy_kernels import linear as L
+    from qpn.ref.formats import QPN8, QPN8_BLOCK
 
     rng = np.random.default_rng(11)
     for n, k in ((384, 256), (128, 8192), *(() if gated else ((96, 1024),))):
         codes, gs = qpn8_buffers(rng, n, k, block=block)
         weights = (cp.asarray(codes), cp.asarray(gs))
-        for m in (33, 64, 65, 100, 200):
+        for m in (33, 64, 65, 100, 200) if gated else (65, 100, 200):  # where a team build runs
+            assert L.team_of(gemm.gemm_variant(QPN8_BLOCK if block else QPN8, gated, m, n).defines) > 1
             x = cp.asarray(activations_as(rng, m, k, dtype))
             ran = qpn8_gemm_linear(x, *weights, gated=gated).get()
             one_pass = run_gemm_build(monkeypatch, gemm.QPN8_GEMM[gated, block], qpn8_gemm_linear, x, *weights,
