@@ -446,11 +446,10 @@ __device__ __forceinline__ QpnX qpn_x_source(const void* __restrict__ x, int m_r
     return xs;
 }
 
+#if QPN_TEAM == 1  // team builds index their rounds from the slice's start (qpn_run_batches)
 // advance by `groups` groups (the QPN2 K loop moves its pointers one batch at a time)
 __device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
-#if QPN_TEAM > 1
-    (void)xs, (void)groups;  // not called: team builds index their rounds from the slice's start (qpn_run_batches)
-#elif QPN_GEMM
+#if QPN_GEMM
     xs.g += (long long)groups * xs.nb2_all * 32;
 #elif QPN_X_FRAG
     xs.p += groups * QPN_NB2 * 32;
@@ -459,6 +458,7 @@ __device__ __forceinline__ void qpn_x_advance(QpnX& xs, int groups) {
     for (int j = 0; j < QPN_NB; ++j) xs.p[j] += QPN_GROUP_K * groups;
 #endif
 }
+#endif
 
 // A lane's 16 bytes of fragment pair jp (x_fragments.cu order): the B fragments of 8-token block 2 jp (bytes
 // 0-7) and, where the build has it, 2 jp + 1 (bytes 8-15).
