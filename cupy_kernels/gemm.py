@@ -10,10 +10,10 @@ GEMM build changes is the work split and where x comes from (qpn_mma.cuh, "QPN_G
   all its tiles read them there: x crosses L2 -> SM once per 256 columns instead of once per 32;
 - K is split across blocks into `parts` only to fill the GPU (gemm_split); the parts are added in
   a fixed order by the last block to arrive, as in the decode kernels;
-- QPN8 above M = 64 (gated: 32): team builds (qpn_mma.cuh, QPN_TEAM): 8 (gated M <= 64: 4) warps share
-  each tile's decode through shared memory, each multiplying its own 16 tokens of two tiles (gated: gate
-  and up; plain: tiles s and s + N/64), so one pass over the weight serves 128 (64) tokens instead of 64
-  (gated: 32). GEMM_TEAMS says why QPN8 only.
+- QPN8 above M = 64 and gated QPN2 / QPN8 above M = 32: team builds (qpn_mma.cuh, QPN_TEAM): 8 (gated
+  M <= 64: 4) warps share each tile's decode through shared memory, each multiplying its own 16 tokens of
+  two tiles (gated: gate and up; plain: tiles s and s + N/64), so one pass over the weight serves 128 (64)
+  tokens instead of 64 (gated: 32). GEMM_TEAMS says why not QPN2's plain build; MXFP4 (mxfp4.py) has none.
 
 Numerics: the contract's W16, fp32 accumulation in the tensor core (m16n8k8), one RN16 per output.
 Batch invariance: each output is the fp32 sum over the part's groups in ascending order, then the
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, WeightFormat
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat
 from ..ref.geometry import GROUP_K, TILE_N
 from ._validate import CupyArray, output_array
 from .bf16 import bf16_rows_elements, is_bf16, queue_bf16_rows, require_activations
@@ -91,25 +91,29 @@ GEMM_MAX_M_OTHER = 64  # the H200's crossover, for every card newer than Turing
 GEMM_MAX_PARTS_OTHER = 13
 
 
-# Team builds (QPN8 only): T warps share each tile's decode, each multiplying its own 16 tokens and decoding every
-# T-th group into a 1 KiB shared-memory slot per tile (qpn_mma.cuh, QPN_TEAM), so one pass over the weight serves
-# 16 T tokens: 128 from M = 65, and for gated layers, whose build above holds 32 tokens in its 64 accumulators per
-# lane, 64 from M = 33. A warp takes two tiles with one x load for both: a gated layer's gate and up tile, a plain
-# layer's tiles s and s + N/64 where N % 64 == 0 (QPN_PAIR; else one tile). The same fp32 sums in the same order as
-# the build above, with its split (gemm_split): every row keeps its bits whichever build runs it. Blocks: 16 warps
-# at <= 128 registers (two tiles per warp), 32 at 64 (one).
+# Team builds (QPN8; QPN2 gated): T warps share each tile's decode, each multiplying its own 16 tokens and decoding
+# every T-th group into a 1 KiB shared-memory slot per tile (qpn_mma.cuh, QPN_TEAM), so one pass over the weight
+# serves 16 T tokens: 128 from M = 65, and for gated layers, whose build above holds 32 tokens in its 64
+# accumulators per lane, 64 from M = 33. A warp takes two tiles with one x load for both: a gated layer's gate and
+# up tile, a plain layer's tiles s and s + N/64 where N % 64 == 0 (QPN_PAIR; else one tile). The same fp32 sums in
+# the same order as the build above, with its split (gemm_split): every row keeps its bits whichever build runs
+# it. Blocks: 16 warps at <= 128 registers (two tiles per warp), 32 at 64 (one).
 # Measured on the H200 (benchmarks/results/team_h200/team7.md), time / the build above at M = 96-256: plain paired
 # 0.81-0.85 (28672x8192), 0.85-0.98 (14336x4096), 0.73-0.84 (4096x4096), unpaired 0.60-0.93; gated team of 8
 # 0.67-0.81, gated team of 4 at M = 64 0.56-0.85. Pairs, not the faster unpaired teams, because of
 # Turing, by the model's bounds (results/turing_model.md; not measured): each 64-token pass of the QPN8 GEMM is
 # DRAM-bound (28672x8192: 816 us), and a team reads its tokens' x from L2 for each of its tiles (128 tokens: 8x
 # the weight bytes of a group-tile); at M = 128 two passes bound 1631 us, one unpaired pass 1665 (923 if a
-# block's 4 teams share x in L1), one paired pass 925, gated 3262 -> 925 us. QPN2's passes are bound by the HMMA
-# already (923 us either way) and its team builds spill at 64 registers.
+# block's 4 teams share x in L1), one paired pass 925, gated 3262 -> 925 us. QPN2's plain passes are bound by the
+# HMMA already (923 us either way) and its plain team builds spill at 64 registers; its gated passes (32 tokens)
+# are DRAM-bound (M = 128: 1835 us in 4 passes -> ~925), and its gated teams hold 110-124 registers, spill-free.
+# QPN2 gated, H200 (results/team_h200/team8_qpn2_gated.md): team of 4 at M = 64 0.83-0.84, of 8 at M = 96-256
+# 0.67-0.77 the 32-token build's time.
 GEMM_TEAMS = {False: ((65, 8),), True: ((65, 8), (33, 4))}  # by gated: (from M, T), the first that M reaches
 GEMM_TEAM_WARPS = {1: 32, 2: 16}  # warps per block (tile slots = warps / T), by tiles per warp
 # groups per batch: 2 spills the plain block-scale build (8 bytes on sm_75); teams of 4 measured at 1
-GEMM_TEAM_UNROLL = {(QPN8.key, 8): 2, (QPN8.key, 4): 1, (QPN8_BLOCK.key, 8): 1, (QPN8_BLOCK.key, 4): 1}
+GEMM_TEAM_UNROLL = {(QPN8.key, 8): 2, (QPN8.key, 4): 1, (QPN8_BLOCK.key, 8): 1, (QPN8_BLOCK.key, 4): 1,
+                    (QPN2.key, 8): 2, (QPN2.key, 4): 1}
 
 
 def gemm_nb(gated: bool) -> int:
@@ -131,8 +135,8 @@ def gemm_macros(wf: WeightFormat, gated: bool) -> tuple[tuple[str, str], ...]:
 
 
 def team_macros(wf: WeightFormat, gated: bool, team: int, pair: bool = False) -> tuple[tuple[str, str], ...]:
-    """The team build of QPN8 family `wf` with teams of `team` warps (the constants above), over gemm_macros;
-    pair: a plain build whose warps take two tiles (QPN_PAIR)."""
+    """The team build of family `wf` (QPN8's; QPN2 gated only) with teams of `team` warps (the constants above),
+    over gemm_macros; pair: a plain build whose warps take two tiles (QPN_PAIR)."""
     macros = dict(gemm_macros(wf, gated))
     macros.update(QPN_TEAM=str(team), QPN_NB="2", QPN_WARPS=str(GEMM_TEAM_WARPS[2 if gated or pair else 1] // team),
                   QPN_UNROLL=str(GEMM_TEAM_UNROLL[wf.key, team]), QPN_MIN_BLOCKS="1")
@@ -157,16 +161,18 @@ QPN8_TEAM = {(gated, block, team, pair): KernelVariant("qpn8_linear.cu", "qpn8_l
                                                        archs=("sm_75",))
              for gated in (False, True) for block in (False, True) for _, team in GEMM_TEAMS[gated]
              for pair in ((False,) if gated else (False, True))}
-KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values(), *QPN8_TEAM.values())
+QPN2_TEAM = {team: KernelVariant("qpn2_linear.cu", "qpn2_linear", team_macros(QPN2, True, team), archs=("sm_75",))
+             for _, team in GEMM_TEAMS[True]}  # gated only
+KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values(), *QPN8_TEAM.values(), *QPN2_TEAM.values())
 
 
 def gemm_variant(wf: WeightFormat, gated: bool, m: int, n: int) -> KernelVariant:
-    """The GEMM build a call of M rows and N weight rows runs: QPN8's team build of the largest team M reaches
-    (GEMM_TEAMS; plain, paired where N % 64 == 0), else the build of gemm_macros."""
+    """The GEMM build a call of M rows and N weight rows runs: the team build of the largest team M reaches
+    (GEMM_TEAMS: QPN8 plain, paired where N % 64 == 0, and gated; QPN2 gated), else the build of gemm_macros."""
     gated, block = bool(gated), wf is QPN8_BLOCK
-    if wf is QPN2:
-        return QPN2_GEMM[gated]
     team = next((t for from_m, t in GEMM_TEAMS[gated] if m >= from_m), None)
+    if wf is QPN2:
+        return QPN2_TEAM[team] if gated and team else QPN2_GEMM[gated]
     if team is None:
         return QPN8_GEMM[gated, block]
     return QPN8_TEAM[gated, block, team, not gated and n % (2 * TILE_N) == 0]
@@ -261,7 +267,9 @@ def gemm_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False
     """fp32 elements of the workspace a GEMM call needs (bf16 x's fp16 rows, x fragments, split-K partials,
     tickets): pass one of at least this size where allocations must come from the caller (graph capture)."""
     wf = require_family(format)  # QPN8's channel- and block-scale builds have one geometry (team_macros)
-    return _workspace_ends(wf, m, n, k, gated, bf16, gemm_variant(wf, gated, m, n))[-1]
+    # MXFP4 runs QPN2's GEMM build with e8m0 scales (mxfp4.QPNMX_GEMM), never a team build: that build's geometry
+    variant = QPN2_GEMM[bool(gated)] if format == QPNMX.format else gemm_variant(wf, gated, m, n)
+    return _workspace_ends(wf, m, n, k, gated, bf16, variant)[-1]
 
 
 def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int,

@@ -94,6 +94,26 @@ def test_threshold_by_card_and_format(monkeypatch):
             call("qpn2", 4096, 4096)
 
 
+def test_workspace_is_sized_for_the_build_the_call_runs(monkeypatch):
+    """gemm_workspace_size covers the ticket grid of the build the call runs: a team build where gemm_variant
+    picks one (NVFP4 gated, FP8), MXFP4's one-pass build at every M (mxfp4.QPNMX_GEMM: QPN2's kernel, no
+    teams, though "mxfp4" shares QPN2's family)."""
+    from qpn.cupy_kernels import gemm, mxfp4
+    from qpn.ref.formats import QPN2, QPN8
+
+    monkeypatch.setattr(gemm, "_device", lambda: (132, 9))
+    n, k = 128, 8192  # K in parts: the workspace ends with the tickets
+    for m in (33, 64, 65, 130, 512):
+        for gated in (False, True):
+            for fmt, wf, variant in (("nvfp4", QPN2, gemm.gemm_variant(QPN2, gated, m, n)),
+                                     ("fp8", QPN8, gemm.gemm_variant(QPN8, gated, m, n)),
+                                     ("mxfp4", QPN2, mxfp4.QPNMX_GEMM[gated])):
+                want = gemm._workspace_ends(wf, m, n, k, gated, False, variant)[-1]
+                assert gemm.gemm_workspace_size(fmt, m, n, k, gated) == want, (fmt, m, gated)
+    # the grids differ (gated M = 130: NVFP4's team of 8 runs 2 token blocks, MXFP4's 32-token build 5)
+    assert gemm.gemm_workspace_size("nvfp4", 130, n, k, True) != gemm.gemm_workspace_size("mxfp4", 130, n, k, True)
+
+
 def test_gemm_builds_are_in_the_compile_registry():
     from qpn.cupy_kernels import gemm
     from qpn.cupy_kernels.variants import all_variants
@@ -103,12 +123,12 @@ def test_gemm_builds_are_in_the_compile_registry():
     assert all(dict(v.defines)["QPN_GEMM"] == "1" for v in gemm.KERNEL_VARIANTS)
 
 
-def test_qpn8_runs_team_builds_past_one_pass(nvrtc):
+def test_gemm_runs_team_builds_past_one_pass(nvrtc):
     """Which build a GEMM call runs (gemm.gemm_variant): QPN8 from M = 65 the team of 8 (128 tokens per pass;
-    its warps take tiles s and s + N/64 where N % 64 == 0), gated QPN8 from M = 33 the team of 4 (64) and from
-    65 the team of 8; QPN2 and every smaller M the build of gemm_macros. Each team build keeps the compile
-    check's rules on sm_75 and holds 32 warps per Turing SM (two tiles per warp: 16, at <= 128 registers) with
-    its shared-memory slots, and its launch geometry is what its macros say."""
+    its warps take tiles s and s + N/64 where N % 64 == 0), gated QPN8 and QPN2 from M = 33 the team of 4 (64)
+    and from 65 the team of 8; QPN2 plain and every smaller M the build of gemm_macros. Each team build keeps
+    the compile check's rules on sm_75 and holds 32 warps per Turing SM (two tiles per warp: 16, at <= 128
+    registers) with its shared-memory slots, and its launch geometry is what its macros say."""
     from qpn.cupy_kernels import compile_check, gemm
     from qpn.cupy_kernels import linear as L
     from qpn.ref.formats import QPN2, QPN8, QPN8_BLOCK
@@ -120,11 +140,14 @@ def test_qpn8_runs_team_builds_past_one_pass(nvrtc):
     for wf in (QPN8, QPN8_BLOCK):
         assert [geometry(wf, False, m) for m in (1, 33, 64, 65, 128, 512)] == [(64, 1)] * 3 + [(128, 2)] * 3
         assert [geometry(wf, False, m, 4096 + 32) for m in (64, 65)] == [(64, 1), (128, 1)]  # N % 64: unpaired
+    for wf in (QPN8, QPN8_BLOCK, QPN2):
         gated = [geometry(wf, True, m) for m in (1, 32, 33, 64, 65, 512)]
         assert gated == [(32, 2)] * 2 + [(64, 2)] * 2 + [(128, 2)] * 2
-    assert {geometry(QPN2, g, m) for g in (False, True) for m in (1, 65, 512)} == {(64, 1), (32, 2)}
-    reports, _ = compile_check.check_variants(tuple(gemm.QPN8_TEAM.values()), nvrtc=nvrtc)
-    for (_, _, team, _), variant in gemm.QPN8_TEAM.items():
+    assert {geometry(QPN2, False, m) for m in (1, 65, 512)} == {(64, 1)}
+    teams = (*gemm.QPN8_TEAM.values(), *gemm.QPN2_TEAM.values())
+    reports, _ = compile_check.check_variants(teams, nvrtc=nvrtc)
+    for variant in teams:
+        team = L.team_of(variant.defines)
         (report,) = [r for r in reports if r.label == variant.label and r.arch == "sm_75"]
         assert report.stats is not None and not report.problems, f"{variant.label}: {report.problems}"
         slots, _, threads = gemm.build_geometry(variant.defines)
@@ -219,37 +242,43 @@ def test_gemm_gated(cp, fmt, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("family,gated", [("qpn8", False), ("qpn8_block", False), ("qpn8", True),
+                                          ("qpn8_block", True), ("qpn2", True)])  # every family with team builds
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_team_builds_give_the_one_pass_builds_bits(cp, monkeypatch, block, gated, dtype):
-    """Every QPN8 team build the GEMM runs gives, call for call, the bits of the build of gemm_macros (64 tokens
-    per pass; gated 32): the same split and the same fp32 sums in the same order (gemm.GEMM_TEAMS). Every M is
-    one a team build runs (the teams of 4 and 8 for gated) and most leave warps with no tokens; K in parts (8192)
-    and one part (256); N = 96: an odd tile count, whose plain team does not pair its tiles."""
-    from qpn.cupy_kernels import gemm, qpn8_gemm_linear
+def test_team_builds_give_the_one_pass_builds_bits(cp, monkeypatch, family, gated, dtype):
+    """Every team build the GEMM runs gives, call for call, the bits of the build of gemm_macros (64 tokens per
+    pass; gated 32): the same split and the same fp32 sums in the same order (gemm.GEMM_TEAMS). Every M is one a
+    team build runs (the teams of 4 and 8 for gated) and most leave warps with no tokens; K in parts (8192) and
+    one part (256); N = 96: an odd tile count, whose plain team does not pair its tiles."""
+    from qpn.cupy_kernels import gemm, qpn2_gemm_linear, qpn8_gemm_linear
     from qpn.cupy_kernels import linear as L
-    from qpn.ref.formats import QPN8, QPN8_BLOCK
+    from qpn.ref.formats import BY_KEY
 
+    wf = BY_KEY[family]
     rng = np.random.default_rng(11)
     for n, k in ((384, 256), (128, 8192), *(() if gated else ((96, 1024),))):
-        codes, gs = qpn8_buffers(rng, n, k, block=block)
-        weights = (cp.asarray(codes), cp.asarray(gs))
+        if family == "qpn2":
+            codes, scales = qpn2_buffers(rng, n, k)
+            op, weights = qpn2_gemm_linear, (cp.asarray(codes), cp.asarray(scales), G_SCALAR)
+            one_pass = gemm.QPN2_GEMM[gated]
+        else:
+            codes, gs = qpn8_buffers(rng, n, k, block=family == "qpn8_block")
+            op, weights = qpn8_gemm_linear, (cp.asarray(codes), cp.asarray(gs))
+            one_pass = gemm.QPN8_GEMM[gated, family == "qpn8_block"]
         for m in (33, 64, 65, 100, 200) if gated else (65, 100, 200):  # where a team build runs
-            assert L.team_of(gemm.gemm_variant(QPN8_BLOCK if block else QPN8, gated, m, n).defines) > 1
+            assert L.team_of(gemm.gemm_variant(wf, gated, m, n).defines) > 1
             x = cp.asarray(activations_as(rng, m, k, dtype))
-            ran = qpn8_gemm_linear(x, *weights, gated=gated).get()
-            one_pass = run_gemm_build(monkeypatch, gemm.QPN8_GEMM[gated, block], qpn8_gemm_linear, x, *weights,
-                                      gated=gated)
-            assert np.array_equal(ran.view(np.uint16), one_pass.view(np.uint16)), f"N={n} K={k} M={m}"
+            ran = op(x, *weights, gated=gated).get()
+            want = run_gemm_build(monkeypatch, one_pass, op, x, *weights, gated=gated)
+            assert np.array_equal(ran.view(np.uint16), want.view(np.uint16)), f"N={n} K={k} M={m}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,m,gated", [("nvfp4", 70, False), ("fp8", 70, False), ("fp8", 40, True),
-                                         ("fp8", 130, True)])
+                                         ("fp8", 130, True), ("nvfp4", 40, True), ("nvfp4", 130, True)])
 def test_gemm_workspace_from_the_caller(cp, fmt, m, gated):
     """A caller-provided workspace of gemm_workspace_size elements gives the same bits; a smaller one is refused
-    (the QPN8 team builds' ticket grid included: gated M = 40 and 130, plain M = 70)."""
+    (the team builds' ticket grid included: gated M = 40 and 130, plain QPN8 M = 70)."""
     from qpn.cupy_kernels import gemm_workspace_size, qpn2_gemm_linear, qpn8_gemm_linear
 
     n, k = 128, 8192  # parts > 1: fragments, partials and tickets all in the workspace

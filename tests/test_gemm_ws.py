@@ -79,8 +79,8 @@ def test_ws_build_compiles_for_turing_within_the_rules(nvrtc, build):
 
 
 def test_shipped_gemm_geometry_is_a_warp_per_tile():
-    """The one-pass GEMM builds (gemm_macros; the QPN8 team builds' geometry: tests/test_cupy_gemm.py)."""
-    team_builds = set(gemm.QPN8_TEAM.values())
+    """The one-pass GEMM builds (gemm_macros; the team builds' geometry: tests/test_cupy_gemm.py)."""
+    team_builds = {*gemm.QPN8_TEAM.values(), *gemm.QPN2_TEAM.values()}
     for variant in (v for v in gemm.KERNEL_VARIANTS if v not in team_builds):
         d = dict(variant.defines)
         assert gemm.build_geometry(variant.defines) == (gemm.GEMM_WARPS, 8 * int(d["QPN_NB"]), 32 * gemm.GEMM_WARPS)
