@@ -846,7 +846,7 @@ def measure(variant: KernelVariant, arch: str, nvrtc: loader.NVRTC, nvdisasm: Pa
             )
         counts.update({k: v / warps for k, v in c.items()})
     unknown = tuple(sorted({x.base for loop in loops for x in loop if classify(x.op) == "other"}))
-    smem = resources.smem + linear.team_shared_bytes(team, warps, tiles == 2)  # + the team slots (dynamic)
+    smem = resources.smem + linear.team_shared_bytes(team, warps, tiles)  # + the team slots (dynamic)
     return LoopStats(variant.label, arch, nb, sum(map(len, loops)) / warps, expected, counts,
                      sum(stream_bytes(loop) for loop in loops) / warps, unknown, resources.registers or 0,
                      smem, warps, tuple(len(loop) for loop in loops),

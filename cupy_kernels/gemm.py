@@ -292,7 +292,7 @@ def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: Cup
     threads = build_geometry(variant.defines)[2]
     kernel(variant)(_grid(n, m, parts, variant), (threads,), (*weights, x_frag, y, *tail),
                     shared_mem=team_shared_bytes(team_of(variant.defines), threads // 32,
-                                                 tiles_per_warp(variant.defines) == 2))
+                                                 tiles_per_warp(variant.defines)))
 
 
 def gemm_activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:

@@ -255,10 +255,11 @@ def team_of(defines: tuple[tuple[str, str], ...]) -> int:
     return int(dict(defines).get("QPN_TEAM", "1"))
 
 
-def team_shared_bytes(team: int, warps: int, two_tiles: bool) -> int:
-    """Dynamic shared memory of a launch of `warps` warps of a QPN_TEAM build: the team slots, 1 KiB per warp
-    and tile (qpn_mma.cuh, qpn_team_a; two_tiles: gated or paired, QPN_HT = 2); 0 without teams."""
-    return warps * (2 if two_tiles else 1) * 1024 if team > 1 else 0
+def team_shared_bytes(team: int, warps: int, tiles: int) -> int:
+    """Dynamic shared memory of a launch of `warps` warps of a QPN_TEAM build that multiply `tiles` tiles each
+    (qpn_mma.cuh, QPN_HT: 2 gated or paired, gemm.tiles_per_warp): the team slots, 1 KiB per warp and tile
+    (qpn_team_a); 0 without teams."""
+    return warps * tiles * 1024 if team > 1 else 0
 
 
 def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray,
@@ -293,7 +294,7 @@ def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray,
     grid = (n // TILE_N // (2 if gated else 1), parts)
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(groups_per_warp), partial, tickets, x_factor)
     warps = split * team
-    fn(grid, (32 * warps,), (*weights, x_arg, y, *tail), shared_mem=team_shared_bytes(team, warps, gated))
+    fn(grid, (32 * warps,), (*weights, x_arg, y, *tail), shared_mem=team_shared_bytes(team, warps, 2 if gated else 1))
 
 
 def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray,

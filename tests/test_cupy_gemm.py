@@ -153,7 +153,7 @@ def test_gemm_runs_team_builds_past_one_pass(nvrtc):
         slots, _, threads = gemm.build_geometry(variant.defines)
         warps, tiles = threads // 32, gemm.tiles_per_warp(variant.defines)
         assert warps == gemm.GEMM_TEAM_WARPS[tiles] == slots * team
-        smem = report.stats.smem + L.team_shared_bytes(team, warps, tiles == 2)
+        smem = report.stats.smem + L.team_shared_bytes(team, warps, tiles)
         assert compile_check.occupancy_sm75(report.stats.registers, smem, warps).warps == (16 if tiles == 2 else 32)
 
 
