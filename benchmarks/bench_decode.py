@@ -304,7 +304,7 @@ def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=
                 weights = (*bufs[i % slots], g_dev, np.int32(0))
             else:
                 weights = (bufs[i % slots][0], bufs[i % slots][1], np.int32(0))
-            L.launch_decode(BY_KEY[fmt], fn, weights, x, y, n, False, workspace, x_frag)
+            L.launch_decode(BY_KEY[fmt], fn, weights, x, y, n, False, workspace, x_frag, macros)
 
         if check is not None:
             launch(0)
@@ -814,7 +814,7 @@ def section_team(ctx: bk.Context) -> bk.Section:
                         gemm.launch_gemm(wf, v, weights, xx, y, n, gated, workspace)
                     else:
                         L.launch_decode(wf, kernel(v), weights, xx, y, n, False, workspace, xx.shape[0] > 8,
-                                        L.team_of(v.defines))
+                                        v.defines)
 
                 ys = [cp.empty((m, n // 2 if gated else n), cp.float16) for _ in variants]
                 row = {"n": n, "k": k, "m": m, "fmt": wf.key + (" gated" if gated else ""), "cublas_us": cublas,

@@ -50,7 +50,7 @@ def main() -> None:
             else:
                 ws = cp.empty(L.decode_workspace_size("fp8", m, N, K) + 4096, cp.float32)
                 calls.append(lambda v=v, x=x, y=y, ws=ws: L.launch_decode(
-                    QPN8, kernel(v), (codes, scales, np.int32(0)), x, y, N, False, ws, True, L.team_of(v.defines)))
+                    QPN8, kernel(v), (codes, scales, np.int32(0)), x, y, N, False, ws, True, v.defines))
     for c in calls:
         c()
         c()

@@ -8,7 +8,7 @@ Method (every step reads the compiled code, nothing about the loop is hard-coded
 
 1. Build: every decode variant the `linear` and `mxfp4` wrappers register (`linear.DECODE_VARIANTS`,
    `mxfp4.QPNMX_LINEAR`), every
-   GEMM build (`gemm.KERNEL_VARIANTS`, `mxfp4.QPNMX_GEMM`) and every MoE expert build (`moe.EXPERT_DECODE`: the decode
+   GEMM build (`gemm.KERNEL_VARIANTS`, MXFP4's included) and every MoE expert build (`moe.EXPERT_DECODE`: the decode
    kernels with x rows through the route) is compiled for sm_75 with `loader.compile_text`, the compile
    check's path and options (with the ptxas report: registers, shared memory), and the cubin is
    disassembled with `nvdisasm -c`.
@@ -832,7 +832,7 @@ def measure(variant: KernelVariant, arch: str, nvrtc: loader.NVRTC, nvdisasm: Pa
     warps = _macro(variant, "QPN_WARPS", 16) * team
     loops = [steady_loop(fn, WarpLaunch(w, warps)) for w in range(warps)]
     nb = _macro(variant, "QPN_NB", 1)
-    tiles = gemm.tiles_per_warp(variant.defines)  # per warp: gated, the gate and the up tile; paired
+    tiles = linear.tiles_per_warp(variant.defines)  # per warp: gated, the gate and the up tile; paired
     expected = _macro(variant, "QPN_UNROLL", 4) * tiles
     counts: Counter = Counter()
     for loop in loops:
@@ -846,7 +846,7 @@ def measure(variant: KernelVariant, arch: str, nvrtc: loader.NVRTC, nvdisasm: Pa
             )
         counts.update({k: v / warps for k, v in c.items()})
     unknown = tuple(sorted({x.base for loop in loops for x in loop if classify(x.op) == "other"}))
-    smem = resources.smem + linear.team_shared_bytes(team, warps, tiles)  # + the team slots (dynamic)
+    smem = resources.smem + linear.team_shared_bytes(variant.defines, warps)  # + the team slots (dynamic)
     return LoopStats(variant.label, arch, nb, sum(map(len, loops)) / warps, expected, counts,
                      sum(stream_bytes(loop) for loop in loops) / warps, unknown, resources.registers or 0,
                      smem, warps, tuple(len(loop) for loop in loops),
@@ -1019,7 +1019,7 @@ def run_model(variants: Sequence[KernelVariant] | None = None, nvrtc: loader.NVR
         raise FileNotFoundError(
             "nvdisasm not found: pip install 'nvidia-cuda-nvdisasm>=13,<14' (in qpn's [test] extra)")
     fams = _families(variants)
-    gemm_builds = [*gemm.KERNEL_VARIANTS, *mxfp4.QPNMX_GEMM.values()]
+    gemm_builds = list(gemm.KERNEL_VARIANTS)
     moe_builds = list(moe.EXPERT_DECODE.values())
     jobs = [(v, "sm_75") for v in (*variants, *gemm_builds, *moe_builds)] + [(v, "sm_90") for v in variants]
     stats = measure_all(jobs, nvrtc, nvdisasm)

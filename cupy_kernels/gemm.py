@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat
+from ..ref.formats import QPN2, QPN8, QPN8_BLOCK, QPNMX, WeightFormat, weight_format
 from ..ref.geometry import GROUP_K, TILE_N
 from ._validate import CupyArray, output_array
 from .bf16 import bf16_rows_elements, is_bf16, queue_bf16_rows, require_activations
@@ -49,6 +49,7 @@ from .linear import (
     require_x_aligned,
     team_of,
     team_shared_bytes,
+    tiles_per_warp,
 )
 from .loader import kernel
 from .variants import KernelVariant
@@ -66,7 +67,7 @@ from .workspace import (
 GEMM_WARPS = 8  # tiles per block: 256 columns share one staging of x
 # groups per load batch, per kernel family: 4 spill at 128 registers on sm_75 (44-92 bytes of stack),
 # and so does 2 with 128x128 block scales (a scale load per group-tile: 48 bytes)
-GEMM_UNROLL = {QPN2.key: 2, QPN8.key: 2, QPN8_BLOCK.key: 1}
+GEMM_UNROLL = {QPN2.key: 2, QPNMX.key: 2, QPN8.key: 2, QPN8_BLOCK.key: 1}
 GEMM_MIN_BLOCKS = 2  # 2 blocks of 8 warps per SM: <= 128 registers
 GEMM_MAX_PARTS = 16
 GEMM_MIN_GROUPS_PER_PART = 32  # 512 k: a part's staging start and epilogue stay small next to its loop
@@ -122,7 +123,8 @@ def gemm_nb(gated: bool) -> int:
 
 
 def gemm_macros(wf: WeightFormat, gated: bool) -> tuple[tuple[str, str], ...]:
-    """The GEMM build of the decode kernel of `wf` (x always from the staged fragments: qpn_mma.cuh)."""
+    """The GEMM build of the decode kernel of `wf` (x always from the staged fragments: qpn_mma.cuh); QPNMX is
+    QPN2's kernel with e8m0 scales (QPN_MX)."""
     return tuple(sorted((
         ("QPN_GEMM", "1"),
         ("QPN_GATED", str(int(gated))),
@@ -130,7 +132,8 @@ def gemm_macros(wf: WeightFormat, gated: bool) -> tuple[tuple[str, str], ...]:
         ("QPN_WARPS", str(GEMM_WARPS)),
         ("QPN_UNROLL", str(GEMM_UNROLL[wf.key])),
         ("QPN_MIN_BLOCKS", str(GEMM_MIN_BLOCKS)),
-        *((("QPN8_BLOCK_SCALES", str(int(wf is QPN8_BLOCK))),) if wf is not QPN2 else ()),
+        *((("QPN_MX", "1"),) if wf is QPNMX else ()),
+        *((("QPN8_BLOCK_SCALES", str(int(wf is QPN8_BLOCK))),) if wf in (QPN8, QPN8_BLOCK) else ()),
     )))
 
 
@@ -145,12 +148,6 @@ def team_macros(wf: WeightFormat, gated: bool, team: int, pair: bool = False) ->
     return tuple(sorted(macros.items()))
 
 
-def tiles_per_warp(defines: tuple[tuple[str, str], ...]) -> int:
-    """Tiles each warp of a GEMM build multiplies (qpn_mma.cuh, QPN_HT): 2 gated or paired, else 1."""
-    d = dict(defines)
-    return 2 if d.get("QPN_GATED") == "1" or d.get("QPN_PAIR") == "1" else 1
-
-
 QPN2_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", gemm_macros(QPN2, gated), archs=("sm_75",))
              for gated in (False, True)}
 QPN8_GEMM = {(gated, block): KernelVariant("qpn8_linear.cu", "qpn8_linear",
@@ -163,13 +160,19 @@ QPN8_TEAM = {(gated, block, team, pair): KernelVariant("qpn8_linear.cu", "qpn8_l
              for pair in ((False,) if gated else (False, True))}
 QPN2_TEAM = {team: KernelVariant("qpn2_linear.cu", "qpn2_linear", team_macros(QPN2, True, team), archs=("sm_75",))
              for _, team in GEMM_TEAMS[True]}  # gated only
-KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values(), *QPN8_TEAM.values(), *QPN2_TEAM.values())
+QPNMX_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", gemm_macros(QPNMX, gated), archs=("sm_75",))
+              for gated in (False, True)}  # no team builds (mxfp4.py: its other builds)
+KERNEL_VARIANTS = (*QPN2_GEMM.values(), *QPN8_GEMM.values(), *QPN8_TEAM.values(), *QPN2_TEAM.values(),
+                   *QPNMX_GEMM.values())
 
 
 def gemm_variant(wf: WeightFormat, gated: bool, m: int, n: int) -> KernelVariant:
-    """The GEMM build a call of M rows and N weight rows runs: the team build of the largest team M reaches
-    (GEMM_TEAMS: QPN8 plain, paired where N % 64 == 0, and gated; QPN2 gated), else the build of gemm_macros."""
+    """The GEMM build a call of layout `wf`, M rows and N weight rows runs: the team build of the largest team M
+    reaches (GEMM_TEAMS: QPN8 plain, paired where N % 64 == 0, and gated; QPN2 gated), else the build of
+    gemm_macros (QPNMX at every M)."""
     gated, block = bool(gated), wf is QPN8_BLOCK
+    if wf is QPNMX:
+        return QPNMX_GEMM[gated]
     team = next((t for from_m, t in GEMM_TEAMS[gated] if m >= from_m), None)
     if wf is QPN2:
         return QPN2_TEAM[team] if gated and team else QPN2_GEMM[gated]
@@ -266,10 +269,9 @@ def _workspace_ends(wf: WeightFormat, m: int, n: int, k: int, gated: bool, bf16:
 def gemm_workspace_size(format: str, m: int, n: int, k: int, gated: bool = False, bf16: bool = False) -> int:
     """fp32 elements of the workspace a GEMM call needs (bf16 x's fp16 rows, x fragments, split-K partials,
     tickets): pass one of at least this size where allocations must come from the caller (graph capture)."""
-    wf = require_family(format)  # QPN8's channel- and block-scale builds have one geometry (team_macros)
-    # MXFP4 runs QPN2's GEMM build with e8m0 scales (mxfp4.QPNMX_GEMM), never a team build: that build's geometry
-    variant = QPN2_GEMM[bool(gated)] if format == QPNMX.format else gemm_variant(wf, gated, m, n)
-    return _workspace_ends(wf, m, n, k, gated, bf16, variant)[-1]
+    family = require_family(format)  # its split; QPN8's channel- and block-scale builds have one geometry
+    variant = gemm_variant(weight_format(format, "channel" if family is QPN8 else None), gated, m, n)
+    return _workspace_ends(family, m, n, k, gated, bf16, variant)[-1]
 
 
 def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: CupyArray, y: CupyArray, n: int,
@@ -291,8 +293,7 @@ def launch_gemm(wf: WeightFormat, variant: KernelVariant, weights: tuple, x: Cup
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(per_part), partial, tickets, x_factor)
     threads = build_geometry(variant.defines)[2]
     kernel(variant)(_grid(n, m, parts, variant), (threads,), (*weights, x_frag, y, *tail),
-                    shared_mem=team_shared_bytes(team_of(variant.defines), threads // 32,
-                                                 tiles_per_warp(variant.defines)))
+                    shared_mem=team_shared_bytes(variant.defines, threads // 32))
 
 
 def gemm_activation(x: CupyArray, wf: WeightFormat) -> tuple[int, int]:

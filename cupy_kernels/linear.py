@@ -255,19 +255,25 @@ def team_of(defines: tuple[tuple[str, str], ...]) -> int:
     return int(dict(defines).get("QPN_TEAM", "1"))
 
 
-def team_shared_bytes(team: int, warps: int, tiles: int) -> int:
-    """Dynamic shared memory of a launch of `warps` warps of a QPN_TEAM build that multiply `tiles` tiles each
-    (qpn_mma.cuh, QPN_HT: 2 gated or paired, gemm.tiles_per_warp): the team slots, 1 KiB per warp and tile
-    (qpn_team_a); 0 without teams."""
-    return warps * tiles * 1024 if team > 1 else 0
+def tiles_per_warp(defines: tuple[tuple[str, str], ...]) -> int:
+    """Tiles each warp of a build multiplies (qpn_mma.cuh, QPN_HT): 2 gated or paired (QPN_PAIR), else 1."""
+    d = dict(defines)
+    return 2 if d.get("QPN_GATED") == "1" or d.get("QPN_PAIR") == "1" else 1
+
+
+def team_shared_bytes(defines: tuple[tuple[str, str], ...], warps: int) -> int:
+    """Dynamic shared memory of a launch of `warps` warps of the build of `defines` (decode or GEMM): its team
+    slots (QPN_TEAM > 1; qpn_team_a), 1 KiB per warp and tile it multiplies (tiles_per_warp); 0 without teams."""
+    return warps * tiles_per_warp(defines) * 1024 if team_of(defines) > 1 else 0
 
 
 def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray,
-                  n: int, gated: bool, workspace: CupyArray | None, x_frag: bool, team: int = 1) -> None:
+                  n: int, gated: bool, workspace: CupyArray | None, x_frag: bool,
+                  defines: tuple[tuple[str, str], ...] = ()) -> None:
     """Queue one decode call: bf16 x's fp16 rows (cupy_kernels/bf16.py), the x fragments (x_frag: the build
     reads them), the split-K tickets' reset, and the kernel `fn` with the split (decode_split) and its grid;
-    `weights` are the format's leading kernel arguments; team: the build's QPN_TEAM (team_of), split x team
-    warps per block.
+    `weights` are the format's leading kernel arguments; defines: the build's macros (a QPN_TEAM build,
+    team_of: split x team warps per block and its team slots).
 
     The split follows the weight's tile count, gated or not: the gated kernel then sums every tile
     exactly as the plain kernel does (its gate / up values equal the plain call's, bit for bit).
@@ -293,8 +299,8 @@ def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray,
             tickets = zeroed_tickets(workspace[rows + frag + partial_size:size])
     grid = (n // TILE_N // (2 if gated else 1), parts)
     tail = (np.int32(m), np.int32(n), np.int32(k), np.int32(groups_per_warp), partial, tickets, x_factor)
-    warps = split * team
-    fn(grid, (32 * warps,), (*weights, x_arg, y, *tail), shared_mem=team_shared_bytes(team, warps, 2 if gated else 1))
+    warps = split * team_of(defines)
+    fn(grid, (32 * warps,), (*weights, x_arg, y, *tail), shared_mem=team_shared_bytes(defines, warps))
 
 
 def qpn2_linear(x: CupyArray, codes: CupyArray, scales: CupyArray, global_scale: float | np.ndarray | CupyArray,
@@ -319,7 +325,7 @@ def launch_qpn2_decode(x: CupyArray, codes: CupyArray, scales: CupyArray, g: Cup
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
     variant = QPN2_LINEAR[nb, bool(gated)]
     launch_decode(QPN2, kernel(variant), (codes, scales, g, np.int32(g_stride)), x, y, n, gated, workspace,
-                  X_FRAG[QPN2.key, nb], team_of(variant.defines))
+                  X_FRAG[QPN2.key, nb], variant.defines)
 
 
 def qpn8_linear(x: CupyArray, codes: CupyArray, group_scales: CupyArray, out: CupyArray | None = None,
@@ -351,4 +357,4 @@ def launch_qpn8_decode(x: CupyArray, codes: CupyArray, group_scales: CupyArray, 
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
     variant = QPN8_LINEAR[nb, bool(gated), wf is QPN8_BLOCK]
     launch_decode(QPN8, kernel(variant), (codes, group_scales, np.int32(kb_stride)), x, y, n, gated, workspace,
-                  X_FRAG[QPN8.key, nb], team_of(variant.defines))
+                  X_FRAG[QPN8.key, nb], variant.defines)

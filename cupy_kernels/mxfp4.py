@@ -25,7 +25,7 @@ from ..ref.formats import QPN2, QPNMX
 from ..ref.mxfp4 import W16_TOP_EXP
 from ._validate import CupyArray, output_array, require_aligned, require_cupy, require_packed, require_shape
 from .dequantize import DEQUANTIZE_MACROS, launch_qpn2_dequantize
-from .gemm import gemm_activation, gemm_macros, launch_gemm
+from .gemm import gemm_activation, gemm_variant, launch_gemm
 from .linear import FALLBACK_STACK_BYTES, MAX_M, X_FRAG, decode_activation, decode_macros, launch_decode
 from .loader import kernel
 from .prepack import launch_qpn2_prepack
@@ -40,12 +40,9 @@ QPNMX_LINEAR = {
     for gated in (False, True)
     for nb in range(1, MAX_M // TOKENS_PER_BLOCK + 1)
 }
-QPNMX_GEMM = {gated: KernelVariant("qpn2_linear.cu", "qpn2_linear", tuple(sorted((*gemm_macros(QPN2, gated), *_MX))),
-                                    archs=("sm_75",))
-              for gated in (False, True)}
 QPNMX_PREPACK = KernelVariant("qpn2_prepack.cu", "qpn2_prepack", _MX)
 QPNMX_DEQUANTIZE = KernelVariant("qpn2_dequantize.cu", "qpn2_dequantize", tuple(sorted((*DEQUANTIZE_MACROS, *_MX))))
-KERNEL_VARIANTS = (*QPNMX_LINEAR.values(), *QPNMX_GEMM.values(), QPNMX_PREPACK, QPNMX_DEQUANTIZE)
+KERNEL_VARIANTS = (*QPNMX_LINEAR.values(), QPNMX_PREPACK, QPNMX_DEQUANTIZE)  # its GEMM builds: gemm.QPNMX_GEMM
 
 
 def qpnmx_prepack(blocks: CupyArray, scales: CupyArray) -> tuple[CupyArray, CupyArray, CupyArray]:
@@ -135,11 +132,13 @@ def _weight_and_output(codes: CupyArray, scales: CupyArray, tile_scale: CupyArra
 
 def launch_qpnmx_gemm(x: CupyArray, codes: CupyArray, scales: CupyArray, tile_scale: CupyArray, n: int,
                       y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
-    launch_gemm(QPN2, QPNMX_GEMM[bool(gated)], (codes, scales, tile_scale, np.int32(1)), x, y, n, gated, workspace)
+    launch_gemm(QPN2, gemm_variant(QPNMX, gated, x.shape[0], n), (codes, scales, tile_scale, np.int32(1)), x, y,
+                n, gated, workspace)
 
 
 def launch_qpnmx_decode(x: CupyArray, codes: CupyArray, scales: CupyArray, tile_scale: CupyArray, n: int,
                         y: CupyArray, gated: bool, workspace: CupyArray | None) -> None:
     nb = -(-x.shape[0] // TOKENS_PER_BLOCK)
-    fn = kernel(QPNMX_LINEAR[nb, bool(gated)])
-    launch_decode(QPNMX, fn, (codes, scales, tile_scale, np.int32(1)), x, y, n, gated, workspace, X_FRAG[QPN2.key, nb])
+    variant = QPNMX_LINEAR[nb, bool(gated)]
+    launch_decode(QPNMX, kernel(variant), (codes, scales, tile_scale, np.int32(1)), x, y, n, gated, workspace,
+                  X_FRAG[QPN2.key, nb], variant.defines)

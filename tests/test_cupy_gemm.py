@@ -95,21 +95,30 @@ def test_threshold_by_card_and_format(monkeypatch):
 
 
 def test_workspace_is_sized_for_the_build_the_call_runs(monkeypatch):
-    """gemm_workspace_size covers the ticket grid of the build the call runs: a team build where gemm_variant
-    picks one (NVFP4 gated, FP8), MXFP4's one-pass build at every M (mxfp4.QPNMX_GEMM: QPN2's kernel, no
-    teams, though "mxfp4" shares QPN2's family)."""
+    """gemm_workspace_size(format, ...) covers the ticket grid of the build that format's launch runs (taken from
+    the launch itself, the kernel call intercepted): team builds where gemm_variant picks one (NVFP4 gated, FP8
+    with channel or block scales), MXFP4's one-pass build at every M (QPN2's kernel and split, no teams)."""
     from qpn.cupy_kernels import gemm, mxfp4
-    from qpn.ref.formats import QPN2, QPN8
+    from qpn.ref.formats import QPN8, QPN8_BLOCK
 
     monkeypatch.setattr(gemm, "_device", lambda: (132, 9))
+    launched = []
+    for module in (gemm, mxfp4):
+        monkeypatch.setattr(module, "launch_gemm", lambda family, variant, *_: launched.append((family, variant)))
     n, k = 128, 8192  # K in parts: the workspace ends with the tickets
+    launches = (("nvfp4", lambda x, gated: gemm.launch_qpn2_gemm(x, None, None, None, 0, n, None, gated, None)),
+                ("fp8", lambda x, gated: gemm.launch_qpn8_gemm(x, None, None, QPN8, n, None, gated, None)),
+                ("fp8", lambda x, gated: gemm.launch_qpn8_gemm(x, None, None, QPN8_BLOCK, n, None, gated, None)),
+                ("mxfp4", lambda x, gated: mxfp4.launch_qpnmx_gemm(x, None, None, None, n, None, gated, None)))
     for m in (33, 64, 65, 130, 512):
+        x = np.empty((m, k), np.float16)  # the launches read its shape only
         for gated in (False, True):
-            for fmt, wf, variant in (("nvfp4", QPN2, gemm.gemm_variant(QPN2, gated, m, n)),
-                                     ("fp8", QPN8, gemm.gemm_variant(QPN8, gated, m, n)),
-                                     ("mxfp4", QPN2, mxfp4.QPNMX_GEMM[gated])):
-                want = gemm._workspace_ends(wf, m, n, k, gated, False, variant)[-1]
-                assert gemm.gemm_workspace_size(fmt, m, n, k, gated) == want, (fmt, m, gated)
+            for fmt, launch in launches:
+                launched.clear()
+                launch(x, gated)
+                [(family, variant)] = launched
+                want = gemm._workspace_ends(family, m, n, k, gated, False, variant)[-1]
+                assert gemm.gemm_workspace_size(fmt, m, n, k, gated) == want, (fmt, m, gated, variant.label)
     # the grids differ (gated M = 130: NVFP4's team of 8 runs 2 token blocks, MXFP4's 32-token build 5)
     assert gemm.gemm_workspace_size("nvfp4", 130, n, k, True) != gemm.gemm_workspace_size("mxfp4", 130, n, k, True)
 
@@ -135,7 +144,7 @@ def test_gemm_runs_team_builds_past_one_pass(nvrtc):
 
     def geometry(wf, gated, m, n=4096):
         variant = gemm.gemm_variant(wf, gated, m, n)
-        return gemm.build_geometry(variant.defines)[1], gemm.tiles_per_warp(variant.defines)
+        return gemm.build_geometry(variant.defines)[1], L.tiles_per_warp(variant.defines)
 
     for wf in (QPN8, QPN8_BLOCK):
         assert [geometry(wf, False, m) for m in (1, 33, 64, 65, 128, 512)] == [(64, 1)] * 3 + [(128, 2)] * 3
@@ -151,9 +160,9 @@ def test_gemm_runs_team_builds_past_one_pass(nvrtc):
         (report,) = [r for r in reports if r.label == variant.label and r.arch == "sm_75"]
         assert report.stats is not None and not report.problems, f"{variant.label}: {report.problems}"
         slots, _, threads = gemm.build_geometry(variant.defines)
-        warps, tiles = threads // 32, gemm.tiles_per_warp(variant.defines)
+        warps, tiles = threads // 32, L.tiles_per_warp(variant.defines)
         assert warps == gemm.GEMM_TEAM_WARPS[tiles] == slots * team
-        smem = report.stats.smem + L.team_shared_bytes(team, warps, tiles)
+        smem = report.stats.smem + L.team_shared_bytes(variant.defines, warps)
         assert compile_check.occupancy_sm75(report.stats.registers, smem, warps).warps == (16 if tiles == 2 else 32)
 
 

@@ -21,10 +21,10 @@ MS = [1, 5, 8, 9, 16, 17, 24, 25, 32]
 
 
 def test_every_build_loads_whole_32k_blocks():
-    from qpn.cupy_kernels import moe
+    from qpn.cupy_kernels import gemm, moe
     from qpn.ref.formats import QPNMX
 
-    builds = [*ck_mx.QPNMX_LINEAR.values(), *ck_mx.QPNMX_GEMM.values(),
+    builds = [*ck_mx.QPNMX_LINEAR.values(), *gemm.QPNMX_GEMM.values(),
               *(v for (key, _, _), v in moe.EXPERT_DECODE.items() if key == QPNMX.key)]
     for v in builds:
         d = dict(v.defines)

@@ -71,15 +71,16 @@ def test_team_build_compiles_for_turing(nvrtc, build):
     warps = tiles * team  # decode builds: the most, 16 K-slices of a team each
     if is_gemm:
         assert gemm.build_geometry(variant.defines) == (tiles, 16 * team, 32 * warps)
-    smem = report.stats.smem + L.team_shared_bytes(team, warps, 1)
+    smem = report.stats.smem + L.team_shared_bytes(variant.defines, warps)
     occupancy = compile_check.occupancy_sm75(report.stats.registers, smem, warps)
     assert occupancy.blocks * warps == 32, f"{_label(build)}: {occupancy}"
 
 
 def test_team_slots_are_a_kib_per_warp_and_tile():
-    assert L.team_shared_bytes(1, 16, 1) == 0
-    assert L.team_shared_bytes(2, 32, 1) == 32 * 1024
-    assert L.team_shared_bytes(4, 32, 2) == 64 * 1024
+    assert L.team_shared_bytes(L.QPN2_LINEAR[4, True].defines, 16) == 0  # no team: no slots
+    assert L.team_shared_bytes((("QPN_GATED", "0"), ("QPN_TEAM", "2")), 32) == 32 * 1024
+    assert L.team_shared_bytes((("QPN_GATED", "1"), ("QPN_TEAM", "4")), 32) == 64 * 1024  # gate and up tiles
+    assert L.team_shared_bytes((("QPN_PAIR", "1"), ("QPN_TEAM", "8")), 16) == 32 * 1024  # two tiles per warp
     assert L.team_of(L.QPN2_LINEAR[4, False].defines) == 1
 
 
