@@ -60,7 +60,9 @@ Before timing, every model's prefill logits (the same prompt) are compared by co
   and the error compounds over 32 layers; it is not a kernel check).
 Timing: REPEATS runs of STEPS graph replays between two CUDA events; the median is reported. The
 static cache attends over its whole length every step (masked), so the cost per step does not
-grow as the runs advance through it.
+grow as the runs advance through it. Where the step goes (dense shapes): the step's linears alone (each
+decoder linear and lm_head once on [batch, K] activations, one graph, timed the same way: LinearsAlone),
+and the rest, the step's time minus theirs, which every format shares.
 
 --tiny (TINY dims, CPU or GPU) and --layers N exist so that the script runs end to end in a test
 without a GPU (tests/test_bench_model.py, tests/test_bench_gpt_oss.py); there, no CUDA graphs exist and the
@@ -484,6 +486,39 @@ def time_steps(run, device, steps: int, repeats: int) -> list:
     return times
 
 
+class LinearsAlone:
+    """A decode step's linears and nothing else, as a session whose step() replayable() captures: every decoder
+    layer's converted linears as installed (Shape.linears) and lm_head, each once, in the model's order, on fixed
+    fp16 activations of [batch, in_features] (values move no time). Its time against the step's splits the step
+    into the linears and the rest (attention, norms, rotary, residuals, SiLU, embedding, argmax), which the
+    formats share. Dense shapes only: a mixture's experts route per token."""
+
+    def __init__(self, model, shape: Shape, batch: int, device):
+        import torch
+
+        modules = [layer.get_submodule(name) for layer in model.model.layers for name in shape.linears]
+        modules.append(model.lm_head)
+        gen = torch.Generator(device=device).manual_seed(0)
+        xs = {k: torch.randn(batch, k, generator=gen, device=device, dtype=torch.float16)
+              for k in sorted({m.in_features for m in modules})}
+        self.calls = [(m, xs[m.in_features]) for m in modules]
+
+    def step(self):
+        import torch
+
+        with torch.no_grad():
+            y = None
+            for module, x in self.calls:
+                y = module(x)
+            return y
+
+
+def linears_ms(model, shape: Shape, batch: int, device, steps: int, repeats: int) -> float:
+    """Median ms of the step's linears alone (LinearsAlone), captured and timed as the step is."""
+    run, _, _ = replayable(LinearsAlone(model, shape, batch, device), device)
+    return statistics.median(time_steps(run, device, steps, repeats)) * 1e3
+
+
 def cosine(a, b) -> float:
     a, b = a.double().flatten(), b.double().flatten()
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
@@ -560,6 +595,8 @@ def run_method(method: str, model, linears: dict, batches, device, args, sec, bu
             if fmt == "fp16" and shape.experts:
                 row["graphs"] = f"{row['graphs']}; experts: transformers {experts_label(model)}"
             row["gbps"] = "" if shape.experts else row["gb"] / (row["ms"] / 1e3)  # a mixture reads the hit experts
+            row["linears_ms"] = "" if shape.experts else linears_ms(model, shape, batch, device, steps, repeats)
+            row["rest_ms"] = "" if shape.experts else row["ms"] - row["linears_ms"]
             if fmt == "fp16":
                 reference, base = prefill, row["ms"]
             row["x_fp16"] = base / row["ms"] if base else ""
@@ -609,7 +646,8 @@ def new_section(tiny: bool, shape: Shape) -> bk.Section:
         bk.Column("method", "method"), bk.Column("batch", "batch"), bk.Column("format", "format"),
         bk.Column("ms", "ms / step", "{:.3f}"), bk.Column("tok_s", "tokens / s", "{:.1f}"),
         bk.Column("x_fp16", "x fp16", "{:.2f}"), bk.Column("gb", "weights GB / step", "{:.2f}"),
-        bk.Column("gbps", "weight GB/s", "{:.0f}"), bk.Column("resident_gb", "resident GB", "{:.2f}"),
+        bk.Column("gbps", "weight GB/s", "{:.0f}"), bk.Column("linears_ms", "linears alone ms", "{:.3f}"),
+        bk.Column("rest_ms", "rest ms", "{:.3f}"), bk.Column("resident_gb", "resident GB", "{:.2f}"),
         bk.Column("mem_x_fp16", "memory x fp16", "{:.3f}"), bk.Column("cos_w16", "logits cos vs W16 twin", "{:.6f}"),
         bk.Column("cos", "quantization error: logits cos vs fp16", "{:.4f}"),
         bk.Column("setup_s", "set-up s", "{:.1f}"), bk.Column("graphs", "graphs"),
@@ -648,6 +686,9 @@ NOTES = (
     "step = decoder layers + lm_head as stored; weight GB/s = that / step time (attention and activations not "
     "counted; not given for a mixture, whose step reads the hit experts only). resident GB = every parameter and "
     "buffer of the model as loaded (embedding included); memory x fp16 = that over fp16's.",
+    "linears alone ms = every decoder linear (as installed) and lm_head once on fixed [batch, K] activations, one "
+    "CUDA graph, timed as the step is (LinearsAlone); rest ms = ms / step minus that: attention, norms, rotary, "
+    "residuals, SiLU, embedding and argmax, shared by the formats (the same kernels, the same run).",
     "x fp16 = fp16's ms / step over this row's, same method, batch and run. logits cos vs W16 twin = cosine of the "
     "prefill's last logits (same prompt) with the fp16 model holding qpn's dequantized weights: the "
     "implementation's fidelity (>= 0.999 expected). quantization error = the same cosine against the fp16 model: "

@@ -61,6 +61,8 @@ def test_tiny_run_writes_a_row_per_batch_and_format(bench, tmp_path, capsys):
         assert row["finite"] is True and row["graphs"] == "eager loop (no CUDA)", row
         assert math.isfinite(row["ms"]) and row["ms"] > 0
         assert row["tok_s"] == pytest.approx(row["batch"] / row["ms"] * 1e3)
+        assert math.isfinite(row["linears_ms"]) and row["linears_ms"] > 0  # the split of the step (no timing bound)
+        assert row["rest_ms"] == pytest.approx(row["ms"] - row["linears_ms"])
         assert row["cos"] >= MIN_COS[row["format"]], row
         # fidelity: the quantized model against its W16 twin (qpn's own dequantized weights in fp16 linears)
         assert row["cos_w16"] == "" if row["format"] == "fp16" else row["cos_w16"] >= bench.FIDELITY_MIN, row
