@@ -314,6 +314,67 @@ def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=
         L.TARGET_WARPS = saved
 
 
+# Split-K across blocks on the per-linear shapes of an 8B decoder (transformers' Llama: q / o 4096x4096, k / v
+# 1024x4096, gate / up 14336x4096, down 4096x14336), where bench_model's linears alone run the QPN2 decode at
+# ~29 % of the read ceiling (results/model_linears_h200.md): the shipped parts (split_k) against forced ones.
+PARTS_SHAPES = ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336))
+PARTS = (1, 2, 4)
+
+
+def _split_with_parts(split_k, parts: int):
+    """split_k with `parts` blocks per tile in place of its own choice (the K-slices per block kept: split_k's
+    rounding of the groups per warp to the load batch)."""
+
+    def forced(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, int, int]:
+        _, split, _ = split_k(n_tiles, groups, multiple, sms)
+        per_warp = -(-groups // (parts * split))
+        per_warp = -(-per_warp // multiple) * multiple
+        slices = -(-groups // per_warp)
+        split = -(-slices // parts)
+        return -(-slices // split), split, per_warp
+
+    return forced
+
+
+def section_parts(ctx: bk.Context) -> bk.Section:
+    """The decode kernels at M = 1, 8, 32 with 1, 2, 4 blocks per tile on PARTS_SHAPES (ctx.shapes if given),
+    each checked against the fp32 accumulation bound, then timed (L2-cold rotation, CUDA graphs)."""
+    from qpn.cupy_kernels import linear as L
+    from qpn.cupy_kernels import qpn2_dequantize, qpn8_dequantize
+
+    cp = ctx.cp
+    read = ctx.ceiling["read"]
+    g_dev = cp.full(1, G, dtype=cp.float32)
+    sec = bk.Section("parts", "Decode split-K across blocks (parts) on an 8B decoder's per-linear shapes", [
+        bk.Column("fmt", "format"), bk.Column("n", "N"), bk.Column("k", "K"), bk.Column("m", "M"),
+        bk.Column("split", "parts x warps x groups"), bk.Column("shipped", "shipped"),
+        bk.Column("us", "us", "{:.1f}"), bk.Column("pct", "% ceil", "{:.1f}"),
+    ])
+    shapes = PARTS_SHAPES if list(ctx.shapes) == list(bk.QUICK_SHAPES if ctx.quick else bk.SHAPES) else ctx.shapes
+    original = L.split_k
+    for n, k in shapes:
+        slots, bufs = _buffers(ctx, n, k)
+        w16 = {"qpn2": qpn2_dequantize(*bufs["qpn2"][0], G, n, k), "qpn8": qpn8_dequantize(*bufs["qpn8"][0], n, k)}
+        for m in (1, 8, 32):
+            x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
+            y = cp.empty((m, n), cp.float16)
+            for fmt in ("qpn2", "qpn8"):
+                shipped = L.decode_split({"qpn2": "nvfp4", "qpn8": "fp8"}[fmt], n, k)
+                for parts in PARTS:
+                    L.split_k = _split_with_parts(original, parts)
+                    try:
+                        t, split = _launch_variant(ctx, fmt, tuple(sorted(shipped_macros(fmt, -(-m // 8)).items())),
+                                                   n, k, m, bufs[fmt], x, y, slots, g_dev, check=w16[fmt])
+                    finally:
+                        L.split_k = original
+                    sec.rows.append({"fmt": fmt, "n": n, "k": k, "m": m, "split": split, "us": t["us"],
+                                     "shipped": "yes" if split == "x".join(map(str, shipped)) else "",
+                                     "pct": 100.0 * bk.gbps(weight_bytes(fmt, n, k), t["us"]) / read})
+        del bufs, w16
+        cp.get_default_memory_pool().free_all_blocks()
+    return sec
+
+
 # M = 9-32 (issue 13, part 1): where x comes from (rows of x, or fragments: x_fragments.cu) and the
 # load batches (groups, blocks of 16 warps per SM the registers allow), around the shipped build.
 # The exploration behind the shipped choice (tile slots sharing x, L2 prefetch, .cg weights,
@@ -847,7 +908,7 @@ def section_team(ctx: bk.Context) -> bk.Section:
 
 SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants": section_variants,
             "ablate": section_ablate, "mid": section_mid, "targets": section_targets, "gemm": section_gemm,
-            "l2rate": section_l2rate, "gemm_ws": section_gemm_ws, "team": section_team}
+            "l2rate": section_l2rate, "gemm_ws": section_gemm_ws, "team": section_team, "parts": section_parts}
 
 
 def build_parser() -> argparse.ArgumentParser:

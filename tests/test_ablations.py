@@ -116,3 +116,19 @@ def test_write_source_names_the_file_by_its_text(ablate, tmp_path, monkeypatch):
     assert ablate.write_source("qpn2", "no mma") == path
     other = ablate.write_source("qpn2", "no decode")
     assert other != path and sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, other.name])
+
+
+def test_the_parts_section_forces_parts_and_keeps_every_group(bench):
+    """section_parts' split (bench_decode._split_with_parts): the forced parts, every group in exactly one slice of
+    whole load batches, and split_k's own answer where the forced parts are its choice."""
+    from qpn.cupy_kernels.linear import split_k
+
+    for n, k in bench.PARTS_SHAPES:
+        groups, multiple = k // 16, 4  # QPN2: 64-k load batches
+        shipped = split_k(n // 32, groups, multiple, 132)
+        for parts in bench.PARTS:
+            got_parts, split, per_warp = bench._split_with_parts(split_k, parts)(n // 32, groups, multiple, 132)
+            assert got_parts == parts and per_warp % multiple == 0, (n, k, parts)
+            assert (got_parts * split - 1) * per_warp < groups <= got_parts * split * per_warp, (n, k, parts)
+            if parts == shipped[0]:
+                assert (got_parts, split, per_warp) == shipped
