@@ -608,6 +608,27 @@ def render_markdown(env: dict, sections: list[Section]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profiled_kernels(fn: Callable[[], object], calls: int) -> dict[str, tuple[float, float]]:
+    """{kernel name: (launches, GPU us)} per call of `calls` eager calls of fn() under torch.profiler (CUPTI sees
+    every kernel on the device, CuPy's too), in first-launch order; one call first, unprofiled (warm-up)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            launches_us = totals.setdefault(event.name, [0, 0.0])
+            launches_us[0] += 1
+            launches_us[1] += event.time_range.elapsed_us()
+    return {name: (n / calls, us / calls) for name, (n, us) in totals.items()}
+
+
 def write_atomic(path: Path, text: str) -> None:
     """`text` into `path` through a temporary file and one rename: a killed run leaves the old file or the new
     one, never a partial one."""

@@ -66,7 +66,7 @@ from qpn.torch_bridge import PackedExperts, pack_mxfp4, packed_weight_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dispatch  # noqa: E402  (the graph timing of bench_dispatch's table)
-import bench_kernels as bk  # noqa: E402  (write_atomic)
+import bench_kernels as bk  # noqa: E402  (write_atomic, profiled_kernels)
 
 
 @dataclass(frozen=True)
@@ -254,19 +254,7 @@ def loop_moe(packed: PackedExperts, x, weights, ids):
 
 def kernel_us(fn) -> dict[str, float]:
     """{kernel name: GPU microseconds per call} of `fn`'s kernels (torch.profiler, CUPTI), in launch order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_CALLS):
-            fn()
-        torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            out[event.name] = out.get(event.name, 0.0) + event.device_time / PROFILED_CALLS
-    return {k: round(v, 2) for k, v in out.items()}
+    return {name: round(us, 2) for name, (_, us) in bk.profiled_kernels(fn, PROFILED_CALLS).items()}
 
 
 def hit_bytes(packed: PackedExperts, ids: torch.Tensor) -> int:

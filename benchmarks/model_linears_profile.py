@@ -17,7 +17,6 @@ import argparse
 import importlib.util
 import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,25 +34,6 @@ def _bench_model():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def kernel_times(step, steps: int) -> dict:
-    """{kernel name: (launches, device us)} per step of `steps` eager calls of step() under torch.profiler."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    totals: dict = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name][0] += 1
-            totals[event.name][1] += event.time_range.elapsed_us()
-    return {name: (n / steps, us / steps) for name, (n, us) in totals.items()}
 
 
 def new_section() -> bk.Section:
@@ -99,7 +79,7 @@ def main(argv=None) -> int:
             run, _, _ = bm.replayable(alone, device)
             graph_ms = statistics.median(bm.time_steps(run, device, bm.STEPS, bm.REPEATS)) * 1e3
             del run
-            times = kernel_times(alone.step, PROFILED)
+            times = bk.profiled_kernels(alone.step, PROFILED)
             kernel_ms = sum(us for _, us in times.values()) / 1e3
             top = sorted(times.items(), key=lambda kv: -kv[1][1])[:TOP]
             row = {"format": fmt, "batch": batch, "graph_ms": graph_ms, "kernel_ms": kernel_ms,
