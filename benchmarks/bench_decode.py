@@ -295,7 +295,7 @@ def _launch_variant(ctx, fmt, macros, n, k, m, bufs, x, y, slots, g_dev, target=
     x_frag = dict(macros).get("QPN_X_FRAG") == "1"
     saved, L.TARGET_WARPS = L.TARGET_WARPS, target or L.TARGET_WARPS
     try:
-        parts, split, gpw = L.decode_split({"qpn2": "nvfp4", "qpn8": "fp8"}[fmt], n, k)
+        parts, split, gpw = L.decode_split(BY_KEY[fmt].format, n, k)
         split_k = sum(W.split_k_elements(parts, m, n, False))
         workspace = ctx.cp.empty((W.fragment_elements(m, k) if x_frag else 0) + split_k, ctx.cp.float32)
 
@@ -322,16 +322,11 @@ PARTS = (1, 2, 4)
 
 
 def _split_with_parts(split_k, parts: int):
-    """split_k with `parts` blocks per tile in place of its own choice (the K-slices per block kept: split_k's
-    rounding of the groups per warp to the load batch)."""
+    """split_k with `parts` blocks per tile in place of its own choice (its K-slices per block kept)."""
+    from qpn.cupy_kernels.linear import split_in_parts
 
     def forced(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, int, int]:
-        _, split, _ = split_k(n_tiles, groups, multiple, sms)
-        per_warp = -(-groups // (parts * split))
-        per_warp = -(-per_warp // multiple) * multiple
-        slices = -(-groups // per_warp)
-        split = -(-slices // parts)
-        return -(-slices // split), split, per_warp
+        return split_in_parts(groups, parts, split_k(n_tiles, groups, multiple, sms)[1], multiple)
 
     return forced
 
@@ -341,6 +336,7 @@ def section_parts(ctx: bk.Context) -> bk.Section:
     each checked against the fp32 accumulation bound, then timed (L2-cold rotation, CUDA graphs)."""
     from qpn.cupy_kernels import linear as L
     from qpn.cupy_kernels import qpn2_dequantize, qpn8_dequantize
+    from qpn.ref.formats import BY_KEY
 
     cp = ctx.cp
     read = ctx.ceiling["read"]
@@ -359,7 +355,7 @@ def section_parts(ctx: bk.Context) -> bk.Section:
             x = (cp.random.RandomState(m).standard_normal((m, k)) * 0.5).astype(cp.float16)
             y = cp.empty((m, n), cp.float16)
             for fmt in ("qpn2", "qpn8"):
-                shipped = L.decode_split({"qpn2": "nvfp4", "qpn8": "fp8"}[fmt], n, k)
+                shipped = L.decode_split(BY_KEY[fmt].format, n, k)
                 for parts in PARTS:
                     L.split_k = _split_with_parts(original, parts)
                     try:

@@ -166,6 +166,12 @@ def split_k(n_tiles: int, groups: int, multiple: int, sms: int) -> tuple[int, in
     if 0 < n_tiles < 2 * sms:
         fits = [p for p in range(1, MAX_PARTS + 1) if p == 1 or p * split * MIN_GROUPS_PER_WARP <= groups]
         parts = min(fits, key=lambda p: (-(-p * n_tiles // sms) / p, p))
+    return split_in_parts(groups, parts, split, multiple)
+
+
+def split_in_parts(groups: int, parts: int, split: int, multiple: int) -> tuple[int, int, int]:
+    """split_k's (parts, warps per block, groups per warp) for `parts` blocks of `split` K-slices: the groups per
+    warp rounded up to whole load batches (`multiple`), and the parts and warps that then hold groups."""
     groups_per_warp = -(-groups // (parts * split))
     groups_per_warp = -(-groups_per_warp // multiple) * multiple
     slices = -(-groups // groups_per_warp)  # the slices that hold groups
@@ -269,7 +275,7 @@ def team_shared_bytes(defines: tuple[tuple[str, str], ...], warps: int) -> int:
 
 def launch_decode(family: WeightFormat, fn: RawKernel, weights: tuple[CupyArray, ...], x: CupyArray, y: CupyArray,
                   n: int, gated: bool, workspace: CupyArray | None, x_frag: bool,
-                  defines: tuple[tuple[str, str], ...] = ()) -> None:
+                  defines: tuple[tuple[str, str], ...]) -> None:
     """Queue one decode call: bf16 x's fp16 rows (cupy_kernels/bf16.py), the x fragments (x_frag: the build
     reads them), the split-K tickets' reset, and the kernel `fn` with the split (decode_split) and its grid;
     `weights` are the format's leading kernel arguments; defines: the build's macros (a QPN_TEAM build,

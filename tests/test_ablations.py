@@ -121,10 +121,11 @@ def test_write_source_names_the_file_by_its_text(ablate, tmp_path, monkeypatch):
 def test_the_parts_section_forces_parts_and_keeps_every_group(bench):
     """section_parts' split (bench_decode._split_with_parts): the forced parts, every group in exactly one slice of
     whole load batches, and split_k's own answer where the forced parts are its choice."""
-    from qpn.cupy_kernels.linear import split_k
+    from qpn.cupy_kernels.linear import SLICE_MULTIPLE, split_k
+    from qpn.ref.formats import QPN2
 
     for n, k in bench.PARTS_SHAPES:
-        groups, multiple = k // 16, 4  # QPN2: 64-k load batches
+        groups, multiple = k // 16, SLICE_MULTIPLE[QPN2.key]  # 64-k load batches
         shipped = split_k(n // 32, groups, multiple, 132)
         for parts in bench.PARTS:
             got_parts, split, per_warp = bench._split_with_parts(split_k, parts)(n // 32, groups, multiple, 132)
