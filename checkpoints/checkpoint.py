@@ -50,8 +50,13 @@ from typing import Any, Literal, TypeAlias, overload
 
 import numpy as np
 
-from ..ref.checks import FileError, require_no_nan_e4m3, require_nvfp4_block_scales
-from ..ref.codecs import E8M0_NAN
+from ..ref.checks import (
+    FileError,
+    require_no_nan_e4m3,
+    require_no_nan_e8m0,
+    require_nvfp4_block_scales,
+    require_positive_scale,
+)
 from ..ref.formats import FP8_BLOCK, FP8_GRANULARITIES, MX_BLOCK, QPN2, QPN8, QPNMX, WeightFormat, weight_format
 from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d
 from ..ref.geometry import GROUP_K
@@ -115,9 +120,10 @@ def _uint8_matrix(value: object, owner: str, role: str, what: str) -> np.ndarray
     return value
 
 
-def _checked_e4m3(rule: Callable[[str, np.ndarray], None], bits: np.ndarray, owner: str, role: str) -> None:
+def _checked_values(rule: Callable[[str, np.ndarray], None], values: np.ndarray, owner: str, role: str) -> None:
+    """A ref.checks value rule on a field as the file holds it (its index is the file's), as a FieldError."""
     try:
-        rule(f"{owner}: {role}", bits)
+        rule(f"{owner}: {role}", values)
     except ValueError as exc:
         raise FieldError(role, str(exc)) from None
 
@@ -150,7 +156,7 @@ class NVFP4Linear:
                 f"shape ({n}, {half_k}) (K = {half_k * 2}), got {ws.shape}; NVFP4 has one e4m3 scale per "
                 f"{GROUP_K} weights (group_size 16) and K must be a multiple of 16",
             )
-        _checked_e4m3(require_nvfp4_block_scales, ws, owner, "weight_scale")
+        _checked_values(require_nvfp4_block_scales, ws, owner, "weight_scale")
         object.__setattr__(self, "global_scale", _scalar_f32(self.global_scale, owner, "global_scale", positive=True))
         object.__setattr__(self, "input_scale",
                            _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))
@@ -217,14 +223,12 @@ class FP8Linear:
                     f"{owner}: a {self.granularity} weight_scale must have shape {expected} for weight shape {w.shape} "
                     f"({rule}), got {s.shape}",
                 )
+            _checked_values(require_positive_scale, s, owner, "weight_scale")  # in the file's shape: its index
             s = s.reshape(expected)
-            if not (np.all(np.isfinite(s)) and np.all(s > 0)):
-                raise FieldError("weight_scale", f"{owner}: weight_scale must be finite and > 0, got "
-                                                  f"{int((~(np.isfinite(s) & (s > 0))).sum())} bad values")
         if self.scale_name == "weight_scale_inv" and self.granularity != "block":
             raise FieldError("scale_name", f"{owner}: weight_scale_inv is the block-checkpoint name; a "
                                             f"{self.granularity} scale is stored as weight_scale")
-        _checked_e4m3(require_no_nan_e4m3, w, owner, "weight")
+        _checked_values(require_no_nan_e4m3, w, owner, "weight")
         object.__setattr__(self, "weight_scale", s)
         object.__setattr__(self, "input_scale",
                            _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))
@@ -270,12 +274,7 @@ class MXFP4Linear:
             raise FieldError("scales", f"{owner}: scales must have shape (N, K/32) = ({n}, {k_blocks}) for K = "
                                        f"{MX_BLOCK * k_blocks}, got {s.shape}; MXFP4 has one e8m0 scale per "
                                        f"{MX_BLOCK} weights (group_size 32)")
-        bad = np.argwhere(s == E8M0_NAN)
-        if bad.size:
-            row, block = (int(i) for i in bad[0])
-            raise FieldError("scales", f"{owner}: scales holds the e8m0 NaN byte 0xFF at row {row}, block {block} "
-                                       f"(weights {MX_BLOCK * block}..{MX_BLOCK * block + MX_BLOCK - 1}; {len(bad)} "
-                                       "in all): those weights have no value; the checkpoint is corrupt there")
+        _checked_values(require_no_nan_e8m0, s, owner, "scales")
         object.__setattr__(self, "blocks", b)
         object.__setattr__(self, "input_scale",
                            _scalar_f32(self.input_scale, owner, "input_scale", positive=True, optional=True))

@@ -158,6 +158,24 @@ def weight_files(folder: str, raw: dict[str, bytes] | None = None
     raise CheckpointError(folder, None, f"holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
+def file_holding(folder: str | os.PathLike[str], tensor: str) -> str | None:
+    """The .safetensors file of the checkpoint `folder` that holds `tensor` (its index's weight_map, else the
+    headers of the folder's .safetensors files), or None where the folder does not tell (no such tensor, no
+    readable file). For errors found outside qpn's readers: vLLM's loaders get a tensor without its file."""
+    folder = os.fspath(folder)
+    try:
+        files, weight_map, _ = weight_files(folder)
+        if weight_map is not None:
+            return os.path.join(folder, weight_map[tensor]) if tensor in weight_map else None
+        for file in sorted({*files, *(f for f in os.listdir(folder) if f.endswith(".safetensors"))}):
+            path = os.path.join(folder, file)
+            if tensor in read_safetensors_header(path).tensors:
+                return path
+    except (OSError, ValueError):  # CheckpointError / SafetensorsError are ValueErrors: the file stays unnamed
+        return None
+    return None
+
+
 def _configs(folder: str, raw: dict[str, bytes] | None = None) -> tuple[dict | None, dict | None, Producer]:
     """(config.json, hf_quant_config.json, the reader of the producer they name) of a checkpoint folder."""
     if not os.path.isdir(folder):

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..ref.codecs import E8M0_NAN
+from ..ref.checks import require_finite, require_no_nan_e8m0
 from ..ref.formats import MX_BLOCK
 from ..ref.gpt_oss import SWIGLU_LIMIT, deinterleave
 from ..ref.mxfp4 import MXFP4Weight
@@ -74,13 +74,12 @@ class GptOssMXFP4Config:
     modules_to_not_convert: tuple[str, ...]
 
 
-def _nan_scale_message(scales: np.ndarray) -> str | None:
-    bad = np.argwhere(scales == E8M0_NAN)
-    if not bad.size:
-        return None
-    return (f"holds the e8m0 NaN byte 0xFF at index {tuple(int(i) for i in bad[0])} ({len(bad)} in all): an MXFP4 "
-            "scale byte must be 0x00..0xFE (2^-127 .. 2^127), and a NaN scale gives its 32 values no number; the "
-            "checkpoint is corrupt there (re-download or re-export it)")
+def _require_values(role: str, array: np.ndarray, name: str) -> None:
+    """The value rules of one experts tensor (module docstring): no e8m0 NaN scale byte, finite biases."""
+    if role.endswith("scales"):
+        require_no_nan_e8m0(name, array)
+    elif role.endswith("bias"):
+        require_finite(name, array, "the checkpoint is corrupt there (re-download or re-export it)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,11 +113,10 @@ class MXFP4Experts:
                                        f"w2_blocks {w2.shape} make it {shape}: w13 [E, 2I, H/32, 16], w2 [E, H, "
                                        "I/32, 16], scales without the last dimension, biases [E, 2I] and [E, H]; "
                                        "pass one layer's six tensors, none empty")
-            message = _nan_scale_message(array) if role.endswith("scales") else None
-            if message is None and role.endswith("bias") and not np.isfinite(array).all():
-                message = "holds NaN or inf: a bias must be finite; the checkpoint is corrupt"
-            if message is not None:
-                raise FieldError(role, f"{owner}: {role} {message}")
+            try:
+                _require_values(role, array, f"{owner}: {role}")
+            except ValueError as exc:
+                raise FieldError(role, str(exc)) from None
 
     def _array(self, role: str, dtype: type, ndim: int, owner: str) -> np.ndarray:
         value = getattr(self, role)
@@ -287,10 +285,11 @@ def read_gpt_oss_experts(folder: str | os.PathLike[str], layers: Iterable[str] |
                 if path not in opened:
                     opened[path] = stack.enter_context(SafetensorsFile(path))
                 stored = opened[path].read(name)
-                message = _nan_scale_message(stored.array) if role.endswith("scales") else None
-                if message is not None:  # here, not in MXFP4Experts: the index is the file's (gate / up interleaved)
-                    raise CheckpointError(path, name, message)
                 array = _float32_bias(stored.array, stored.dtype) if role.endswith("bias") else stored.array
+                try:  # here, not in MXFP4Experts: the index is the file's (gate / up interleaved, every expert)
+                    _require_values(role, array, suffix)
+                except ValueError as exc:
+                    raise CheckpointError(path, name, str(exc)) from None
                 fields[role] = deinterleave(array, 1) if role.startswith("w13") else array  # axis 1: the 2I rows
             try:
                 out[prefix] = MXFP4Experts(prefix, **fields)

@@ -2,14 +2,22 @@
 
 Every failure is a `ValueError` that names the argument, the rule, the value and the fix
 (docs/DESIGN.md, "Bad input"). Checks run before any work, so a rejected call changes nothing.
+
+Where a value is. A value rule reports the first bad place as an index into the array it was given, so the
+caller gives it the array as the checkpoint file holds it (the whole tensor, every expert, gate / up rows
+interleaved as stored) and names the file and the tensor in front (`FileError`, vLLM's `ShardGeometry.where`);
+a rule that needs two tensors (fp16 overflow) is the one place that adds the offsets of a slice.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
+
+from .codecs import E8M0_NAN
 
 
 class FileError(ValueError):
@@ -22,6 +30,24 @@ class FileError(ValueError):
         self.tensor = tensor
         where = f"{self.path}: {kind} {tensor!r}: " if tensor is not None else f"{self.path}: "
         super().__init__(where + message)
+
+
+class ValueAtIndex(ValueError):
+    """A value rule broken first at `index`, an index into the array the rule was given (module docstring,
+    "Where a value is"). A caller that gave the rule a slice of the file's tensor re-raises `shifted(offset)`:
+    the same message at the index the file holds."""
+
+    def __init__(self, render: Callable[[tuple[int, ...]], str], index: tuple[int, ...]) -> None:
+        self.index = index
+        self._render = render
+        super().__init__(render(index))
+
+    def shifted(self, offset: Sequence[int]) -> ValueAtIndex:
+        return ValueAtIndex(self._render, tuple(i + int(o) for i, o in zip(self.index, offset, strict=True)))
+
+
+def _first(bad: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(bad)[0])
 
 
 def require_array(name: str, value: object, dtype: npt.DTypeLike, ndim: int | None = None) -> np.ndarray:
@@ -78,11 +104,10 @@ def require_no_nan_e4m3(name: str, bits: np.ndarray) -> None:
     """e4m3 bit patterns 0x7F and 0xFF are NaN; a NaN scale would decode as +-480/256."""
     bad = (bits & 0x7F) == 0x7F  # 0x7F = 0111_1111: exponent and mantissa all ones
     if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"{name} holds NaN e4m3 codes (0x7F/0xFF) at {int(bad.sum())} places, first at index {idx} "
-            f"(byte 0x{int(bits[idx]):02X}); the checkpoint is corrupt or not e4m3 - re-export it"
-        )
+        idx, count, byte = _first(bad), int(bad.sum()), int(bits[_first(bad)])
+        raise ValueAtIndex(lambda at: f"{name} holds NaN e4m3 codes (0x7F/0xFF) at {count} places, first at index "
+                                      f"{at} (byte 0x{byte:02X}); the checkpoint is corrupt or not e4m3 - re-export it",
+                           idx)
 
 
 def require_nvfp4_block_scales(name: str, bits: np.ndarray) -> None:
@@ -97,28 +122,38 @@ def require_nvfp4_block_scales(name: str, bits: np.ndarray) -> None:
     require_no_nan_e4m3(name, bits)
     negative = (bits & 0x80) != 0  # 0x80 = 1000_0000: the e4m3 sign bit
     if negative.any():
-        idx = tuple(int(i) for i in np.argwhere(negative)[0])
-        raise ValueError(
-            f"{name} holds negative e4m3 block scales (sign bit set) at {int(negative.sum())} places, first at "
-            f"index {idx} (byte 0x{int(bits[idx]):02X}); NVFP4 block scales are amax/6/g >= 0, so the checkpoint "
-            "is corrupt - re-export it"
-        )
+        idx, count, byte = _first(negative), int(negative.sum()), int(bits[_first(negative)])
+        raise ValueAtIndex(lambda at: f"{name} holds negative e4m3 block scales (sign bit set) at {count} places, "
+                                      f"first at index {at} (byte 0x{byte:02X}); NVFP4 block scales are amax/6/g >= 0, "
+                                      "so the checkpoint is corrupt - re-export it", idx)
+
+
+def require_no_nan_e8m0(name: str, bits: np.ndarray) -> None:
+    """MXFP4 e8m0 scale bytes: 0xFF is NaN (its 32 values have no number); 0x00..0xFE are 2^-127 .. 2^127."""
+    bad = bits == E8M0_NAN
+    if bad.any():
+        count = int(bad.sum())
+        raise ValueAtIndex(lambda at: f"{name} holds the e8m0 NaN byte 0xFF at index {at} ({count} in all): an MXFP4 "
+                                      "scale byte must be 0x00..0xFE (2^-127 .. 2^127), and a NaN scale gives its 32 "
+                                      "values no number; the checkpoint is corrupt there (re-download or re-export it)",
+                           _first(bad))
 
 
 def require_positive_scale(name: str, scale: np.ndarray) -> None:
     """Every value of a float scale must be finite and > 0 (a zero, negative or NaN scale is corruption)."""
     bad = ~(np.isfinite(scale) & (scale > 0))
     if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"{name} must be finite and > 0, got {int(bad.sum())} bad values, first {scale[first]} at "
-            f"index {first}; the checkpoint's scale is corrupt"
-        )
+        count, value = int(bad.sum()), scale[_first(bad)]
+        raise ValueAtIndex(lambda at: f"{name} must be finite and > 0, got {count} bad values, first {value} at index "
+                                      f"{at}; the checkpoint's scale is corrupt", _first(bad))
 
 
-def require_finite(name: str, value: np.ndarray) -> None:
-    if not np.all(np.isfinite(value)):
-        raise ValueError(f"{name} must be finite, got {int((~np.isfinite(value)).sum())} NaN/inf values")
+def require_finite(name: str, value: np.ndarray, fix: str = "clean it first") -> None:
+    bad = ~np.isfinite(value)
+    if bad.any():
+        count, first = int(bad.sum()), value[_first(bad)]
+        raise ValueAtIndex(lambda at: f"{name} must be finite, got {count} NaN/inf values, first {first} at index "
+                                      f"{at}; {fix}", _first(bad))
 
 
 QUANTIZE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .checks import require_array, require_shape
+from .checks import require_array, require_no_nan_e8m0, require_shape
 from .codecs import E8M0_BIAS, E8M0_NAN, decode_e2m1, encode_e2m1
 from .dtypes import FP16
 from .formats import MX_BLOCK, QPNMX
@@ -111,16 +111,9 @@ def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray, nan: str = "nan") -
         raise ValueError(f"nan must be 'nan' or 'raise', got {nan!r}")
     values = mxfp4_values(blocks, scales)
     if nan == "raise":
-        _require_no_nan_scales("scales", np.asarray(scales))
+        require_no_nan_e8m0("scales", np.asarray(scales))
     with np.errstate(over="ignore"):  # {2, 3, 4, 6} * 2^127 are inf in float32, as in any float32 decode
         return values.astype(np.float32)
-
-
-def _require_no_nan_scales(name: str, scales: np.ndarray) -> None:
-    bad = np.argwhere(scales == E8M0_NAN)
-    if bad.size:
-        raise ValueError(f"{name} holds the e8m0 NaN byte 0xFF at index {tuple(int(i) for i in bad[0])} "
-                         f"({len(bad)} in all): those blocks have no value; the checkpoint is corrupt there")
 
 
 # ----------------------------------------------------------------------------- W16
@@ -133,7 +126,7 @@ def mxfp4_tile_exponents(scales: np.ndarray) -> np.ndarray:
     if scales.ndim < 2 or scales.shape[-2] % TILE_N:
         raise ValueError(f"scales must be [..., N, K/32] with N % {TILE_N} == 0, got shape {scales.shape}; "
                          "pad the output features to whole 32-row tiles")
-    _require_no_nan_scales("scales", scales)
+    require_no_nan_e8m0("scales", scales)
     tiles = scales.reshape(*scales.shape[:-2], -1, TILE_N * scales.shape[-1])
     return tiles.max(axis=-1).astype(np.int64) - E8M0_BIAS - W16_TOP_EXP
 

@@ -205,7 +205,7 @@ def test_a_nan_scale_byte_is_refused_naming_the_file_and_tensor(tmp_path, capsys
     with pytest.raises(checkpoints.CheckpointError) as info:
         checkpoints.load_checkpoint(folder)
     message = str(info.value)
-    assert str(file) in message and name in message and "0xFF at row 5, block 2" in message
+    assert str(file) in message and name in message and "0xFF at index (5, 2)" in message
     for command in (["inspect", str(folder)], ["pack", str(folder), str(tmp_path / "out")],
                     ["verify", str(folder)]):
         assert cli.main(command) == 2

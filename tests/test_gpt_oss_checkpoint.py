@@ -180,8 +180,9 @@ def _extra_layer(tensors: dict) -> None:
 
 
 TENSOR_FAULTS = {  # how a tensor is broken -> what the error says (after the file and the tensor's name)
-    "nan scale": (_nan_scale, r"'model.layers.1.mlp.experts.gate_up_proj_scales': holds the e8m0 NaN byte 0xFF at "
-                              r"index \(3, 5, 1\) \(1 in all\): an MXFP4 scale byte must be 0x00..0xFE"),
+    "nan scale": (_nan_scale, r"'model.layers.1.mlp.experts.gate_up_proj_scales': gate_up_proj_scales holds the "
+                              r"e8m0 NaN byte 0xFF at index \(3, 5, 1\) \(1 in all\): an MXFP4 scale byte must be "
+                              r"0x00..0xFE"),
     "wrong shape": (_transposed_down, r"'model.layers.0.mlp.experts.down_proj_blocks': is U8 \[8, 64, 4, 16\], but "
                                       r"gpt-oss stores it as U8 \[8, 128, 2, 16\] for config.json's "
                                       r"num_local_experts 8, hidden_size 128, intermediate_size 64;"),
@@ -189,8 +190,8 @@ TENSOR_FAULTS = {  # how a tensor is broken -> what the error says (after the fi
                 r"'model.layers.0.mlp.experts.gate_up_proj_bias': is missing: every gpt-oss layer holds six"),
     "wrong dtype": (_f16_bias, r"'model.layers.0.mlp.experts.down_proj_bias': is F16 \[8, 128\], but gpt-oss "
                                r"stores it as BF16 or F32 \[8, 128\]"),
-    "nan bias": (_nan_bias, r"'model.layers.1.mlp.experts.down_proj_bias': MXFP4 experts "
-                            r"'model.layers.1.mlp.experts': w2_bias holds NaN or inf"),
+    "nan bias": (_nan_bias, r"'model.layers.1.mlp.experts.down_proj_bias': down_proj_bias must be finite, got 1 "
+                            r"NaN/inf values, first nan at index \(2, 7\)"),
     "extra layer": (_extra_layer, r"'model.layers.2.mlp.experts.down_proj_bias': is an MXFP4 experts tensor, but "
                                   r"config.json has num_hidden_layers 2"),
 }

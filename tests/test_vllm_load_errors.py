@@ -1,7 +1,7 @@
-"""Load errors inside vLLM name the checkpoint tensor and the vLLM layer (issue 20, item 5).
+"""Load errors inside vLLM name the checkpoint file, tensor and the vLLM layer (issue 20, item 5; issue 38, item 4).
 
 A corrupt value in a checkpoint served with quantization="qpn" must be reported as the file holds it:
-the checkpoint tensor ('model.layers.0.self_attn.q_proj.weight_scale'), the vLLM layer it is loaded
+the file, the checkpoint tensor ('model.layers.0.self_attn.q_proj.weight_scale'), the vLLM layer it is loaded
 into ('model.layers.0.self_attn.qkv_proj', shard 'q'), and the value with indices into that tensor
 (one NaN scalar, not the 128 rows of the merged layer it is broadcast to). A checkpoint without any
 quantization config, served with quantization="qpn", is refused as "not a quantized checkpoint".
@@ -12,7 +12,8 @@ value corrupted in model.safetensors):
   shard ids, the quant methods' process_weights_after_loading), one corrupted checkpoint after another
   (about a second each): NaN FP8 per-tensor and per-channel scales, NaN NVFP4 weight_scale_2, NaN and
   negative e4m3 block-scale bytes, NVFP4 blocks that overflow fp16, a NaN FP8 weight code, an FP8 scale
-  that overflows fp16;
+  that overflows fp16; MoE experts (ModelOpt NVFP4 / FP8 per expert, gpt-oss's stacked MXFP4): the expert's
+  tensor and the index as the file holds it (the expert's, gate / up rows interleaved as gpt-oss stores them);
 - one `LLM()` run as served (engine core and worker in their own processes, tests/vllm_run.py): the
   message reaches the user's log;
 - `EngineArgs.create_engine_config()`, the first thing `LLM()` and `vllm serve` do, on an unquantized
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -36,6 +38,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_error_locations as el  # noqa: E402
 import tiny_llama as tl  # noqa: E402
 import vllm_standin as st  # noqa: E402
 
@@ -147,8 +150,35 @@ def test_vllm_load_error_names_the_checkpoint_tensor_and_the_layer(vllm_loader, 
     poke(tmp_path / "ckpt", tensor, index, raw)
     with pytest.raises(ValueError) as info:
         vllm_loader(tmp_path / "ckpt")
-    assert str(info.value).startswith(f"checkpoint tensor '{tensor}' (vLLM layer "), str(info.value)
+    file = tmp_path / "ckpt" / "model.safetensors"
+    assert str(info.value).startswith(f"checkpoint tensor '{tensor}' in {file} (vLLM layer "), str(info.value)
     assert says in str(info.value), str(info.value)
+
+
+# the experts of MoE checkpoints (tests/fixtures, as in test_error_locations.py): (fixture, tensor, index, bytes,
+# the vLLM layer). ModelOpt's per-expert tensors load through vLLM's FusedMoE loader, gpt-oss's stacked ones
+# through its own; gate_up_proj_scales' row 11 is expert 6's up row 5, as the file interleaves them.
+MOE_CASES = [
+    ("modelopt/qwen3moe_nvfp4", f"{MLP1}.experts.3.up_proj.weight_scale", (5, 1), b"\xb0", f"{MLP1}.experts"),
+    ("modelopt/mixtral_fp8", "model.layers.1.block_sparse_moe.experts.2.w3.weight", (5, 1), b"\x7f",
+     "model.layers.1.block_sparse_moe.experts"),
+    ("gpt_oss/tiny_mxfp4", f"{MLP1}.experts.down_proj_scales", (3, 5, 0), b"\xff", f"{MLP1}.experts"),
+    ("gpt_oss/tiny_mxfp4", f"{MLP1}.experts.gate_up_proj_scales", (6, 11, 2), b"\xff", f"{MLP1}.experts"),
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", MOE_CASES, ids=[f"{c[0]}:{c[1].rpartition('.experts.')[2]}" for c in MOE_CASES])
+def test_vllm_moe_load_error_names_the_file_the_tensor_and_the_experts_index(vllm_loader, tmp_path, case):
+    fixture, tensor, index, raw, vllm_layer = case
+    folder = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(HERE, "fixtures", fixture), folder)
+    file = el.poke(folder, tensor, index, raw)
+    with pytest.raises(ValueError) as info:
+        vllm_loader(folder)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint tensor '{tensor}' in {file} (vLLM layer '{vllm_layer}'): "), message
+    assert f"at index {index}" in message, message
 
 
 @pytest.mark.vllm
@@ -160,7 +190,8 @@ def test_vllm_fp16_overflow_names_both_tensors_and_the_files_block(vllm_loader, 
     with pytest.raises(ValueError) as info:
         vllm_loader(tmp_path / "ckpt")
     message = str(info.value)
-    assert message.startswith(f"checkpoint tensor '{scales}' (vLLM layer '{ATTN0}.qkv_proj', shard 'v'): "
+    assert message.startswith(f"checkpoint tensor '{scales}' in {tmp_path / 'ckpt' / 'model.safetensors'} (vLLM layer "
+                              f"'{ATTN0}.qkv_proj', shard 'v'): "
                               f"weight_scale[{row}, {block}] = 0x"), message
     assert f"with weight_scale_2 = 30 ('{ATTN0}.v_proj.weight_scale_2')" in message, message
     assert "beyond fp16's 65504" in message, message
@@ -189,8 +220,8 @@ def test_served_llm_reports_the_checkpoint_tensor_and_the_layer(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, start_new_session=True)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-4000:]
-    want = (f"ValueError: checkpoint tensor '{ATTN0}.q_proj.weight_scale' (vLLM layer '{ATTN0}.qkv_proj', "
-            "shard 'q'): weight_scale must be finite and > 0, got nan")
+    want = (f"ValueError: checkpoint tensor '{ATTN0}.q_proj.weight_scale' in {tmp_path / 'ckpt' / 'model.safetensors'} "
+            f"(vLLM layer '{ATTN0}.qkv_proj', shard 'q'): weight_scale must be finite and > 0, got nan")
     assert want in log, log[-4000:]
     assert "bad values" not in log, "the per-tensor scale was reported as the rows it is broadcast to"
 

@@ -24,6 +24,7 @@ FusedMoEMethodBase. Along vLLM 0.32's MoE seam:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,13 +34,25 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.utils import set_weight_attrs
 
+from ...checkpoints.gpt_oss import ON_DISK
+from ...ref.checks import ValueAtIndex, require_finite, require_no_nan_e8m0
 from ...ref.formats import MX_BLOCK, QPN2, QPN8, QPNMX, WeightFormat, weight_format
 from ...ref.geometry import TILE_N
 from ..epilogue import ACTIVATIONS
+from ..experts import EXPERT_ROLES
 from ..moe_ops import activation_dtype
 from ..packed_experts import PackedExperts
 from ..packed_weight import PackedWeight, pack_fp8, pack_mxfp4, pack_nvfp4
 from .methods import NVFP4_GROUP_SIZE, replace_parameters
+from .sharding import (
+    ValueRule,
+    checkpoint_where,
+    e4m3_code_rule,
+    fp8_scale_rule,
+    nvfp4_block_scale_rule,
+    positive_scale_rule,
+    served_folder,
+)
 
 
 def _activation(moe_config: Any) -> str:
@@ -56,6 +69,43 @@ def _data(layer: torch.nn.Module, name: str) -> Tensor:
     param = getattr(layer, name)
     assert isinstance(param, Tensor)  # a Parameter create_weights registered
     return param.data
+
+
+def _checked(rule: ValueRule, name: str, loaded: Tensor, where: Callable[[], str],
+             offset: Sequence[int] | None = None) -> None:
+    """`rule` on a checkpoint tensor as vLLM hands it over (the file's indices, shifted by `offset` where vLLM
+    narrowed it to this rank); its error starts with `where()` (sharding.checkpoint_where)."""
+    try:
+        rule(name, loaded)
+    except ValueAtIndex as exc:
+        raise ValueError(f"{where()}: {exc.shifted(offset) if offset is not None else exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{where()}: {exc}") from None
+
+
+_SHARD_ROLE = {"w1": "gate", "w3": "up", "w2": "down"}  # vLLM's FusedMoE shard ids
+
+
+def expert_tensor(prefix: str, expert: int, shard_id: str, name: str) -> str:
+    """The checkpoint tensor vLLM loads into expert `expert`'s shard `shard_id` of parameter w13_/w2_`name`:
+    `<prefix>.<e>.{gate_proj, up_proj, down_proj}.<name>`, or Mixtral's `w1 / w3 / w2` under its
+    block_sparse_moe (torch_bridge.experts.EXPERT_ROLES)."""
+    mixtral = ".block_sparse_moe." in f"{prefix}."
+    leaf = next(n for n, role in EXPERT_ROLES.items() if role == _SHARD_ROLE.get(shard_id) and
+                n.startswith("w") == mixtral) if shard_id in _SHARD_ROLE else str(shard_id)
+    return f"{prefix}.{expert}.{leaf}.{name}"
+
+
+def _expert_loader(vllm_loader: Callable[..., Any], rule: ValueRule, name: str, prefix: str,
+                   folder: str | None) -> Callable[..., Any]:
+    """vLLM's FusedMoE loader, after `rule` judged the one expert's checkpoint tensor it gets (indices the file's)."""
+    def weight_loader(param: Parameter, loaded_weight: Tensor, weight_name: str, shard_id: str, expert_id: int,
+                      return_success: bool = False) -> Any:
+        def where() -> str:
+            return checkpoint_where(expert_tensor(prefix, expert_id, shard_id, name), folder, prefix)
+        _checked(rule, name, loaded_weight, where)
+        return vllm_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=return_success)
+    return weight_loader
 
 
 class QPNFusedMoEMethod(FusedMoEMethodBase):
@@ -85,10 +135,19 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
         nvfp4 = wf is QPN2
         weight_dtype = torch.uint8 if nvfp4 else torch.float8_e4m3fn
 
+        prefix, folder = getattr(layer, "layer_name", type(layer).__name__), served_folder()
+        # each checkpoint tensor's values are judged as vLLM's loader gets it, one expert's tensor of the file
+        rules: dict[str, ValueRule] = {"weight_scale": nvfp4_block_scale_rule, "weight_scale_2": positive_scale_rule} \
+            if nvfp4 else {"weight": e4m3_code_rule, "weight_scale": fp8_scale_rule}
+
         def register(name: str, data: Tensor, kind: str | None = None) -> None:
             param = Parameter(data, requires_grad=False)
             layer.register_parameter(name, param)
-            set_weight_attrs(param, {**extra_weight_attrs, **({"quant_method": kind} if kind else {})})
+            attrs = {**extra_weight_attrs, **({"quant_method": kind} if kind else {})}
+            rule, own = rules.get(name.partition("_")[2]), attrs.get("weight_loader")
+            if rule is not None and own is not None:
+                attrs["weight_loader"] = _expert_loader(own, rule, name.partition("_")[2], prefix, folder)
+            set_weight_attrs(param, attrs)
 
         register("w13_weight", torch.empty(e, 2 * i, h * wf.code_bits // 8, dtype=weight_dtype))
         register("w2_weight", torch.empty(e, h, i * wf.code_bits // 8, dtype=weight_dtype))
@@ -149,11 +208,13 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         prefix = getattr(layer, "layer_name", type(layer).__name__)
-        try:
-            packed = PackedExperts.stack([self._pack_expert(layer, e)
-                                          for e in range(_data(layer, "w13_weight").shape[0])])
-        except ValueError as exc:
-            raise ValueError(f"vLLM MoE layer {prefix!r}: {exc}") from exc
+        pairs = []
+        for e in range(_data(layer, "w13_weight").shape[0]):
+            try:
+                pairs.append(self._pack_expert(layer, e))
+            except ValueError as exc:  # what only two tensors show (fp16 overflow); a single tensor's: at load
+                raise ValueError(f"vLLM MoE layer {prefix!r}, expert {e}: {exc}") from exc
+        packed = PackedExperts.stack(pairs)
         b13, b2 = self._biases(layer)
         checkpoint = [f"{stem}_{name}" for stem in ("w13", "w2") for name in self.CHECKPOINT_PARAMS]
         # the biases become Parameters next to the packed buffers (vLLM moves and shards Parameters)
@@ -174,15 +235,31 @@ class QPNFusedMoEMethod(FusedMoEMethodBase):
 # ----------------------------------------------------------------------------- gpt-oss (MXFP4)
 
 
-def _whole_experts_loader(param: Parameter, loaded_weight: Tensor, weight_name: str | None = None,
-                          shard_id: str | None = None, expert_id: int | None = None,
-                          return_success: bool = False) -> bool | None:
-    """vLLM's gpt-oss loader (`_load_weights_mxfp4`) hands over every expert at once, already narrowed to this
-    rank ([E, 2I_part, ...] for w13, [E, H, I_part / ...] for w2, biases [E, ...]); vLLM's own FusedMoE loader
-    takes that form only under its "gpt_oss_mxfp4" config, so the parameters carry this one."""
-    del weight_name, shard_id, expert_id
-    param.data[tuple(slice(0, size) for size in loaded_weight.shape)].copy_(loaded_weight)
-    return True if return_success else None
+def _whole_experts_loader(tensor: str, folder: str | None, vllm_layer: str, rule: ValueRule | None,
+                          offset: Sequence[int]) -> Callable[..., bool | None]:
+    """The loader of one parameter: vLLM's gpt-oss loader (`_load_weights_mxfp4`) hands over every expert at once,
+    already narrowed to this rank ([E, 2I_part, ...] for w13, [E, H, I_part / ...] for w2, biases [E, ...];
+    vLLM's own FusedMoE loader takes that form only under its "gpt_oss_mxfp4" config, so the parameters carry
+    this one). `rule` judges the checkpoint tensor `tensor` as it comes, gate / up rows interleaved as the file
+    holds them; `offset`: where this rank's slice starts in it."""
+    def weight_loader(param: Parameter, loaded_weight: Tensor, weight_name: str | None = None,
+                      shard_id: str | None = None, expert_id: int | None = None,
+                      return_success: bool = False) -> bool | None:
+        del weight_name, shard_id, expert_id
+        if rule is not None:
+            _checked(rule, tensor.rpartition(".")[2], loaded_weight,
+                     lambda: checkpoint_where(tensor, folder, vllm_layer), offset)
+        param.data[tuple(slice(0, size) for size in loaded_weight.shape)].copy_(loaded_weight)
+        return True if return_success else None
+    return weight_loader
+
+
+def _e8m0_rule(name: str, loaded: Tensor) -> None:
+    require_no_nan_e8m0(name, loaded.detach().cpu().numpy())
+
+
+def _finite_rule(name: str, loaded: Tensor) -> None:
+    require_finite(name, loaded.detach().float().cpu().numpy(), "the checkpoint is corrupt there (re-download it)")
 
 
 def _deinterleave_rows(t: Tensor) -> Tensor:
@@ -213,12 +290,21 @@ class QPNGptOssMoEMethod(QPNFusedMoEMethod):
                        **extra_weight_attrs: Any) -> None:
         e, h, i = num_experts, hidden_size, intermediate_size_per_partition
         self._require_layout(layer, h, i)
-        attrs = {**extra_weight_attrs, "weight_loader": _whole_experts_loader}
+        prefix, folder = getattr(layer, "layer_name", type(layer).__name__), served_folder()
+        first = getattr(self.moe, "tp_rank", 0) * i  # this rank's first intermediate row (vLLM's narrowing)
+        # parameter -> (its value rule, where this rank's slice starts in the checkpoint tensor)
+        checks: dict[str, tuple[ValueRule | None, tuple[int, ...]]] = {
+            "w13_weight": (None, ()), "w2_weight": (None, ()),
+            "w13_weight_scale": (_e8m0_rule, (0, 2 * first, 0)),
+            "w2_weight_scale": (_e8m0_rule, (0, 0, first // MX_BLOCK)),
+            "w13_bias": (_finite_rule, (0, 2 * first)), "w2_bias": (_finite_rule, (0, 0))}
 
         def register(name: str, data: Tensor) -> None:
             param = Parameter(data, requires_grad=False)
             layer.register_parameter(name, param)
-            set_weight_attrs(param, attrs)
+            field = name.replace("_weight_scale", "_scales").replace("_weight", "_blocks")  # gpt_oss.ON_DISK's keys
+            loader = _whole_experts_loader(f"{prefix}.{ON_DISK[field]}", folder, prefix, *checks[name])
+            set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": loader})
 
         register("w13_weight", torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8))
         register("w13_weight_scale", torch.zeros(e, 2 * i, h // MX_BLOCK, dtype=torch.uint8))

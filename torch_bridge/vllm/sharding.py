@@ -24,8 +24,9 @@ Errors. Shapes, dtypes and, where a parameter has a value rule (`_register`'s `r
 NaN / negative e4m3 scale bytes, scales that are not finite and > 0, FP8 scales that overflow fp16,
 NaN FP8 weight codes), the values of each tensor are checked as it is loaded, on the checkpoint
 tensor itself: a ValueError that starts with `ShardGeometry.where`, "checkpoint tensor
-'model.layers.0.self_attn.q_proj.weight_scale' (vLLM layer 'model.layers.0.self_attn.qkv_proj',
-shard 'q')", then the parameter, the rule, the value (indices into that tensor; a scalar is one
+'model.layers.0.self_attn.q_proj.weight_scale' in /models/llama/model.safetensors (vLLM layer
+'model.layers.0.self_attn.qkv_proj', shard 'q')" (the file: `served_folder`, `checkpoint_where`), then the
+parameter, the rule, the value (indices into that tensor; a scalar is one
 value, not the rows it is broadcast to) and the fix. The checkpoint tensor's layer is the shard's
 name in the model's packed_modules_mapping (vLLM's own map from a fused layer to the layers it
 loads, e.g. qkv_proj -> q_proj, k_proj, v_proj; DEFAULT_PACKED_MODULES where a model sets none),
@@ -36,6 +37,7 @@ need two tensors (NVFP4's fp16 overflow, methods.py) name and index the file's t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -46,6 +48,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from ...checkpoints.folder import file_holding
 from ...ref.checks import require_no_nan_e4m3, require_nvfp4_block_scales, require_positive_scale
 from ...ref.formats import FP8_BLOCK  # FP8_PB_WO scales one 128x128 block each
 from ...ref.fp8 import fp8_block_grid, fp8_block_grid_4d
@@ -125,6 +128,7 @@ class ShardGeometry:
     shard_ids: tuple[ShardId | None, ...]  # (None,): a layer of one shard, loaded without an id
     k_partition: int
     checkpoint_layers: tuple[str, ...] = ()
+    folder: str | None = None  # the checkpoint folder (served_folder), where an error finds its tensor's file
 
     @property
     def n_partition(self) -> int:
@@ -165,9 +169,28 @@ class ShardGeometry:
             return self.prefix
 
     def where(self, tensor: str, shard_id: object = None) -> str:
-        """"checkpoint tensor 'T' (vLLM layer 'P', shard 'q')": how every load error of this layer starts."""
-        shard = f", shard {shard_id!r}" if shard_id is not None else ""
-        return f"checkpoint tensor {tensor!r} (vLLM layer {self.prefix!r}{shard})"
+        """"checkpoint tensor 'T' in FILE (vLLM layer 'P', shard 'q')": how every load error of this layer starts."""
+        return checkpoint_where(tensor, self.folder, self.prefix, shard_id)
+
+
+def served_folder() -> str | None:
+    """The local checkpoint folder vLLM is building the model from (its current config's model), or None (a hub
+    name, or no vLLM config set: the stand-in): where an error looks up the file of its tensor. vLLM sets the
+    config around the model's construction, so create_weights reads it and the loaders keep it."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    model = getattr(getattr(get_current_vllm_config_or_none(), "model_config", None), "model", None)
+    return model if isinstance(model, str) and os.path.isdir(model) else None
+
+
+def checkpoint_where(tensor: str, folder: str | None, vllm_layer: str, shard_id: object = None) -> str:
+    """"checkpoint tensor 'T' in FILE (vLLM layer 'P', shard 'q')": how every load error of a vLLM layer starts
+    (module docstring, "Errors"); the file is looked up in `folder` only now, when an error is raised."""
+    file = file_holding(folder, tensor) if folder is not None else None
+    shard = f", shard {shard_id!r}" if shard_id is not None else ""
+    return f"checkpoint tensor {tensor!r}{f' in {file}' if file else ''} (vLLM layer {vllm_layer!r}{shard})"
 
 
 def _int_attr(layer: object, name: str, default: int | None = None) -> int:
@@ -263,7 +286,7 @@ def layer_geometry(layer: object, input_size_per_partition: int, output_partitio
                          f"{list(partitions)} do not fit the unsharded shard sizes {list(disk_rows)}")
     offsets = tuple(sum(partitions[:i]) for i in range(len(partitions)))
     return ShardGeometry(prefix, kind, tp_rank, tp_size, partitions, offsets, disk_rows, source_ranks, shard_ids,
-                         k_partition, _checkpoint_layers(prefix, len(partitions), packed_modules))
+                         k_partition, _checkpoint_layers(prefix, len(partitions), packed_modules), served_folder())
 
 
 # ----------------------------------------------------------------------------- weight loading
