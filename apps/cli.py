@@ -42,6 +42,7 @@ from ..checkpoints import packed as packing
 from ..checkpoints.atomic import TargetError
 from ..checkpoints.packed import PackError
 from ..ref.formats import QPN2, QPN8, QPNMX
+from .arguments import Parser, device_family, integer_in, integers_in, path_name
 from .output import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -57,6 +58,8 @@ from .output import (
 from .verify import (
     DEFAULT_MS,
     DEFAULT_SEED,
+    MAX_M,
+    MAX_SEED,
     Backends,
     VerifyTable,
     cuda_status,
@@ -218,16 +221,6 @@ def cmd_pack(args: argparse.Namespace) -> int:
 # qpn verify
 
 
-def _parse_ms(text: str) -> tuple[int, ...]:
-    try:
-        ms = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated row counts such as 1,40, got {text!r}") from None
-    if not ms or any(m < 1 or m > 4096 for m in ms):
-        raise argparse.ArgumentTypeError(f"every M must be in [1, 4096], got {text!r}")
-    return ms
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
     source = open_source(args.path, check_values=False)  # a bad value is reported as its layer's failure
     require_quantized_layers(source)
@@ -298,17 +291,18 @@ def _add_inspect(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
                                    "GEMM, dense; CPU fused or decode-then-BLAS) the linear ops take per layer shape "
                                    "and M, from the measured table of each device family (at PATH's layer shapes "
                                    "if given).")
-    p.add_argument("path", metavar="PATH", nargs="?")
+    p.add_argument("path", metavar="PATH", nargs="?", type=path_name)
     p.add_argument("--dispatch", action="store_true", help="print the dispatch policy's choices")
-    p.add_argument("--family", help="with --dispatch: one device family (cpu, sm_90, ...; default: this machine's "
-                                    "and every measured one)")
+    p.add_argument("--family", type=device_family,
+                   help="with --dispatch: one device family (cpu, sm_90, ...; default: this machine's and every "
+                        "measured one)")
     p.set_defaults(func=cmd_inspect)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="qpn",
         description="NVFP4 / FP8 weight-only linears for GPUs without FP4/FP8 units: pack, verify and inspect "
                     "quantized checkpoints, benchmark the kernels, run the MiniLM demo.",
@@ -323,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Read a ModelOpt (NVFP4 / FP8 / mixed) or compressed-tensors NVFP4 checkpoint, "
                                    "validate and prepack every quantized linear, and write a packed folder "
                                    "(safetensors + qpn_manifest.json) atomically. Same input, same bytes.")
-    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
-    p.add_argument("out", metavar="OUT_DIR")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", type=path_name)
+    p.add_argument("out", metavar="OUT_DIR", type=path_name)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR (atomically)")
     p.set_defaults(func=cmd_pack)
 
@@ -335,10 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "linear on random activations against the exact reference. Stacked MXFP4 "
                                    "experts (gpt-oss) are one row per projection (w13, w2), each check run on "
                                    "every expert. Exit 1 on any mismatch.")
-    p.add_argument("path", metavar="PATH")
-    p.add_argument("--m", type=_parse_ms, default=DEFAULT_MS, metavar="M1,M2",
+    p.add_argument("path", metavar="PATH", type=path_name)
+    p.add_argument("--m", type=integers_in(1, MAX_M, "M", example="1,40"), default=DEFAULT_MS, metavar="M1,M2",
                    help=f"activation rows for the linear check (default {','.join(map(str, DEFAULT_MS))})")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random activations")
+    p.add_argument("--seed", type=integer_in(0, MAX_SEED, "the seed"), default=DEFAULT_SEED,
+                   help=f"seed of the random activations, 0 to 2**64 - 1 (default {DEFAULT_SEED})")
     p.add_argument("--upstream", action="store_true",
                    help="also report how many weights upstream's decode roundings would change (NVFP4: "
                         f"{ref.UPSTREAM_VARIANTS.replace('%', '%%')}")
@@ -363,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "timings: each step is too short to time stably; `qpn bench` times the kernels.")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs (auto: cuda when a usable GPU is present)")
-    p.add_argument("--keep", metavar="DIR", help="write the checkpoints into DIR (kept) instead of a temporary folder")
+    p.add_argument("--keep", metavar="DIR", type=path_name,
+                   help="write the checkpoints into DIR (kept) instead of a temporary folder")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -40,7 +40,9 @@ def format_name(format: str, granularity: str | None) -> str:
 
 
 DEFAULT_MS = (1, 40)  # activation rows for the linear check: a decode M and one past the decode/prefill split (32)
+MAX_M = 4096  # `qpn verify --m`'s bound: past every decode / GEMM / dense switch (dispatch.DESCRIBE_MS ends at 1024)
 DEFAULT_SEED = 0
+MAX_SEED = 2**64 - 1  # a 64-bit seed (numpy's SeedSequence takes any non-negative int: the bound keeps it one word)
 EXPERT_PROJECTIONS = ("w13", "w2")  # MXFP4Experts' two weights: gate then up [2I, H], down [H, I]
 T = TypeVar("T")
 

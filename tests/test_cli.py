@@ -420,7 +420,7 @@ BAD_INPUTS = [  # (argv with {tmp} for the temporary folder, text expected on st
     (["verify", "{tmp}/garbage"], "garbage/model.safetensors: file is"),
     (["pack", "{tmp}/missing", "{tmp}/out"], "does not exist"),  # the same words as verify / inspect
     (["pack", "{tmp}/file.txt", "{tmp}/out"], "is not a folder"),
-    (["verify", "{tmp}/empty", "--m", "0"], "every M must be in [1, 4096]"),
+    (["verify", "{tmp}/empty", "--m", "0"], "every M must be an integer in [1, 4096]"),
     (["frobnicate"], "invalid choice"),
     (["pack", "{tmp}/empty"], "the following arguments are required: OUT_DIR"),
     ([], "the following arguments are required: COMMAND"),
