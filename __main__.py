@@ -1,8 +1,9 @@
-"""`python -m qpn` runs the `qpn` command line (apps/cli.py); `python -m qpn --help` lists the commands."""
+"""`python -m qpn` runs the `qpn` command line through its light entry (apps/entry.py: signal handlers
+before the slow imports); `python -m qpn --help` lists the commands."""
 
 import sys
 
-from .apps.cli import main
+from .apps.entry import main
 
 if __name__ == "__main__":
     sys.exit(main())

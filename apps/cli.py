@@ -1,4 +1,5 @@
-"""`qpn`: the command line (console script `qpn`, also `python -m qpn`).
+"""`qpn`: the command line (console script `qpn`, also `python -m qpn`; both start in apps/entry.py, which
+holds the stop signals during the imports of this module).
 
     qpn pack CHECKPOINT_DIR OUT_DIR [--overwrite]   prepack a ModelOpt / compressed-tensors checkpoint
     qpn verify PATH [--upstream] [--m 1,40]         check every layer on every backend present
@@ -11,13 +12,14 @@ PATH is an original checkpoint folder or a packed one (`qpn pack` output, see ch
 Every command takes -q/--quiet (no progress bars; bars are also off when stderr is not a terminal).
 
 Exit codes: 0 success; 1 a check failed (verify found a mismatch, the demo's parity is off); 2 bad
-input (wrong arguments, a missing folder, a folder that is not a checkpoint or holds no quantized
-layer, a layer that cannot be packed, an output folder qpn may not replace) - reported as one clear
-message, never a traceback; 3 the machine lacks what the command needs (`qpn bench` without a CUDA
-GPU, `qpn demo --device cuda` without one, the demo's model package missing); 128 + the signal when
-stopped: 130 Ctrl-C (SIGINT), 143 SIGTERM, 129 SIGHUP - each removes the temporary folder of a write
-in progress first; 141 when the reader of stdout went away (`qpn verify ... | head`: stops at the
-next line, quietly, as a CLI killed by SIGPIPE would).
+input (wrong arguments - each checked by the parser, apps/arguments.py -, a missing folder, a folder
+that is not a checkpoint or holds no quantized layer, a layer that cannot be packed, an output folder
+qpn may not replace) - reported as one clear message, never a traceback; 3 the machine lacks what the
+command needs (`qpn bench` without a CUDA GPU, `qpn demo --device cuda` without one, the demo's model
+package missing); 128 + the signal when stopped: 130 Ctrl-C (SIGINT), 143 SIGTERM, 129 SIGHUP - each
+removes the temporary folder of a write in progress first (during start-up there is none: one line,
+and out); 141 when the reader of stdout went away (`qpn verify ... | head`: stops at the next line,
+quietly, as a CLI killed by SIGPIPE would).
 """
 
 from __future__ import annotations
@@ -365,30 +367,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    """The command line, after apps/entry.py's start-up: parse (every argument checked there), run, and turn
+    each way a command ends into its exit code and at most one line on stderr."""
+    prog = "qpn"  # until the parser has read the command: a Ctrl-C while parsing is reported too
     try:
+        parser = build_parser()
         args, extra = parser.parse_known_args(argv)
         if extra and args.command != "bench":
             parser.parse_args(argv)  # the usage error for the stray arguments, as argparse words it
         args.bench_args = extra
-    except SystemExit as exc:  # argparse: --help / --version (0) or a usage error (2, message printed)
-        return int(exc.code or 0)
-    try:
+        prog = f"qpn {args.command}"
         with _stop_signals_raise():
             return args.func(args)
-    except SystemExit as exc:  # argparse inside a command (`qpn bench`'s script arguments)
+    except SystemExit as exc:  # argparse: --help / --version (0), a usage error (2, printed); `qpn bench`'s script's
         return int(exc.code or 0)
     except BrokenPipeError:  # the reader of stdout is gone (`| head`): stop quietly, as SIGPIPE would
         _stdout_to_devnull()
         return EXIT_SIGNAL_BASE + getattr(signal, "SIGPIPE", 13)
     except (UsageError, *INPUT_ERRORS) as exc:
-        print(f"qpn {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print(f"qpn {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr)
         return EXIT_SIGNAL_BASE + signal.SIGINT
     except Stopped as exc:
-        print(f"qpn {args.command}: stopped by {exc}", file=sys.stderr)
+        print(f"{prog}: stopped by {exc}", file=sys.stderr)
         return EXIT_SIGNAL_BASE + exc.signum
 
 
