@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
+import importlib
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -76,10 +75,12 @@ from .verify import (
 if TYPE_CHECKING:  # annotations only: torch is imported where a command needs it (the reference runs without)
     pass
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))  # + SIGINT
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "decode": "bench_decode.py",  # `qpn bench [WHICH] [ARGS...]`
-                 "model": "bench_model.py"}
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# Set at the running command's commit point (qpn pack: the new folder is in place, atomic_folder's on_commit):
+# from then on its result is success, and a stop signal is only noted (`_stop_signals_raise`).
+_committed = threading.Event()
+# `qpn bench [WHICH] [ARGS...]` -> the module of qpn.benchmarks it runs (installed with qpn: any install runs it)
+BENCH_MODULES = {"kernels": "bench_kernels", "decode": "bench_decode", "model": "bench_model"}
 
 # what `main` turns into "qpn CMD: error: ..." and exit 2 (bad input, never a traceback)
 INPUT_ERRORS = (checkpoints.CheckpointError, checkpoints.SafetensorsError, PackError, TargetError, OSError)
@@ -198,7 +199,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
                          "(config.json + model.safetensors or shards)")
     start = time.perf_counter()
     manifest = packing.pack_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite,
-                                       progress=_progress_of(args))
+                                       progress=_progress_of(args), on_commit=_committed.set)
     seconds = time.perf_counter() - start
     counts: dict[str, int] = {}
     for entry in manifest["layers"].values():
@@ -242,26 +243,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     bench_args = list(args.bench_args)
-    which = bench_args.pop(0) if bench_args and bench_args[0] in BENCH_SCRIPTS else "kernels"
-    script = BENCH_DIR / BENCH_SCRIPTS[which]
-    if not script.is_file():
-        print(f"qpn bench: the benchmark scripts ship with the source tree ({script} is missing); "
-              "clone the repository and install it with `pip install -e .`", file=sys.stderr)
-        return EXIT_NO_HARDWARE
-    spec = importlib.util.spec_from_file_location(f"qpn_bench_{which}", script)
-    assert spec is not None and spec.loader is not None  # a .py file always has the source loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses in the script look their module up here
-    spec.loader.exec_module(module)
+    which = bench_args.pop(0) if bench_args and bench_args[0] in BENCH_MODULES else "kernels"
+    module = importlib.import_module(f"..benchmarks.{BENCH_MODULES[which]}", __package__)
     parser = module.build_parser()
     parser.prog = f"qpn bench{'' if which == 'kernels' else ' ' + which}"
-    parser.parse_args(bench_args)  # a mistyped argument is bad input (argparse exits 2) wherever it runs
-    ok, detail = cuda_status(need_torch=which == "model")  # the model benchmark runs in torch too
-    if not ok:
-        print(f"qpn bench: needs a CUDA GPU, and this machine has none usable: {detail}.\n"
-              "The benchmark times the CUDA kernels; run it on a GPU machine (a Colab / Kaggle T4 works). "
-              "Nothing was measured.", file=sys.stderr)
-        return EXIT_NO_HARDWARE
+    parsed = parser.parse_args(bench_args)  # a mistyped argument is bad input (argparse exits 2) wherever it runs
+    # `qpn bench model --device cpu` (with --tiny: the model benchmark's CPU run) needs no GPU; the rest time CUDA
+    if getattr(parsed, "device", None) != "cpu":
+        ok, detail = cuda_status(need_torch=which == "model")  # the model benchmark runs in torch too
+        if not ok:
+            print(f"qpn bench: needs a CUDA GPU, and this machine has none usable: {detail}.\n"
+                  "The benchmark times the CUDA kernels; run it on a GPU machine (a Colab / Kaggle T4 works). "
+                  "Nothing was measured.", file=sys.stderr)
+            return EXIT_NO_HARDWARE
     return int(module.main(bench_args) or 0)
 
 
@@ -342,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     _add_inspect(sub, common)
+    importlib.import_module(f"{__package__}.quantize_cmd").add_parser(sub, common)  # qpn quantize
 
     p = sub.add_parser("bench", parents=[common], help="kernel benchmark (needs a CUDA GPU)",
                        usage="qpn bench [-h] [kernels | decode | model] [SCRIPT ARGS...]",
@@ -397,20 +392,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _stop_signals_raise() -> Iterator[None]:
-    """SIGTERM / SIGHUP raise `Stopped` while a command runs (main thread only), so they clean up
-    like Ctrl-C instead of killing the process with its temporary folders in place."""
-    def stop(signum: int, _frame: FrameType | None) -> NoReturn:
-        raise Stopped(signum)
+    """While a command runs (main thread only), SIGINT raises KeyboardInterrupt and SIGTERM / SIGHUP
+    `Stopped`, so they clean up like Ctrl-C instead of killing the process with its temporary folders
+    in place - until the command's commit point (`_committed`): after it the command has succeeded,
+    and a stop signal is only noted; it finishes (the summary, exit 0) instead of reporting a stop."""
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        if _committed.is_set():
+            return  # noted; atomic_folder has told the user what it finishes first, if anything
+        raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
 
+    _committed.clear()
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal's rule
-    wanted = [signum for signum in STOP_SIGNALS if signal.getsignal(signum) is not signal.SIG_IGN] \
-        if in_main_thread else []  # an ignored signal (`nohup` ignores SIGHUP) stays ignored
+    # an ignored signal (`nohup` ignores SIGHUP) stays ignored; a handler set outside Python (None) cannot be restored
+    wanted = [signum for signum in STOP_SIGNALS if signal.getsignal(signum) not in (signal.SIG_IGN, None)] \
+        if in_main_thread else []
     previous = {signum: signal.signal(signum, stop) for signum in wanted}
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        _committed.clear()
 
 
 def _stdout_to_devnull() -> None:

@@ -12,9 +12,12 @@ whose they are (XXXXXXXX is mkdtemp's random part, one per write):
     4. rename   .new -> P/NAME                           the target is the new folder
     5. remove   .old
 
-Steps 3 and 4 run with SIGINT / SIGTERM / SIGHUP held (`_signals_held`), so a catchable signal
+Steps 3 to 5 run with SIGINT / SIGTERM / SIGHUP held (`_signals_held`), so a catchable signal
 never falls between them; any exception removes what this write created (1, 2), or puts the old folder back
-(3). Only SIGKILL, a power cut or a crash can leave these names behind, and the next write into
+(3). Step 4 is the commit point: from then on the write has succeeded, so the removal of the old folder is
+finished before a signal that came acts (qpn says so on stderr, once), `on_commit` lets a caller treat
+the signal as late (`qpn pack` then exits 0), and a removal that fails names the hidden folder and its size.
+Only SIGKILL, a power cut or a crash can leave these names behind, and the next write into
 P finishes or rolls back the swap of every such group whose PID is no longer running (it says
 so on stderr; `recover_interrupted`):
 
@@ -86,7 +89,8 @@ class TargetRules(TypedDict, total=False):
 # errno of a failed write -> the fix a message suggests
 _WRITE_FIXES = {errno.ENOSPC: "free space on that disk or write elsewhere", errno.EACCES: "choose a folder you can "
                 "write to", errno.EPERM: "choose a folder you can write to", errno.EROFS: "choose a folder on a "
-                "writable disk", getattr(errno, "EDQUOT", -1): "free space within your disk quota or write elsewhere"}
+                "writable disk", getattr(errno, "EDQUOT", -1): "free space within your disk quota or write elsewhere",
+               errno.ENAMETOOLONG: "choose a shorter name (at most 255 bytes a name, 4096 a whole path)"}
 
 
 def write_fix(error_number: int | None) -> str:
@@ -313,9 +317,33 @@ def _about(exc: OSError, prefixes: Sequence[str]) -> bool:
     return not names or any(str(n).startswith(prefix) for n in names for prefix in prefixes)
 
 
+class _HeldSignals:
+    """The stop signals that came while `_signals_held` held them back, and what to tell the user of them."""
+
+    def __init__(self) -> None:
+        self.came: list[int] = []
+        self._notice: str | None = None
+
+    def record(self, signum: int, _frame: object) -> None:
+        self.came.append(signum)
+        self._tell()
+
+    def committed(self, notice: str) -> None:
+        """The write has succeeded and `notice` says what is left to do: a signal that came, or comes while it is
+        done, hears it (once), so that a Ctrl-C that seems to do nothing for a moment is answered."""
+        self._notice = notice
+        self._tell()
+
+    def _tell(self) -> None:
+        if self.came and self._notice is not None:
+            _say(f"{signal.Signals(self.came[0]).name}: {self._notice}")
+            self._notice = None
+
+
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold SIGINT / SIGTERM / SIGHUP back for a few renames; each one that came is re-raised right after.
+def _signals_held() -> Iterator[_HeldSignals]:
+    """Hold SIGINT / SIGTERM / SIGHUP back for the swap and the removal of the previous folder (steps 3 to 5);
+    each one that came is re-raised right after.
 
     Python runs a signal's handler in the main thread, whichever thread the kernel delivered it
     to: a qpn process always has other threads (numpy's, torch's), so blocking the signals in
@@ -325,19 +353,19 @@ def _signals_held() -> Iterator[None]:
     or the default action) after the swap. Off the main thread there is nothing to hold: no
     handler runs in this thread, so none can land between its renames.
     """
+    held = _HeldSignals()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield held
         return
-    came: list[int] = []
     # a handler set outside Python (getsignal gives None) cannot be put back, so it is left alone
-    previous = {signum: signal.signal(signum, lambda signum, _frame: came.append(signum))
+    previous = {signum: signal.signal(signum, held.record)
                 for signum in _SWAP_SIGNALS if signal.getsignal(signum) is not None}
     try:
-        yield
+        yield held
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        for signum in dict.fromkeys(came):  # each kind once, in the order they came
+        for signum in dict.fromkeys(held.came):  # each kind once, in the order they came
             signal.raise_signal(signum)
 
 
@@ -353,14 +381,18 @@ def _work_stem(name: str) -> str:
 
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike[str], *, overwrite: bool = False, flag: str = "overwrite=True",
-                  ours: Ours | None = None, protected: Sequence[str] = (), what: str = "output") -> Iterator[str]:
+                  ours: Ours | None = None, protected: Sequence[str] = (), what: str = "output",
+                  on_commit: Callable[[], None] | None = None) -> Iterator[str]:
     """Yield a temporary folder to fill; on a normal exit it becomes `path` (module docstring).
 
     First finishes or rolls back interrupted writes into the parent folder, then applies
     `require_writable_target(path, overwrite, flag, ours=, protected=, what=)`. Files directly
     inside get 0666 & ~umask, the folder 0777 & ~umask (a mount point keeps its own mode). On any
     exception every temporary is removed and `path` is as it was; an OSError names `path`, not
-    the temporary.
+    the temporary. `on_commit` is called at the commit point, the new folder at `path`, with the
+    stop signals still held: a signal that came, or comes while the previous folder is removed, is
+    re-raised after it returns, so a caller whose result is complete from then on can make its
+    handlers only note the signal (apps/cli.py).
     """
     target = os.path.abspath(os.fspath(path))
     parent = os.path.dirname(target)
@@ -385,26 +417,44 @@ def atomic_folder(path: str | os.PathLike[str], *, overwrite: bool = False, flag
             umask = _umask()
             for name in os.listdir(tmp):
                 os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-            if in_place:
-                _fill(tmp, target)
-                return
-            os.chmod(tmp, 0o777 & ~umask)
             fsync_dir(tmp)
-            os.rename(tmp, new)
-            _swap(new, target, old, overwrite, flag, ours)
-            fsync_dir(parent)
+            if not in_place:
+                os.chmod(tmp, 0o777 & ~umask)
+                os.rename(tmp, new)  # step 2
+            with _signals_held() as held:
+                if in_place:
+                    _fill(tmp, target)
+                else:
+                    _swap(new, target, old, overwrite, flag, ours)
+                    fsync_dir(parent)
+                try:
+                    if on_commit is not None:  # the commit point: `target` is the new folder
+                        on_commit()
+                finally:
+                    if os.path.lexists(old):  # step 5: the write has succeeded; finish it before any signal acts
+                        held.committed(f"{target} is already replaced; removing its previous version first")
+                        _remove_or_say(old, f"the previous version of {target}")
         except OSError as exc:
             if _about(exc, (base, target)):
                 raise _write_error(exc, target) from exc
             raise  # about another path (a source file, say): its own message names it
-    finally:
+    finally:  # after an exception, what this write created goes (an .old is left only where it is the only copy)
         for leftover in (tmp, new):
             if os.path.lexists(leftover):
-                shutil.rmtree(leftover, ignore_errors=True)
-        if os.path.lexists(old) and os.path.lexists(target):  # replaced; else the only copy: the next run restores it
-            shutil.rmtree(old, ignore_errors=True)
+                _remove_or_say(leftover, f"the unfinished output of {target}")
         if os.path.lexists(base + ".name") and not os.path.lexists(old):
             os.unlink(base + ".name")
+
+
+def _remove_or_say(folder: str, what: str) -> None:
+    """Remove the hidden work folder `folder`; where that fails, name it and its size on stderr: it may be as
+    large as the model, and nothing else would tell the user it is there."""
+    try:
+        shutil.rmtree(folder)
+    except OSError as exc:
+        size = sum(os.lstat(os.path.join(root, name)).st_size for root, _, files in os.walk(folder) for name in files)
+        _say(f"could not remove {what} ({exc.strerror or exc}): {folder} is left, {size:,} bytes; remove it "
+             "yourself (the next qpn write into that folder also removes it)")
 
 
 def _move_no_replace(src: str, dst: str) -> None:
@@ -424,38 +474,37 @@ def _move_no_replace(src: str, dst: str) -> None:
 
 
 def _fill(tmp: str, target: str) -> None:
-    """The mount point `target` gets the entries of `tmp` (inside it), all or none, replacing nothing."""
-    fsync_dir(tmp)
+    """The mount point `target` gets the entries of `tmp` (inside it), all or none, replacing nothing.
+    The caller holds the stop signals (`_signals_held`)."""
     moved: list[str] = []
-    with _signals_held():
-        try:
-            for name in sorted(os.listdir(tmp)):
-                try:
-                    _move_no_replace(os.path.join(tmp, name), os.path.join(target, name))
-                except FileExistsError:
-                    raise TargetError(f"{target} gained {name} while qpn was writing into it; qpn replaces "
-                                      "nothing it did not write, so it wrote nothing there: write into an empty "
-                                      "folder nobody else writes to") from None
-                moved.append(name)
-        except BaseException:
-            for name in moved:  # ours: the same files, put back where the clean-up removes them
-                os.rename(os.path.join(target, name), os.path.join(tmp, name))
-            raise
+    try:
+        for name in sorted(os.listdir(tmp)):
+            try:
+                _move_no_replace(os.path.join(tmp, name), os.path.join(target, name))
+            except FileExistsError:
+                raise TargetError(f"{target} gained {name} while qpn was writing into it; qpn replaces "
+                                  "nothing it did not write, so it wrote nothing there: write into an empty "
+                                  "folder nobody else writes to") from None
+            moved.append(name)
+    except BaseException:
+        for name in moved:  # ours: the same files, put back where the clean-up removes them
+            os.rename(os.path.join(target, name), os.path.join(tmp, name))
+        raise
     os.rmdir(tmp)
     fsync_dir(target)
 
 
 def _swap(new: str, target: str, old: str, overwrite: bool, flag: str, ours: Ours | None) -> None:
-    """Steps 3 and 4: `new` becomes `target`; a non-empty `target` ends up at `old`."""
+    """Steps 3 and 4: `new` becomes `target`; a non-empty `target` ends up at `old`. The caller holds the
+    stop signals (`_signals_held`), so none falls between the two renames."""
     if not os.path.lexists(target) or (os.path.isdir(target) and not os.listdir(target)):
         os.replace(new, target)  # POSIX rename also replaces an empty directory
         return
     # it may have changed while we were writing: the same rule again, just before the swap
     require_writable_target(target, overwrite, flag, ours=ours)
-    with _signals_held():
-        os.rename(target, old)
-        try:
-            os.rename(new, target)
-        except BaseException:
-            os.rename(old, target)
-            raise
+    os.rename(target, old)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(old, target)
+        raise

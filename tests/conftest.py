@@ -1,15 +1,58 @@
 """Shared pytest set-up: the `gpu` marker skips cleanly, with the reason, without CUDA; `vllm` tests may not
-skip where QPN_REQUIRE_VLLM=1 (.ci/run's real-vLLM step)."""
+skip where QPN_REQUIRE_VLLM=1 (.ci/run's real-vLLM step); subprocesses and signal handlers whose verdict
+does not depend on the runner's load or inherited signal dispositions (`run_child`, `start_child`,
+`default_signal_handlers`)."""
 
 from __future__ import annotations
 
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
+
+# ----------------------------------------------------------------------------------------------
+# verdicts that do not depend on how the runner was started or how loaded the machine is
+
+# A subprocess's timeout is a hang guard, never a verdict: 15x the slowest child measured alone
+# (test_turing_compile's compile_check, 121 s on a shared 2-core machine), far above any loaded run.
+HANG_GUARD_S = 1800
+# An ignored signal is inherited across fork and exec: `nohup pytest` ignores SIGHUP, a script's
+# background job (`pytest &`) SIGINT. qpn rightly keeps an inherited SIG_IGN, so a test that stops
+# qpn with one of these sets the disposition itself.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _default_signals() -> None:
+    """Popen's preexec_fn: the child starts as from an interactive shell, each stop signal at its default."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def start_child(args, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen with SIGINT / SIGTERM / SIGHUP at their defaults in the child, whatever the runner ignores."""
+    return subprocess.Popen(args, preexec_fn=_default_signals, **kwargs)
+
+
+def run_child(args, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run with default stop signals (`start_child`) and HANG_GUARD_S as its timeout."""
+    kwargs.setdefault("timeout", HANG_GUARD_S)
+    return subprocess.run(args, preexec_fn=_default_signals, **kwargs)
+
+
+@pytest.fixture
+def default_signal_handlers():
+    """In-process: SIGINT / SIGTERM / SIGHUP as a Python started from an interactive shell has them
+    (KeyboardInterrupt, the default actions) for one test, whatever the runner inherited; put back after."""
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,10 +117,8 @@ def compute_sanitizer():
         pytest.skip("compute-sanitizer not found (CUDA toolkit bin/ not on PATH)")
 
     def run(tool: str, script: str) -> None:
-        proc = subprocess.run(
-            [sanitizer, "--tool", tool, "--error-exitcode", "99", sys.executable, script, "--drive"],
-            capture_output=True, text=True, timeout=900,
-        )
+        proc = run_child([sanitizer, "--tool", tool, "--error-exitcode", "99", sys.executable, script, "--drive"],
+                         capture_output=True, text=True)
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0 and "driver done" in output, output[-4000:]
         clean = "RACECHECK SUMMARY: 0 hazards" if tool == "racecheck" else "ERROR SUMMARY: 0 errors"

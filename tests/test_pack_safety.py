@@ -3,8 +3,10 @@
 SIGHUP, recovery after SIGKILL and after a kill inside the swap, `qpn verify | head`, and the
 messages of a read-only or full output disk.
 
-Signals and pipes are tested on real subprocesses; a test-only driver (DRIVER below) makes the
-pack stop at a known point by wrapping qpn.ref.write_safetensors, so no shipping code has a test hook.
+Signals and pipes are tested on real subprocesses; a test-only driver (DRIVER_HEAD below) makes the
+command stop at a known point by wrapping one function, so no shipping code has a test hook. Each
+side blocks until the other has done its part (a pipe, the driver's stdin): no sleeps, no deadlines,
+and every child starts with default signal dispositions (conftest.start_child), as under `nohup`.
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
@@ -28,6 +30,7 @@ from qpn.checkpoints import atomic, packed, safetensors_io
 from qpn.ref import Checkpoint, NVFP4Linear
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import HANG_GUARD_S, start_child  # noqa: E402
 from test_cli import build, float_weight, run, write  # noqa: E402  (the small checkpoints of every kind)
 
 POSIX = pytest.mark.skipif(os.name != "posix", reason="POSIX signals and pipes")
@@ -163,33 +166,66 @@ def test_save_checkpoint_overwrites_only_its_own_folders(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# signals during `qpn pack` (a real subprocess stopped inside its first file write)
+# signals during `qpn pack` (a real subprocess stopped at a known point)
 
-DRIVER = textwrap.dedent("""
-    import os, sys, time
-    from qpn.apps import cli
-    from qpn.checkpoints import safetensors_io
-    ready, argv = sys.argv[1], sys.argv[2:]
-    real = safetensors_io.write_safetensors
-    def write_then_wait(path, *args, **kwargs):  # the temporary folder exists and holds a file: stop here
-        real(path, *args, **kwargs)
-        open(ready, "w").close()
-        time.sleep(120)
-    safetensors_io.write_safetensors = write_then_wait  # the writer qpn pack calls
-    sys.exit(cli.main(argv))
-""")
+# The driver runs `qpn ARGV` with one function wrapped to call wait_here() at the point under test:
+# it tells the test (a line on the pipe READY_FD) and reads its stdin, so the test's signal arrives
+# inside that read (a blocked read is where Linux delivers a signal sent to the process); closing
+# stdin (communicate()) lets the command go on.
+DRIVER_HEAD = """
+import os, shutil, sys
+from qpn.apps import cli
+from qpn.checkpoints import atomic, packed, safetensors_io
+ready_fd, argv = int(sys.argv[1]), sys.argv[2:]
+def wait_here():
+    os.write(ready_fd, b"ready\\n")
+    os.read(0, 1)
+"""
+DRIVERS = {  # where the command waits -> the wrapping
+    "first file write": """
+real = safetensors_io.write_safetensors
+def write_then_wait(path, *args, **kwargs):  # the temporary folder exists and holds a file
+    real(path, *args, **kwargs)
+    wait_here()
+safetensors_io.write_safetensors = write_then_wait  # the writer qpn pack calls
+""",
+    "swap": """
+real = os.rename
+def rename_then_wait(a, b):  # the old output is aside, the new one not yet in
+    real(a, b)
+    if str(b).endswith(".old"):
+        wait_here()
+atomic.os.rename = rename_then_wait
+""",
+    "removal of the old output": """
+real = shutil.rmtree
+def wait_then_remove(path, *args, **kwargs):  # the new output is in place, the old one not yet removed
+    if str(path).endswith(".old"):
+        wait_here()
+    real(path, *args, **kwargs)
+shutil.rmtree = wait_then_remove
+""",
+    "summary": """
+real = packed.source_extras
+def extras_then_wait(folder):  # cli's last step (the packer calls its own binding): the summary is printed
+    wait_here()
+    return real(folder)
+packed.source_extras = extras_then_wait
+""",
+}
 
 
-def start_stalled_pack(tmp_path, src, out):
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(ready), "pack", str(src), str(out), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the pack never reached its first file write"
-        time.sleep(0.05)
-    os.unlink(ready)
+def start_pack(where: str, *argv) -> subprocess.Popen:
+    """`qpn pack ARGV -q` in a subprocess, once it waits at `where` (DRIVERS)."""
+    driver = textwrap.dedent(DRIVER_HEAD) + DRIVERS[where] + "sys.exit(cli.main(argv))\n"
+    read_end, write_end = os.pipe()
+    proc = start_child([sys.executable, "-c", driver, str(write_end), "pack", *map(str, argv), "-q"],
+                       pass_fds=(write_end,), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+    os.close(write_end)  # the child holds the only write end: EOF if it ends before `where`
+    with os.fdopen(read_end) as ready:
+        reached = ready.readline()
+    assert reached == "ready\n", proc.communicate(timeout=HANG_GUARD_S)
     return proc
 
 
@@ -199,10 +235,10 @@ def test_a_stop_signal_removes_the_temporary_folder_and_exits_128_plus_the_signa
     src = write(tmp_path, "nvfp4", sharded=True)
     work = tmp_path / "work"
     os.makedirs(work)
-    proc = start_stalled_pack(tmp_path, src, work / "out")
+    proc = start_pack("first file write", src, work / "out")
     assert leftovers(work)  # the write is in progress
     proc.send_signal(getattr(signal, signame))
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == code, err
     assert ("interrupted" if signame == "SIGINT" else f"stopped by {signame}") in err and "Traceback" not in err
     assert os.listdir(work) == []  # no temporary, no output
@@ -213,9 +249,9 @@ def test_after_sigkill_the_next_run_removes_the_stale_temporary_and_says_so(tmp_
     src = write(tmp_path, "nvfp4", sharded=True)
     work = tmp_path / "work"
     os.makedirs(work)
-    proc = start_stalled_pack(tmp_path, src, work / "out")
+    proc = start_pack("first file write", src, work / "out")
     proc.kill()
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=HANG_GUARD_S)
     stale = leftovers(work)
     assert len(stale) == 1 and f".qpn-{proc.pid}-" in stale[0] and stale[0].endswith(".tmp")
     code, _, err = run(["pack", src, work / "out"], capsys)
@@ -234,8 +270,6 @@ def dead_pid() -> int:
 
 
 def _copy(src, dst):
-    import shutil
-
     shutil.copytree(src, dst)
 
 
@@ -298,9 +332,11 @@ def _signal_from_another_thread(signum: int) -> None:
 @POSIX
 @pytest.mark.parametrize("signame, raised", [("SIGINT", KeyboardInterrupt), ("SIGTERM", cli.Stopped),
                                              ("SIGHUP", cli.Stopped)])
-def test_a_signal_during_the_swap_is_held_until_the_swap_is_done(tmp_path, monkeypatch, signame, raised):
+def test_a_signal_during_the_swap_is_held_until_the_swap_is_done(tmp_path, monkeypatch, default_signal_handlers,
+                                                                  signame, raised):
     """Steps 3 and 4 hold SIGINT / SIGTERM / SIGHUP: one that comes between them (delivered to another
-    thread, as in any process with numpy's or torch's threads) acts after both, and the output is there."""
+    thread, as in any process with numpy's or torch's threads) acts after both, and the output is there.
+    (The library's rule, without a commit callback; `qpn pack` exits 0 then: the next tests.)"""
     out = packed_folder(tmp_path, "nvfp4")
     real_rename = os.rename
     seen = []
@@ -318,43 +354,66 @@ def test_a_signal_during_the_swap_is_held_until_the_swap_is_done(tmp_path, monke
     assert packed.load_packed(out).quant_algo == "FP8" and leftovers(tmp_path) == []
 
 
-SWAP_DRIVER = textwrap.dedent("""
-    import os, sys, time
-    from qpn.apps import cli
-    from qpn.checkpoints import atomic
-    ready, sent, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-    real = os.rename
-    def rename_then_wait(a, b):  # the old output is aside, the new one not yet in: wait for the signal here
-        real(a, b)
-        if str(b).endswith(".old"):
-            open(ready, "w").close()
-            while not os.path.exists(sent):
-                time.sleep(0.01)
-    atomic.os.rename = rename_then_wait
-    sys.exit(cli.main(argv))
-""")
+@POSIX
+@pytest.mark.parametrize("where", ["swap", "removal of the old output"])
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stop_signal_after_the_old_output_is_aside_lets_the_pack_finish_and_exit_0(tmp_path, signame, where):
+    """The issue's reproduction, end to end: `qpn pack SRC OUT --overwrite` in a subprocess (with numpy's
+    threads) gets a stop signal while OUT is aside or while its previous version is removed. The swap
+    is its commit point: it finishes the removal, says so once, prints its summary and exits 0; no
+    hidden copy is left."""
+    out = packed_folder(tmp_path, "nvfp4")
+    proc = start_pack(where, write(tmp_path, "fp8-tensor"), out, "--overwrite")
+    proc.send_signal(getattr(signal, signame))
+    text, err = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, err
+    assert err == f"qpn: {signame}: {out} is already replaced; removing its previous version first\n"
+    assert text.startswith("packed 2 layers (2 FP8 -> QPN8)")
+    assert packed.load_packed(out).quant_algo == "FP8" and leftovers(tmp_path) == []
 
 
 @POSIX
-@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_a_real_pack_stopped_inside_the_swap_exits_with_the_new_output_in_place(tmp_path, signame, code):
-    """The issue's reproduction, end to end: `qpn pack SRC OUT --overwrite` in a subprocess (with numpy's
-    threads), a stop signal while OUT is aside; it exits 128 + the signal, OUT is the new folder."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stop_signal_after_the_summary_is_printed_is_only_noted(tmp_path, signame):
+    """After the commit point the command's result is success: a signal while it prints its summary
+    (it exited 130 silently) is noted, and the command exits 0 with the output in place."""
     out = packed_folder(tmp_path, "nvfp4")
-    src = write(tmp_path, "fp8-tensor")
-    ready, sent = tmp_path / "ready", tmp_path / "sent"
-    proc = subprocess.Popen([sys.executable, "-c", SWAP_DRIVER, str(ready), str(sent), "pack", src, out,
-                             "--overwrite", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the pack never reached its swap"
-        time.sleep(0.05)
+    proc = start_pack("summary", write(tmp_path, "fp8-tensor"), out, "--overwrite")
     proc.send_signal(getattr(signal, signame))
-    sent.touch()
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, err
+    text, err = proc.communicate(timeout=HANG_GUARD_S)
+    assert proc.returncode == 0 and err == "", err
+    assert text.startswith("packed 2 layers (2 FP8 -> QPN8)")
     assert packed.load_packed(out).quant_algo == "FP8" and leftovers(tmp_path) == []
+
+
+def test_a_previous_version_that_cannot_be_removed_is_named_with_its_size(tmp_path, capsys, monkeypatch):
+    """A failed removal leaves a hidden folder as large as the model: the pack has succeeded (exit 0),
+    and stderr says where that folder is and how large."""
+    out = packed_folder(tmp_path, "nvfp4")
+    real_rmtree = shutil.rmtree
+
+    def refuse_the_old_folder(path, ignore_errors=False, *args, **kwargs):
+        if not str(path).endswith(".old"):
+            return real_rmtree(path, ignore_errors, *args, **kwargs)
+        if not ignore_errors:  # as rmtree does on a folder it may not empty
+            raise PermissionError(errno.EACCES, "Permission denied", os.path.join(path, "model.safetensors"))
+
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    monkeypatch.setattr(atomic.shutil, "rmtree", refuse_the_old_folder)
+    code, text, err = run(["pack", write(tmp_path, "fp8-tensor"), out, "--overwrite", "-q"], capsys)
+    assert code == 0 and text.startswith("packed 2 layers"), err
+    [old] = leftovers(tmp_path)
+    assert old.endswith(".old") and packed.load_packed(out).quant_algo == "FP8"
+    assert err == (f"qpn: could not remove the previous version of {out} (Permission denied): "
+                   f"{tmp_path / old} is left, {size:,} bytes; remove it yourself (the next qpn write into that "
+                   "folder also removes it)\n")
+
+
+def test_a_name_too_long_is_told_to_be_shorter(tmp_path, capsys):
+    """ENAMETOOLONG's fix is a shorter name, not the disk or the folder's permissions."""
+    code, _, err = run(["pack", write(tmp_path, "nvfp4"), tmp_path / ("x" * 256), "-q"], capsys)
+    assert code == 2 and "File name too long" in err and "choose a shorter name" in err, err
+    assert "permissions" not in err and leftovers(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,27 +538,27 @@ def test_verify_into_a_closed_pipe_stops_early_and_quietly(tmp_path):
     ref.save_checkpoint(src, Checkpoint("modelopt", "NVFP4", layers, {}, {}))
     log = tmp_path / "verified"
     driver = textwrap.dedent("""
-        import sys
+        import os, sys
         from qpn.apps import cli, verify
         log, argv = sys.argv[1], sys.argv[2:]
         real = verify.verify_layer
         def counted(name, *args):
+            if not os.path.exists(log):  # the first layer: the report's head is out; wait until head has left
+                os.read(0, 1)
             with open(log, "a") as f:
                 f.write(name + "\\n")
             return real(name, *args)
         verify.verify_layer = counted
         sys.exit(cli.main(argv))
     """)
-    qpn = subprocess.Popen([sys.executable, "-c", driver, str(log), "verify", str(src)], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE)
-    head = subprocess.run(["head", "-3"], stdin=qpn.stdout, capture_output=True, timeout=120)
-    qpn.stdout.close()  # only head holds the read end now
-    err = qpn.stderr.read().decode()
-    qpn.wait(timeout=120)
+    qpn = start_child([sys.executable, "-c", driver, str(log), "verify", str(src)], stdin=subprocess.PIPE,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = subprocess.run(["head", "-3"], stdin=qpn.stdout, capture_output=True, timeout=HANG_GUARD_S)
+    qpn.stdout.close()  # head has left, and the test's copy of the read end is closed: no reader remains
+    _, err = qpn.communicate(timeout=HANG_GUARD_S)  # closes stdin: the first layer goes on
     assert len(head.stdout.decode().splitlines()) == 3
-    assert qpn.returncode == 141 and err == "", err  # 128 + SIGPIPE, as a CLI killed by SIGPIPE; no message
-    verified = log.read_text().splitlines() if log.exists() else []  # none if the table's head hit the closed pipe
-    assert len(verified) < len(layers)  # stopped at the first row after head left
+    assert qpn.returncode == 141 and err == b"", err  # 128 + SIGPIPE, as a CLI killed by SIGPIPE; no message
+    assert len(log.read_text().splitlines()) == 1  # stopped at the first row after head left
 
 
 # ----------------------------------------------------------------------------------------------

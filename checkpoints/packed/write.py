@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -152,7 +153,7 @@ def _check_target(source: str, target: str, overwrite: bool) -> None:
 
 
 def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[str], *, overwrite: bool = False,
-                    progress: Progress = no_progress) -> dict[str, Any]:
+                    progress: Progress = no_progress, on_commit: Callable[[], None] | None = None) -> dict[str, Any]:
     """Pack the checkpoint folder `source` (ModelOpt / compressed-tensors) into the folder `target`.
 
     Opens and checks `source` with open_checkpoint, then reads every quantized linear
@@ -164,7 +165,8 @@ def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[st
     runs (truncated, rewritten, a copied file edited) is a SafetensorsError / PackError naming it;
     nothing is written then. An existing non-empty `target` needs overwrite=True, and is replaced
     (swapped atomically, recoverably: qpn.checkpoints.atomic) only if qpn pack wrote it; `target`
-    may never be, contain or lie inside `source`. Returns the manifest.
+    may never be, contain or lie inside `source`. `on_commit` is atomic_folder's: called once the new
+    folder is at `target`. Returns the manifest.
     """
     source = os.path.abspath(os.fspath(source))
     target = os.path.abspath(os.fspath(target))
@@ -175,7 +177,7 @@ def pack_checkpoint(source: str | os.PathLike[str], target: str | os.PathLike[st
                                       "is (load_quantized; vLLM with quantization='qpn'), and qpn pack does not write "
                                       "stacked experts yet; use the original folder")
     with open_checkpoint(source) as checkpoint:
-        return _pack(checkpoint, source, target, overwrite, progress)
+        return _pack(checkpoint, source, target, overwrite, progress, on_commit)
 
 
 def _require_packable(checkpoint: OpenCheckpoint, source: str, progress: Progress) -> None:
@@ -261,7 +263,7 @@ class _PackedFiles:
 
 
 def _pack(checkpoint: OpenCheckpoint, source: str, target: str, overwrite: bool,
-          progress: Progress) -> dict[str, Any]:
+          progress: Progress, on_commit: Callable[[], None] | None) -> dict[str, Any]:
     _require_packable(checkpoint, source, progress)
     _check_target(source, target, overwrite)
 
@@ -277,7 +279,8 @@ def _pack(checkpoint: OpenCheckpoint, source: str, target: str, overwrite: bool,
         "layers": {},
         "tensors": {},
     }
-    with atomic_folder(target, overwrite=overwrite, protected=(source,), **PACK_TARGET_RULES) as tmp:
+    with atomic_folder(target, overwrite=overwrite, protected=(source,), on_commit=on_commit,
+                       **PACK_TARGET_RULES) as tmp:
         for config_file in COPIED_CONFIG_FILES:
             if config_file in checkpoint.json_bytes:
                 _write_bytes(os.path.join(tmp, config_file), checkpoint.json_bytes[config_file])
