@@ -285,6 +285,28 @@ def test_verify_finds_one_corrupt_byte_and_names_the_layer(tmp_path, capsys, kin
     assert "Traceback" not in text + err
 
 
+CONFIG_EDITS = [  # (what is done to the packed folder's config files, the line verify prints)
+    ("delete config.json", "FAIL config.json is missing"),
+    ("edit config.json", "FAIL config.json is not the source's (sha256 differs from the manifest)"),
+    ("add hf_quant_config.json", "FAIL hf_quant_config.json is not the source's: the source had none"),
+]
+
+
+@pytest.mark.parametrize("edit, line", CONFIG_EDITS)
+def test_verify_says_how_a_copied_config_file_differs(tmp_path, capsys, edit, line):
+    original = write(tmp_path, "fp8-tensor")  # config.json's quantization_config, no hf_quant_config.json
+    out = tmp_path / "packed"
+    assert run(["pack", original, out, "-q"], capsys)[0] == 0
+    action, file = edit.split()
+    if action == "delete":
+        (out / file).unlink()
+    else:
+        (out / file).write_text('{"edited": true}')
+    code, text, err = run(["verify", out, "-q"], capsys)
+    assert code == 1 and any(row.startswith(line) for row in text.splitlines()) and "Traceback" not in text + err, \
+        text + err
+
+
 def test_verify_ref_rederives_the_nvfp4_values_it_looks_up(tmp_path, capsys, monkeypatch):
     """The NVFP4 ref column recomputes in float64 every (scale byte, code) value the decode looked up,
     so a reference whose arithmetic is off by one fp16 ulp fails there. (It used to compare

@@ -206,8 +206,13 @@ def copied_file_problems(checkpoint: PackedCheckpoint) -> list[str]:
     sources = checkpoint.manifest["source"]["files"]
     for file in COPIED_CONFIG_FILES:
         path = os.path.join(checkpoint.path, file)
-        expected = sources.get(file)
-        if (expected is None) != (not os.path.exists(path)) or (expected is not None and sha256_file(path) != expected):
+        expected, present = sources.get(file), os.path.exists(path)
+        if expected is not None and not present:
+            problems.append(f"{file} is missing (the source has one, sha256 in the manifest); copy the source's "
+                            "back or pack again")
+        elif expected is None and present:
+            problems.append(f"{file} is not the source's: the source had none; remove it or pack again")
+        elif present and sha256_file(path) != expected:
             problems.append(f"{file} is not the source's (sha256 differs from the manifest)")
     for file, entry in checkpoint.copied_files.items():
         if sha256_file(os.path.join(checkpoint.path, file)) != entry["sha256"]:
