@@ -40,6 +40,7 @@ import numpy.typing as npt
 
 from .checks import require_array, require_no_nan_e4m3, require_positive_scale, require_weight_to_quantize
 from .codecs import E4M3_MAX, decode_e4m3, encode_e4m3
+from .dtypes import round_to
 from .formats import FP8_BLOCK, FP8_GRANULARITIES
 from .lookup import lookup_blocks
 
@@ -64,12 +65,18 @@ def _ceil_div(a: int, b: int) -> int:
 # ----------------------------------------------------------------------------- quantize
 
 
-def fp8_quantize(w: np.ndarray, granularity: str) -> FP8Weight:
+def fp8_quantize(w: np.ndarray, granularity: str, weight_scale: np.ndarray | None = None,
+                 quotient_dtype: str | None = None) -> FP8Weight:
     """float32/float16 weight [N, K] -> FP8Weight with scale RN32(amax/448) per group.
 
     granularity: "tensor" (scale shape ()), "channel" (one per row, [N]) or "block" (one per
     128x128 block, [ceil(N/128), ceil(K/128)], ragged edge blocks cover what is there).
     codes = encode_e4m3(RN32(w / scale)), RNE, saturating. An all-zero group gets scale 1.0.
+    weight_scale (float32, finite > 0, the granularity's shape), when given, replaces the amax rule
+    (a shared or searched scale). quotient_dtype ("float16" / "bfloat16") rounds the quotient to
+    that dtype before the e4m3 cast: ModelOpt 0.47's per-tensor export of a bf16 / fp16 model does
+    (torch divides the weight by a 0-d fp32 scale in the weight's dtype; a per-channel or block
+    scale tensor promotes the division to fp32), measured on tests/fixtures/modelopt/fp8_tensor.
     """
     if granularity not in FP8_GRANULARITIES:
         raise ValueError(
@@ -78,6 +85,11 @@ def fp8_quantize(w: np.ndarray, granularity: str) -> FP8Weight:
         )
     w32 = require_weight_to_quantize(w)
     n, k = w32.shape
+    if weight_scale is not None:
+        given = _as_float32_scale(weight_scale)
+        scale = given.reshape(_scale_shape(granularity, n, k))  # ValueError on a wrong size
+        require_positive_scale("weight_scale", scale)
+        return _encode(w32, scale, granularity, quotient_dtype)
     abs_w = np.abs(w32)
 
     if granularity == "tensor":
@@ -99,10 +111,19 @@ def fp8_quantize(w: np.ndarray, granularity: str) -> FP8Weight:
             "rescale the weight (multiply by a power of two) before quantizing"
         )
     scale = np.where(group_amax == 0, np.float32(1.0), scale).astype(np.float32)
+    return _encode(w32, scale, granularity, quotient_dtype)
 
-    scale_map = _expand_scale(scale, granularity, n, k)
-    codes = encode_e4m3(w32 / scale_map)  # RN32 quotient, then e4m3 RNE with saturation
-    return FP8Weight(weight=codes, weight_scale=scale)
+
+def _scale_shape(granularity: str, n: int, k: int) -> tuple[int, ...]:
+    return {"tensor": (), "channel": (n,), "block": fp8_block_grid(n, k)}[granularity]
+
+
+def _encode(w32: np.ndarray, scale: np.ndarray, granularity: str, quotient_dtype: str | None) -> FP8Weight:
+    n, k = w32.shape
+    quotient = w32 / _expand_scale(scale, granularity, n, k)  # RN32
+    if quotient_dtype is not None:
+        quotient = round_to(quotient_dtype, quotient)
+    return FP8Weight(weight=encode_e4m3(quotient), weight_scale=scale)  # e4m3 RNE with saturation
 
 
 # ----------------------------------------------------------------------------- scales

@@ -120,8 +120,13 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- quantize
 
 
-def nvfp4_quantize(w: np.ndarray) -> NVFP4Weight:
+def nvfp4_quantize(w: np.ndarray, weight_scale_2: float | np.floating | None = None,
+                   weight_scale: np.ndarray | None = None) -> NVFP4Weight:
     """float32/float16 weight [N, K] (K % 16 == 0) -> NVFP4Weight, ModelOpt's bytes bit for bit.
+
+    weight_scale_2 (fp32, > 0), when given, replaces step 1 (ModelOpt's `weights_scaling_factor_2`
+    argument: its exporter passes q/k/v's shared one); weight_scale (uint8 e4m3 bytes [N, K/16], each
+    a positive finite scale), when given, replaces step 2 (a scale search, ref/scale_search.py).
 
     float16 input is converted to float32 exactly first (ModelOpt's arithmetic then runs in fp32
     for fp16/bf16 weights too). Steps, each rounded once in fp32 (docs/FORMATS.md, "ModelOpt's quantizer"):
@@ -139,7 +144,12 @@ def nvfp4_quantize(w: np.ndarray) -> NVFP4Weight:
     block_amax = abs_blocks.max(axis=-1)  # float32 [N, K/16], exact
     amax = block_amax.max()
 
-    if amax == 0:
+    if weight_scale_2 is not None:
+        weight_scale_2 = np.float32(weight_scale_2)
+        if not (np.isfinite(weight_scale_2) and weight_scale_2 > 0):
+            raise ValueError(f"weight_scale_2 must be a finite fp32 value > 0, got {float(weight_scale_2)!r}; "
+                             "leave it out to take ModelOpt's amax / 2688")
+    elif amax == 0:
         weight_scale_2 = np.float32(1.0)  # ModelOpt ONNX exporter's rule; its torch path gives NaN
     else:
         weight_scale_2 = np.float32(amax) / NVFP4_GLOBAL_DIVISOR  # step 1: one fp32 division
@@ -149,11 +159,17 @@ def nvfp4_quantize(w: np.ndarray) -> NVFP4Weight:
                 "and every block scale would divide by zero; rescale the weight (multiply by a power of two)"
             )
 
-    # step 2 (the divisor 6 * weight_scale_2 is its own fp32 product, as in ModelOpt)
-    block_scale = block_amax / (np.float32(6.0) * weight_scale_2)
-    block_scale[block_scale == 0] = np.float32(1.0)
-    block_scale = np.clip(block_scale, E4M3_MIN_SUBNORMAL, np.float32(E4M3_MAX))
-    weight_scale = encode_e4m3(block_scale)
+    if weight_scale is None:  # step 2 (the divisor 6 * weight_scale_2 is its own fp32 product, as in ModelOpt)
+        block_scale = block_amax / (np.float32(6.0) * weight_scale_2)
+        block_scale[block_scale == 0] = np.float32(1.0)
+        block_scale = np.clip(block_scale, E4M3_MIN_SUBNORMAL, np.float32(E4M3_MAX))
+        weight_scale = encode_e4m3(block_scale)
+    else:
+        weight_scale = require_array("weight_scale", weight_scale, np.uint8, ndim=2)
+        require_shape("weight_scale", weight_scale, (n, k // NVFP4_BLOCK))
+        if not (decode_e4m3(weight_scale) > 0).all():  # NaN bytes compare False too
+            raise ValueError("weight_scale must hold positive finite e4m3 scales (bytes 0x01..0x7E); "
+                             "a zero, negative or NaN block scale cannot divide the block")
 
     # step 3
     block_multiplier = decode_e4m3(weight_scale) * weight_scale_2  # RN32, float32 [N, K/16]

@@ -1,0 +1,415 @@
+"""`qpn quantize`: a Hugging Face float checkpoint -> a weight-only quantized checkpoint, streamed.
+
+SRC is a Hugging Face folder: config.json (no quantization_config yet) + model.safetensors, or shards
+listed in model.safetensors.index.json; weights F32 / BF16 / F16. Each tensor is read alone with file
+reads (`SafetensorsFile`: a file that changes under the read is an error, never a SIGBUS), quantized if
+it is a linear weight qpn quantizes, and queued for an output shard; a shard is written when it holds
+SHARD_BYTES, so memory holds one source tensor, its quantized form and at most one output shard.
+
+Which weights are quantized: every 2-D `*.weight` of a float dtype whose module is not excluded. Excluded,
+as ModelOpt excludes them by default: embeddings, lm_head, MoE routers / gates (`*.mlp.gate`,
+`*router*`, Mixtral's `block_sparse_moe.gate`) - DEFAULT_EXCLUDE - and every `--exclude` glob (fnmatch on
+the module name); kept in the source dtype too: weights whose K the format cannot group (NVFP4 K % 16,
+MXFP4 K % 32). Everything else (norms, biases, buffers) is copied byte for byte. The excluded modules are
+listed in the config (`exclude_modules` / `ignore`) and returned.
+
+Output (FORMATS): the producer's export layout and configs, weight-only (no input scales).
+- nvfp4, fp8, fp8-channel, fp8-block: ModelOpt 0.47's, as its exporter writes it (tensors, shapes,
+  dtypes, config.json `quantization_config` and hf_quant_config.json: tests/fixtures/modelopt/*), quant_algo
+  NVFP4 (config groups without input activations: vLLM reads that as W4A16), FP8, FP8_PER_CHANNEL_PER_TOKEN
+  and the weight-only FP8_PB_WO. ModelOpt stores an FP8_PB_WO weight of one 128x128 block with a scalar scale.
+- mxfp4: compressed-tensors mxfp4-pack-quantized (MXFP4A16), the MXFP4 layout qpn writes and vLLM reads.
+
+Bytes (method "rtn"): what the producers' quantizers write for the same float weights (ref/nvfp4.py,
+ref/fp8.py, ref/mxfp4.py; FP8 per-tensor rounds the quotient to the source dtype as ModelOpt's export
+does). Method "mse": each group's scale searched (ref/scale_search.py); same layout, any reader.
+
+Fused shards (q/k/v, gate/up of one module): by default each projection keeps its own scale, which qpn
+serves exactly. shared_fused_scales=True writes ModelOpt's exporter form instead: the group's NVFP4
+global scale is the largest member's and every member is re-quantized with it; FP8_PB_WO weights of
+one block share the largest scale the same way (ModelOpt 0.47 leaves FP8 tensor / channel scales per
+projection). It reads every weight once more first (the group's amax).
+
+The folder appears atomically (`atomic_folder`); overwrite replaces only a folder `qpn quantize` wrote
+(`_not_ours`). Copied beside the weights: SIDE_FILES (tokenizer, chat template, generation config).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..ref.dtypes import BF16, FP16, bf16_from_bits
+from ..ref.formats import MX_BLOCK
+from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d, fp8_quantize
+from ..ref.geometry import GROUP_K
+from ..ref.mxfp4 import mxfp4_quantize
+from ..ref.nvfp4 import NVFP4_GLOBAL_DIVISOR, nvfp4_quantize
+from ..ref.scale_search import fp8_quantize_mse, nvfp4_quantize_mse
+from .atomic import TargetRules, atomic_folder, write_json
+from .checkpoint import CheckpointError, FP8Linear, MXFP4Linear, NVFP4Linear, QuantizedLinear
+from .compressed_tensors import CT_MXFP4_FORMAT, CompressedTensors
+from .folder import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SAVED_METADATA, SINGLE_FILE, weight_files
+from .modelopt import ModelOpt
+from .producer import Producer
+from .safetensors_io import SafetensorsFile, StoredTensor, read_safetensors_header, write_safetensors
+
+SHARD_BYTES = 1 << 30  # an output shard is written when its tensors reach 1 GiB (the bound on queued output)
+DEFAULT_EXCLUDE = ("*embed_tokens", "*lm_head", "*.mlp.gate", "*.block_sparse_moe.gate", "*router*")
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
+              "chat_template.json", "generation_config.json")
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM's qkv_proj, gate_up_proj
+FLOAT_TAGS = {"F32": None, "BF16": BF16, "F16": FP16}  # source tag -> the dtype ModelOpt's FP8 quotient takes
+METHODS = ("rtn", "mse")
+_SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class QuantizeFormat:
+    """One `--format`: the producer whose layout it writes, its quant_algo, the K multiple it needs."""
+
+    name: str
+    quant_algo: str
+    k_multiple: int
+    methods: tuple[str, ...] = METHODS
+    granularity: str | None = None  # FP8's
+
+    @property
+    def modelopt(self) -> bool:
+        return self.quant_algo != "MXFP4"
+
+
+FORMATS = {f.name: f for f in (
+    QuantizeFormat("nvfp4", "NVFP4", GROUP_K),
+    QuantizeFormat("fp8", "FP8", 1, granularity="tensor"),
+    QuantizeFormat("fp8-channel", "FP8_PER_CHANNEL_PER_TOKEN", 1, granularity="channel"),
+    QuantizeFormat("fp8-block", "fp8_pb_wo", 1, granularity="block"),  # ModelOpt 0.47 writes it in lower case
+    QuantizeFormat("mxfp4", "MXFP4", MX_BLOCK, methods=("rtn",)),  # MXFP4's mse search: not yet
+)}
+
+
+@dataclass
+class QuantizeReport:
+    """What `quantize` did: the quantized modules, the excluded ones (module -> why), files, bytes."""
+
+    quantized: list[str] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    source_bytes: int = 0
+    output_bytes: int = 0
+
+
+def _module(tensor_name: str) -> str:
+    return tensor_name[: -len(".weight")]
+
+
+def _fused_key(module: str) -> tuple[str, int] | None:
+    """(parent module, group index) for a q/k/v or gate/up projection, else None."""
+    parent, _, leaf = module.rpartition(".")
+    for index, group in enumerate(FUSED_GROUPS):
+        if leaf in group:
+            return parent, index
+    return None
+
+
+def _exclusion(module: str, tensor: Any, fmt: QuantizeFormat, exclude: Sequence[str]) -> str | None:
+    """Why the 2-D float weight of `module` stays unquantized, or None to quantize it."""
+    for pattern in DEFAULT_EXCLUDE:
+        if fnmatch.fnmatchcase(module, pattern):
+            return f"ModelOpt's default exclusion {pattern!r}"
+    for pattern in exclude:
+        if fnmatch.fnmatchcase(module, pattern):
+            return f"--exclude {pattern!r}"
+    k = tensor.shape[1]
+    if k % fmt.k_multiple:
+        return f"K = {k} is not a multiple of {fmt.k_multiple}, which {fmt.name} groups"
+    return None
+
+
+def _is_linear_weight(name: str, tag: str, shape: Sequence[int]) -> bool:
+    return name.endswith(".weight") and tag in FLOAT_TAGS and len(shape) == 2
+
+
+def _float32(stored: StoredTensor) -> np.ndarray:
+    """A float source tensor as float32 values, exactly (bf16 travels as bit patterns)."""
+    if stored.dtype == "BF16":
+        return bf16_from_bits(stored.array)
+    return stored.array.astype(np.float32)
+
+
+def _not_ours(folder: str) -> str | None:
+    """None if `folder` holds only what `quantize` writes (its shards carry SAVED_METADATA's writer mark)."""
+    ours = {CONFIG_FILE, HF_QUANT_CONFIG_FILE, SINGLE_FILE, INDEX_FILE, *SIDE_FILES}
+    entries = sorted(os.listdir(folder))
+    foreign = [e for e in entries if not (e in ours or (e.startswith("model-") and e.endswith(".safetensors")))
+               or os.path.islink(os.path.join(folder, e)) or not os.path.isfile(os.path.join(folder, e))]
+    if foreign:
+        return f"it holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which qpn quantize " \
+               "does not write"
+    weights = [e for e in entries if e.endswith(".safetensors")]
+    for entry in weights:
+        try:
+            metadata = read_safetensors_header(os.path.join(folder, entry)).metadata or {}
+        except (OSError, ValueError):
+            metadata = {}
+        if metadata.get("writer") != SAVED_METADATA["writer"]:
+            return f"{entry} lacks qpn's mark (safetensors metadata writer={SAVED_METADATA['writer']!r})"
+    return None if weights else "it holds no safetensors file"
+
+
+TARGET_RULES: TargetRules = {"ours": _not_ours, "what": "quantized checkpoint", "flag": "--overwrite"}
+
+
+class _Source:
+    """SRC's config and weight files, each opened once for file reads; tensor name -> its file."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        config_path = os.path.join(folder, CONFIG_FILE)
+        if not os.path.isfile(config_path):
+            raise CheckpointError(folder, None, f"has no {CONFIG_FILE}; pass a Hugging Face model folder")
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                self.config = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(config_path, None, f"is not valid UTF-8 JSON ({exc})") from None
+        if not isinstance(self.config, dict):
+            raise CheckpointError(config_path, None, "must hold a JSON object")
+        if "quantization_config" in self.config or os.path.exists(os.path.join(folder, HF_QUANT_CONFIG_FILE)):
+            raise CheckpointError(config_path, "quantization_config", "SRC is already quantized; qpn quantize "
+                                  "takes the float model (fp32 / bf16 / fp16) it came from")
+        names, weight_map, index_path = weight_files(folder)
+        self.files: dict[str, SafetensorsFile] = {}
+        self.file_of: dict[str, str] = {}
+        try:
+            for name in names:
+                opened = self.files[name] = SafetensorsFile(os.path.join(folder, name))
+                for tensor in opened.header.tensors:
+                    if tensor in self.file_of:
+                        raise CheckpointError(opened.path, tensor, f"also stored in {self.file_of[tensor]}; a "
+                                                                   "tensor may live in one file")
+                    if weight_map is not None and weight_map.get(tensor) != name:
+                        raise CheckpointError(opened.path, tensor, f"is in this file but {index_path} maps it to "
+                                                                   f"{weight_map.get(tensor)!r}; the index is stale")
+                    self.file_of[tensor] = name
+        except BaseException:
+            self.close()
+            raise
+
+    def tensors(self) -> Iterable[tuple[str, SafetensorsFile]]:
+        """(tensor name, its open file) in file order, then header order."""
+        for file in self.files.values():
+            for name in file.header.tensors:
+                yield name, file
+
+    def close(self) -> None:
+        for opened in self.files.values():
+            opened.close()
+
+
+class _ShardWriter:
+    """Queues output tensors and writes a shard each time SHARD_BYTES are queued (the final names, which
+    need the shard count, are given at `finish`)."""
+
+    def __init__(self, folder: str, shard_bytes: int) -> None:
+        self.folder, self.shard_bytes = folder, shard_bytes
+        self.queued: dict[str, StoredTensor] = {}
+        self.parts: list[tuple[str, list[str]]] = []  # (temporary file, its tensors)
+        self.total = 0
+
+    def add(self, tensors: Mapping[str, StoredTensor]) -> None:
+        self.queued.update(tensors)
+        if sum(t.nbytes for t in self.queued.values()) >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.queued:
+            return
+        part = os.path.join(self.folder, f".part-{len(self.parts):05d}.safetensors")
+        write_safetensors(part, self.queued, SAVED_METADATA)
+        self.parts.append((part, sorted(self.queued)))
+        self.total += sum(t.nbytes for t in self.queued.values())
+        self.queued = {}
+
+    def finish(self) -> list[str]:
+        """Rename the parts to model.safetensors or model-i-of-n.safetensors (+ the index); the file names."""
+        self._flush()
+        count = len(self.parts)
+        names = [SINGLE_FILE] if count == 1 else [_SHARD_NAME.format(i + 1, count) for i in range(count)]
+        for (part, _), name in zip(self.parts, names, strict=True):
+            os.rename(part, os.path.join(self.folder, name))
+        if count > 1:
+            write_json(os.path.join(self.folder, INDEX_FILE), {
+                "metadata": {"total_size": self.total},
+                "weight_map": {t: name for (_, tensors), name in zip(self.parts, names, strict=True) for t in tensors},
+            })
+        return names
+
+
+def _configs(fmt: QuantizeFormat, excluded: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(config.json's quantization_config, hf_quant_config.json or None) in the producer's own form."""
+    producer = {"name": "qpn", "version": __version__}
+    if not fmt.modelopt:  # compressed-tensors MXFP4A16, as CompressedTensors.default_quantization_config words it
+        weights = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": MX_BLOCK, "symmetric": True,
+                   "dynamic": False, "scale_dtype": "torch.uint8"}
+        group = {"targets": ["Linear"], "weights": weights, "format": CT_MXFP4_FORMAT, "input_activations": None}
+        return {"quant_method": "compressed-tensors", "format": CT_MXFP4_FORMAT, "quantization_status": "compressed",
+                "config_groups": {"group_0": group}, "ignore": list(excluded)}, None
+    section: dict[str, Any] = {"quant_algo": fmt.quant_algo, "kv_cache_quant_algo": None}
+    if fmt.quant_algo == "NVFP4":
+        section["group_size"] = GROUP_K
+    section["exclude_modules"] = list(excluded)
+    hf_quant_config = {"producer": producer, "quantization": section}
+    # config.json's form, as ModelOpt's convert_hf_quant_config_format writes it (tests/fixtures/modelopt/*):
+    # config_groups for NVFP4 and FP8 per-tensor only; input_activations None, as nothing calibrated them
+    config: dict[str, Any] = {}
+    if fmt.quant_algo in ("NVFP4", "FP8"):
+        weights = {"dynamic": False, "num_bits": 4 if fmt.quant_algo == "NVFP4" else 8, "type": "float"}
+        if fmt.quant_algo == "NVFP4":
+            weights["group_size"] = GROUP_K
+        config["config_groups"] = {"group_0": {"input_activations": None, "weights": weights, "targets": ["Linear"]}}
+    config.update({"ignore": list(excluded), "quant_algo": fmt.quant_algo, "producer": producer,
+                   "quant_method": "modelopt"})
+    return config, hf_quant_config
+
+
+def _shared_scales(source: _Source, candidates: Mapping[str, str], fmt: QuantizeFormat,
+                   progress: Callable[..., Iterable]) -> dict[str, np.float32]:
+    """module -> the scale its fused group shares (ModelOpt's exporter form; module docstring)."""
+    block = fmt.granularity == "block"
+    if fmt.quant_algo != "NVFP4" and not block:
+        return {}
+    amax: dict[str, np.float32] = {}
+    groups: dict[tuple[str, int], list[str]] = {}
+    for module, tensor_name in progress(candidates.items(), desc="amax of fused groups", total=len(candidates),
+                                        unit="tensor"):
+        key = _fused_key(module)
+        if key is None:
+            continue
+        opened = source.files[source.file_of[tensor_name]]
+        n, k = opened.header.tensors[tensor_name].shape
+        if block and fp8_block_grid(n, k) != (1, 1):
+            continue  # ModelOpt shares only one-block scales (module docstring)
+        amax[module] = np.abs(_float32(opened.read(tensor_name))).max()
+        groups.setdefault(key, []).append(module)
+    divisor = NVFP4_GLOBAL_DIVISOR if fmt.quant_algo == "NVFP4" else np.float32(448)
+    shared: dict[str, np.float32] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        top = max(amax[m] for m in members)
+        for m in members:  # RN32(max amax / divisor) = max of the members' RN32(amax / divisor): division is monotone
+            shared[m] = np.float32(top) / divisor
+    return shared
+
+
+def _quantize_one(fmt: QuantizeFormat, method: str, module: str, w32: np.ndarray, source_tag: str,
+                  shared: np.float32 | None) -> QuantizedLinear:
+    """One weight -> the checkpoint data model's linear (checked there) in the format's layout."""
+    if fmt.quant_algo == "NVFP4":
+        q = (nvfp4_quantize_mse if method == "mse" else nvfp4_quantize)(w32, shared)
+        return NVFP4Linear(module, q.weight_packed, q.weight_scale, q.weight_scale_2)
+    if fmt.quant_algo == "MXFP4":
+        mx = mxfp4_quantize(w32)
+        return MXFP4Linear(module, mx.blocks, mx.scales)
+    granularity = fmt.granularity
+    assert granularity is not None  # every FP8 format names its granularity
+    quotient = FLOAT_TAGS[source_tag] if granularity == "tensor" else None  # ModelOpt's export (ref/fp8.py)
+    if shared is not None:
+        f8 = fp8_quantize(w32, granularity, np.full(fp8_block_grid(*w32.shape), shared, np.float32), quotient)
+    else:
+        f8 = (fp8_quantize_mse(w32, granularity, quotient) if method == "mse"
+              else fp8_quantize(w32, granularity, quotient_dtype=quotient))
+    return FP8Linear(module, f8.weight, f8.weight_scale, granularity)
+
+
+def _stored(producer: Producer, linear: QuantizedLinear) -> dict[str, StoredTensor]:
+    """The linear's tensors as the producer writes them; FP8_PB_WO scales in ModelOpt 0.47's shapes."""
+    stored = producer.linear_tensors(linear)
+    if isinstance(linear, FP8Linear) and linear.granularity == "block":
+        name = f"{linear.name}.{linear.scale_name}"
+        grid = fp8_block_grid_4d(linear.n, linear.k)
+        shape = () if grid == (1, 1, 1, 1) else grid
+        stored[name] = StoredTensor(np.ascontiguousarray(stored[name].array).reshape(shape), stored[name].dtype)
+    return stored
+
+
+def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str, *,
+                        method: str = "rtn", exclude: Sequence[str] = (), shared_fused_scales: bool = False,
+                        overwrite: bool = False, progress: Callable[..., Iterable] = lambda it, **_: it,
+                        shard_bytes: int = SHARD_BYTES) -> QuantizeReport:
+    """Quantize the Hugging Face folder `src` into `out` (module docstring); progress(iterable, desc=, total=,
+    unit=) shows the tensors. Bad input: CheckpointError / SafetensorsError naming the file and tensor, or
+    ValueError for a bad argument; `out` is untouched on any failure."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {sorted(FORMATS)}, got {fmt!r}")
+    qfmt = FORMATS[fmt]
+    if method not in qfmt.methods:
+        raise ValueError(f"method must be one of {qfmt.methods} for {fmt}, got {method!r}"
+                         + ("; MXFP4's scale search is not written yet: use rtn" if method in METHODS else ""))
+    src_path, out_path = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
+    if not os.path.isdir(src_path):
+        raise CheckpointError(src_path, None, "is not a folder; pass a Hugging Face model folder (config.json + "
+                                              "model.safetensors or shards)")
+    source = _Source(src_path)
+    report = QuantizeReport()
+    try:
+        linear_weights = {}
+        for name, opened in source.tensors():
+            info = opened.header.tensors[name]
+            if _is_linear_weight(name, info.dtype, info.shape):
+                why = _exclusion(_module(name), info, qfmt, exclude)
+                if why is None:
+                    linear_weights[_module(name)] = name
+                else:
+                    report.excluded[_module(name)] = why
+        if not linear_weights:
+            raise CheckpointError(src_path, None, f"has no 2-D float linear weight to quantize as {fmt} (all "
+                                                  f"{len(report.excluded)} excluded); check --exclude")
+        shared = _shared_scales(source, linear_weights, qfmt, progress) if shared_fused_scales else {}
+        qc, hf_quant_config = _configs(qfmt, sorted(report.excluded))
+        producer: Producer = ModelOpt(qc, CONFIG_FILE) if qfmt.modelopt else CompressedTensors(qc, CONFIG_FILE)
+        config = dict(source.config, quantization_config=qc)
+        with atomic_folder(out_path, overwrite=overwrite, protected=(src_path,), **TARGET_RULES) as tmp:
+            writer = _ShardWriter(tmp, shard_bytes)
+            total = sum(len(f.header.tensors) for f in source.files.values())
+            for name, opened in progress(source.tensors(), desc=f"quantize {fmt} ({method})", total=total,
+                                         unit="tensor"):
+                tensor = opened.read(name)
+                report.source_bytes += tensor.nbytes
+                module = _module(name) if name.endswith(".weight") else None
+                if module is None or module not in linear_weights:
+                    writer.add({name: tensor})
+                    continue
+                try:
+                    linear = _quantize_one(qfmt, method, module, _float32(tensor), tensor.dtype, shared.get(module))
+                except ValueError as exc:  # NaN / inf weights, or scales beyond fp32: the ref's words
+                    raise CheckpointError(opened.path, name, f"cannot be quantized as {fmt}: {exc}") from None
+                report.quantized.append(module)
+                writer.add(_stored(producer, linear))
+            report.files = writer.finish()
+            report.output_bytes = writer.total
+            write_json(os.path.join(tmp, CONFIG_FILE), config)
+            if hf_quant_config is not None:
+                write_json(os.path.join(tmp, HF_QUANT_CONFIG_FILE), hf_quant_config)
+            for side in SIDE_FILES:
+                path = os.path.join(src_path, side)
+                if os.path.isfile(path):
+                    shutil.copyfile(path, os.path.join(tmp, side))
+                    report.copied.append(side)
+    finally:
+        source.close()
+    return report
+
+
+__all__ = ["DEFAULT_EXCLUDE", "FORMATS", "METHODS", "SIDE_FILES", "QuantizeReport", "quantize_checkpoint"]
