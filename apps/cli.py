@@ -345,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     _add_inspect(sub, common)
+    importlib.import_module(f"{__package__}.quantize_cmd").add_parser(sub, common)  # qpn quantize
 
     p = sub.add_parser("bench", parents=[common], help="kernel benchmark (needs a CUDA GPU)",
                        usage="qpn bench [-h] [kernels | decode | model] [SCRIPT ARGS...]",
