@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import zlib
 
 import ml_dtypes
@@ -295,15 +294,15 @@ def test_write_failure_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_128_mb_file_reads_fast(tmp_path):
+def test_a_128_mb_file_is_mapped_not_read(tmp_path):
+    """Reading is the header plus a memory map: the tensor is a read-only view of the file's mapping, never
+    a copy (the property that made it fast; a wall-time limit would fail on a loaded machine)."""
     path = tmp_path / "big.safetensors"
     big = np.arange(32 * 2**20, dtype=np.float32).reshape(2**12, -1)  # 128 MiB
     write_safetensors(path, {"big": big, "tail": np.ones(3, np.uint8)})
-    start = time.perf_counter()
-    tensors = read_safetensors(path).tensors
-    elapsed = time.perf_counter() - start
-    assert elapsed < 0.5, f"reading the header and mapping 128 MiB took {elapsed:.3f} s"
-    assert_same_bytes(tensors["big"].array, big)
+    array = read_safetensors(path).tensors["big"].array
+    assert isinstance(array, np.memmap) and not array.flags.owndata and not array.flags.writeable
+    assert_same_bytes(array, big)
 
 
 # ==============================================================================================

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
 import zlib
 
@@ -24,6 +23,9 @@ from qpn.apps import cli, output, verify
 from qpn.checkpoints import packed, safetensors_io
 from qpn.ref import Checkpoint, FP8Linear, NVFP4Linear, StoredTensor
 from qpn.torch_bridge import QPNLinear, load_quantized
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_child  # noqa: E402
 
 SEED = 20260
 Q, DOWN = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
@@ -469,7 +471,7 @@ def test_bad_input_exits_2_with_a_message(bad_folders, capsys, argv, message):
 
 def test_python_m_qpn_is_the_cli_and_never_prints_a_traceback(tmp_path):
     def qpn(*args):
-        return subprocess.run([sys.executable, "-m", "qpn", *args], capture_output=True, text=True, timeout=120,
+        return run_child([sys.executable, "-m", "qpn", *args], capture_output=True, text=True,
                               cwd=tmp_path)
 
     result = qpn("--help")

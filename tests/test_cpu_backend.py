@@ -7,7 +7,6 @@ FUSED_MAX_M; the fused path batch invariant; numba's thread count following torc
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -17,6 +16,9 @@ import torch
 import qpn.torch_bridge  # noqa: F401  (registers torch.ops.qpn.*)
 from qpn import ref
 from qpn.torch_bridge import _cpu, silu_and_mul
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_child  # noqa: E402  (numba's compiles in a child: a hang guard, not a time limit)
 
 E4M3_NAN_BYTES = (0x7F, 0xFF)
 # NVFP4 global scales, one per 32-row tile: 1, inexact products (1/3, 0.1), weights on fp16
@@ -67,7 +69,7 @@ def test_import_loads_neither_numba_nor_llvmlite_until_a_cpu_kernel_runs():
         "assert 'numba' in sys.modules\n"
         "assert torch.get_num_threads() == 1, torch.get_num_threads()\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    done = run_child([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -85,7 +87,7 @@ def test_second_process_loads_the_kernels_from_numba_cache(tmp_path):
         "    torch.ops.qpn.nvfp4_linear(x, *t[:3]); torch.ops.qpn.fp8_linear(x, *t[3:])\n"
     )
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_DEBUG_CACHE": "1"}
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    runs = [run_child([sys.executable, "-c", code], capture_output=True, text=True, env=env)
             for _ in range(2)]
     for done in runs:
         assert done.returncode == 0, done.stderr[-3000:]
@@ -141,8 +143,8 @@ def test_bytes_equal_ref_on_other_targets(cpu):
     decodes arithmetically. Same exhaustive bytes, in a process that targets that CPU."""
     features, half_native = OTHER_TARGETS[cpu]
     env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features}
-    done = subprocess.run([sys.executable, __file__, "other-target", str(half_native)], capture_output=True,
-                          text=True, timeout=900, env=env)
+    done = run_child([sys.executable, __file__, "other-target", str(half_native)], capture_output=True, text=True,
+                     env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "other target: ok" in done.stdout
 
@@ -262,7 +264,7 @@ lo, hi = ref.linear_bounds(x, ref.qpn2_dequantize(codes, scales, g, 64, 128))
 assert ((lo <= y.numpy()) & (y.numpy() <= hi)).all()
 print("ok")
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = run_child([sys.executable, "-c", code], capture_output=True, text=True)
     if "nothing to test" in proc.stderr + proc.stdout:
         pytest.skip("this torch reads the legacy precision after the per-backend API without raising")
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -31,6 +30,7 @@ from qpn.apps import cli, demo
 from qpn.checkpoints import packed, safetensors_io
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_child  # noqa: E402
 from test_cli import run, write  # noqa: E402  (the small checkpoints of every kind)
 from test_pack_safety import leftovers, tree  # noqa: E402
 
@@ -81,8 +81,8 @@ def test_a_source_shard_changed_during_pack_is_bad_input_not_a_crash(tmp_path, h
     os.utime(victim, (OLD, OLD))
     work = tmp_path / "work"
     os.makedirs(work)
-    proc = subprocess.run([sys.executable, "-c", CHANGE_DRIVER, victim, how, "pack", src, work / "out", "-q"],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_child([sys.executable, "-c", CHANGE_DRIVER, victim, how, "pack", src, work / "out", "-q"],
+                     capture_output=True, text=True)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)  # was -7 (SIGBUS) for a truncation, 0 for a rewrite
     err = proc.stderr
     assert err.startswith("qpn pack: error: ") and victim in err and "changed while qpn" in err, err
@@ -361,8 +361,7 @@ def test_pack_skips_a_fifo_and_a_broken_link_without_opening_them(tmp_path):
     os.mkfifo(os.path.join(src, "pipe"))
     os.symlink(tmp_path / "nowhere", os.path.join(src, "gone.json"))
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "qpn", "pack", src, out, "-q"], capture_output=True, text=True,
-                          timeout=300)
+    proc = run_child([sys.executable, "-m", "qpn", "pack", src, out, "-q"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "pipe" in proc.stderr and "gone.json" in proc.stderr and "not copied" in proc.stderr
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "qpn_manifest.json"]

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_standin as st  # noqa: E402
+from conftest import HANG_GUARD_S  # noqa: E402
 
 from qpn import ref  # noqa: E402
 
@@ -35,8 +36,9 @@ WORLD_SIZE = 2
 HIDDEN, INTERMEDIATE = 128, 256
 M = 5
 ALGOS = ("NVFP4", "FP8")
-PROCESS_GROUP_TIMEOUT_S = 60.0  # every collective of a rank gives up after this
-JOIN_TIMEOUT_S = 120.0  # the whole two-process run
+# hang guards, not time limits: a rank may wait at a collective while the other still imports torch under load
+PROCESS_GROUP_TIMEOUT_S = float(HANG_GUARD_S)  # every collective of a rank gives up after this
+JOIN_TIMEOUT_S = float(HANG_GUARD_S)  # the whole two-process run
 
 
 def free_port() -> int:

@@ -11,14 +11,17 @@ Skips (with the reason) only when the NVRTC wheels (cuda-bindings, nvidia-cuda-n
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from qpn.cupy_kernels import compile_check, linear, loader
 from qpn.cupy_kernels.variants import WRAPPER_MODULES, KernelVariant, all_variants
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_child  # noqa: E402  (a hang guard, not a time limit: 121 s alone, longer under load)
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +118,7 @@ def test_registry_covers_the_wrappers_and_sources_exist():
 
 
 def test_cli_prints_the_table_and_exits_zero(nvrtc):
-    proc = subprocess.run(
-        [sys.executable, "-m", "qpn.cupy_kernels.compile_check"], capture_output=True, text=True, timeout=300
-    )
+    proc = run_child([sys.executable, "-m", "qpn.cupy_kernels.compile_check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"kernel\s+\| arch\s+\| registers\s*\| smem\s*\| stack\s*\| spills\s*\| status", proc.stdout)
     assert "qpn2_dequantize" in proc.stdout and " failed" in proc.stdout
@@ -134,7 +135,7 @@ def test_import_needs_no_cupy():
     # `import qpn.cupy_kernels` and the compile check must work where CuPy is absent (CI).
     code = ("import sys; sys.modules['cupy'] = None; "
             "import qpn.cupy_kernels, qpn.cupy_kernels.compile_check; print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = run_child([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 

@@ -34,7 +34,6 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -47,7 +46,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/run r
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_llama as tl  # noqa: E402
 import vllm_standin as st  # noqa: E402
-from conftest import HARDWARE_SKIP  # noqa: E402
+from conftest import HARDWARE_SKIP, run_child  # noqa: E402
 
 from qpn.torch_bridge import vllm as vm  # noqa: E402
 
@@ -276,7 +275,7 @@ def _vllm_run(folder, out, *extra, env=None) -> dict:
     cmd = [sys.executable, os.path.join(HERE, "vllm_run.py"), str(folder), str(out), *extra]
     run_env = dict(os.environ, **(env or {}))
     # its own session: vLLM ends its workers with a signal to their process group at shutdown
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=run_env, start_new_session=True)
+    proc = run_child(cmd, capture_output=True, text=True, env=run_env, start_new_session=True)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     with open(out) as f:
@@ -467,7 +466,7 @@ def test_llm_moe_tensor_parallel_that_breaks_the_layout_says_why(tmp_path):
     cmd = [sys.executable, os.path.join(HERE, "vllm_run.py"), folder, str(tmp_path / "out.json"), "--quantization",
            "qpn", "--tp", "2", "--prompts", "[[1, 2, 3]]"]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, start_new_session=True)
+    proc = run_child(cmd, capture_output=True, text=True, env=env, start_new_session=True)
     log = proc.stdout + proc.stderr  # vLLM's workers log the error to stdout
     assert proc.returncode != 0
     assert ("vLLM MoE layer 'model.layers.0.mlp.experts': QPN2 experts need the intermediate size per rank to be a "
