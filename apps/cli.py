@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
+import importlib
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -80,9 +79,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 # Set at the running command's commit point (qpn pack: the new folder is in place, atomic_folder's on_commit):
 # from then on its result is success, and a stop signal is only noted (`_stop_signals_raise`).
 _committed = threading.Event()
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-BENCH_SCRIPTS = {"kernels": "bench_kernels.py", "decode": "bench_decode.py",  # `qpn bench [WHICH] [ARGS...]`
-                 "model": "bench_model.py"}
+# `qpn bench [WHICH] [ARGS...]` -> the module of qpn.benchmarks it runs (installed with qpn: any install runs it)
+BENCH_MODULES = {"kernels": "bench_kernels", "decode": "bench_decode", "model": "bench_model"}
 
 # what `main` turns into "qpn CMD: error: ..." and exit 2 (bad input, never a traceback)
 INPUT_ERRORS = (checkpoints.CheckpointError, checkpoints.SafetensorsError, PackError, TargetError, OSError)
@@ -245,26 +243,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     bench_args = list(args.bench_args)
-    which = bench_args.pop(0) if bench_args and bench_args[0] in BENCH_SCRIPTS else "kernels"
-    script = BENCH_DIR / BENCH_SCRIPTS[which]
-    if not script.is_file():
-        print(f"qpn bench: the benchmark scripts ship with the source tree ({script} is missing); "
-              "clone the repository and install it with `pip install -e .`", file=sys.stderr)
-        return EXIT_NO_HARDWARE
-    spec = importlib.util.spec_from_file_location(f"qpn_bench_{which}", script)
-    assert spec is not None and spec.loader is not None  # a .py file always has the source loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses in the script look their module up here
-    spec.loader.exec_module(module)
+    which = bench_args.pop(0) if bench_args and bench_args[0] in BENCH_MODULES else "kernels"
+    module = importlib.import_module(f"..benchmarks.{BENCH_MODULES[which]}", __package__)
     parser = module.build_parser()
     parser.prog = f"qpn bench{'' if which == 'kernels' else ' ' + which}"
-    parser.parse_args(bench_args)  # a mistyped argument is bad input (argparse exits 2) wherever it runs
-    ok, detail = cuda_status(need_torch=which == "model")  # the model benchmark runs in torch too
-    if not ok:
-        print(f"qpn bench: needs a CUDA GPU, and this machine has none usable: {detail}.\n"
-              "The benchmark times the CUDA kernels; run it on a GPU machine (a Colab / Kaggle T4 works). "
-              "Nothing was measured.", file=sys.stderr)
-        return EXIT_NO_HARDWARE
+    parsed = parser.parse_args(bench_args)  # a mistyped argument is bad input (argparse exits 2) wherever it runs
+    # `qpn bench model --device cpu` (with --tiny: the model benchmark's CPU run) needs no GPU; the rest time CUDA
+    if getattr(parsed, "device", None) != "cpu":
+        ok, detail = cuda_status(need_torch=which == "model")  # the model benchmark runs in torch too
+        if not ok:
+            print(f"qpn bench: needs a CUDA GPU, and this machine has none usable: {detail}.\n"
+                  "The benchmark times the CUDA kernels; run it on a GPU machine (a Colab / Kaggle T4 works). "
+                  "Nothing was measured.", file=sys.stderr)
+            return EXIT_NO_HARDWARE
     return int(module.main(bench_args) or 0)
 
 

@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_cpu  # noqa: E402  (make_layer, check: the same weights and the same bound check)
-import bench_dispatch  # noqa: E402  (time_us: graph replay, CUDA events)
-import bench_kernels as bk  # noqa: E402  (write_atomic)
+from qpn.benchmarks import (
+    bench_cpu,  # (make_layer, check: the same weights and the same bound check)
+    bench_dispatch,  # (time_us: graph replay, CUDA events)
+)
+from qpn.benchmarks import bench_kernels as bk  # (write_atomic)
 
 FORMATS = ("nvfp4", "fp8_channel")
 

@@ -38,10 +38,8 @@ import torch.nn.functional as F
 
 import qpn.torch_bridge  # noqa: F401  (registers torch.ops.qpn.*)
 from qpn import ref
+from qpn.benchmarks import bench_kernels as bk  # (write_atomic)
 from qpn.torch_bridge import _cpu
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_kernels as bk  # noqa: E402  (write_atomic)
 
 FORMATS = ("nvfp4", "fp8_channel", "fp8_block")
 G = 1e-3

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import ablate  # noqa: E402
-import bench_kernels as bk  # noqa: E402
+from qpn.apps.arguments import Parser, integer_in
+from qpn.benchmarks import ablate
+from qpn.benchmarks import bench_kernels as bk
+from qpn.ref.formats import QPN2
 
 DECODE_MS = (1, 2, 4, 8, 16, 32)
 G = 1e-3  # global scale: with e4m3 scales 0x28..0x7D every block is on the fast decode path
@@ -907,26 +905,52 @@ SECTIONS = {"ceiling": bk.section_ceiling, "decode": section_decode, "variants":
             "l2rate": section_l2rate, "gemm_ws": section_gemm_ws, "team": section_team, "parts": section_parts}
 
 
+# --shapes: every layer is built in both layouts, so K must suit QPN2 (the stricter); N and K up to 2^17 (the
+# largest benchmarked layer, 28672 x 8192, is well inside; 2^17 x 2^17 fp16 already needs 32 GiB)
+SHAPE_K_MULTIPLE = QPN2.k_multiple
+MAX_SHAPE_DIM = 1 << 17
+
+
+def shapes_arg(text: str) -> list[tuple[int, int]]:
+    """argparse type of --shapes: comma-separated N x K."""
+    shapes = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        n_text, x, k_text = item.partition("x")
+        if not x:
+            raise argparse.ArgumentTypeError(f"{item!r} is not N x K (e.g. 4096x4096)")
+        try:
+            n, k = (integer_in(1, MAX_SHAPE_DIM, "N and K")(v) for v in (n_text, k_text))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{item!r}: {exc} (N x K, e.g. 4096x4096)") from None
+        if k % SHAPE_K_MULTIPLE:
+            raise argparse.ArgumentTypeError(f"{item!r}: K must be a multiple of {SHAPE_K_MULTIPLE} (QPN2), got {k}")
+        shapes.append((n, k))
+    if not shapes:
+        raise argparse.ArgumentTypeError(f"give one or more N x K, e.g. 4096x4096, got {text!r}")
+    return shapes
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The arguments (`qpn bench` checks them before it looks for a GPU: a typo exits 2, not 3)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", default="ceiling,decode,variants,ablate,targets")
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sections", type=bk.sections_arg(SECTIONS), default="ceiling,decode,variants,ablate,targets",
+                        help="comma-separated: " + ",".join(SECTIONS))
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--shapes", default="", help="N x K list, e.g. 4096x4096,5120x17408 (default: all)")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--name", default="decode_h200")
+    parser.add_argument("--shapes", type=shapes_arg, default=None,
+                        help="N x K list, e.g. 4096x4096,5120x17408 (default: all)")
+    bk.add_output_args(parser, "decode_h200")
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    wanted = [s for s in args.sections.split(",") if s]
+    wanted = list(args.sections)
     if "ceiling" not in wanted:
         wanted.insert(0, "ceiling")
     ctx = bk.Context(args.quick)
     if args.shapes:
-        ctx.shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+        ctx.shapes = args.shapes
     env = bk.environment(ctx)
     print(f"{ctx.gpu_name}: {ctx.sm_count} SMs; {env['kernel_build']['built_as']}", flush=True)
     for name in wanted:

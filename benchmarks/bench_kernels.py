@@ -35,13 +35,18 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from qpn.apps.arguments import Parser
+
 HERE = Path(__file__).resolve().parent
+# --out's default for every script: the committed results/ in a clone of the repository; an installed qpn ships
+# no results/ (nor writes into its own install), so there it is a folder of the current directory
+DEFAULT_OUT = HERE / "results" if (HERE / "results").is_dir() else Path("qpn-bench-results")
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (5120, 17408), (34816, 5120), (28672, 8192)]  # (N, K)
 QUICK_SHAPES = [(4096, 4096), (28672, 8192)]
 DENSE_MS = (64, 512, 2048)
@@ -648,13 +653,44 @@ def write_results(env: dict, sections: list[Section], out_dir: Path, name: str) 
     return json_path, md_path
 
 
+# ----------------------------------------------------------------------------- arguments
+# Every argument is checked by the parser (one line, exit 2: qpn.apps.arguments' Parser and types, as the `qpn`
+# command's own flags), never by the first kernel that trips on it: `qpn bench` parses before it looks for a GPU,
+# so bad input exits 2 on any machine.
+
+
+def sections_arg(sections: Mapping[str, object]) -> Callable[[str], list[str]]:
+    """argparse type of --sections: comma-separated names of `sections`, at least one."""
+    def parse(text: str) -> list[str]:
+        wanted = [s.strip() for s in text.split(",") if s.strip()]
+        if not wanted or any(s not in sections for s in wanted):
+            raise argparse.ArgumentTypeError(f"choose one or more of {','.join(sections)}, got {text!r}")
+        return wanted
+    return parse
+
+
+def result_name(text: str) -> str:
+    """argparse type of --name: the stem of NAME.json / NAME.md inside --out, so no folder in it."""
+    if not text or text in (".", "..") or "/" in text or os.sep in text:
+        raise argparse.ArgumentTypeError(f"must be a file name without a folder (it names NAME.json and NAME.md "
+                                         f"inside --out), got {text!r}")
+    return text
+
+
+def add_output_args(parser: argparse.ArgumentParser, name: str | None, default: str | None = None) -> None:
+    """--out and --name; `default` describes a default name the script picks itself (name None)."""
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
+    parser.add_argument("--name", type=result_name, default=name,
+                        help=f"writes NAME.json and NAME.md (default {default or name})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The arguments (`qpn bench` checks them before it looks for a GPU: a typo exits 2, not 3)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ",".join(SECTIONS))
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sections", type=sections_arg(SECTIONS), default=",".join(SECTIONS),
+                        help="comma-separated: " + ",".join(SECTIONS))
     parser.add_argument("--quick", action="store_true", help="two shapes only")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--name", default="h200")
+    add_output_args(parser, "h200")
     return parser
 
 
@@ -662,10 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
 
-    wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = [s for s in wanted if s not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    wanted = list(args.sections)
     if "ceiling" not in wanted:
         wanted.insert(0, "ceiling")  # every ratio needs it
     ctx = Context(args.quick)

@@ -83,10 +83,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import bench_kernels as bk  # noqa: E402  (Column, Section, render_markdown, write_results)
+from qpn.apps.arguments import Parser, integer_in, integers_in
+from qpn.benchmarks import bench_kernels as bk  # (Column, Section, render_markdown, write_results)
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5)
@@ -714,33 +712,39 @@ GPT_OSS_NOTES = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The arguments (`qpn bench model` checks them before it looks for a GPU: a typo exits 2, not 3)."""
-    parser = argparse.ArgumentParser(prog="bench_model.py", description=__doc__.split("\n")[0])
+    parser = Parser(prog="bench_model.py", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="llama8b",
                         help="llama8b (Llama-3.1-8B shapes, default), qwen3moe (Qwen3-30B-A3B shapes) or gptoss20b "
                         "(gpt-oss-20b shapes: fp16 vs MXFP4 experts)")
-    parser.add_argument("--layers", type=_positive, default=None,
+    parser.add_argument("--layers", type=integer_in(1, MAX_LAYERS, "--layers"), default=None,
                         help="decoder layers (default: the model's, 32 / 48 / 24; --tiny: 2)")
-    parser.add_argument("--batches", type=_batches, default=BATCHES,
+    parser.add_argument("--batches", type=integers_in(1, MAX_BATCH, "batch size", "1,8,32"), default=BATCHES,
                         help="comma-separated batch sizes (default 1,8,32,64,128)")
     parser.add_argument("--graphs", type=_methods, default=GRAPH_METHODS, help="comma-separated: manual,compile")
-    parser.add_argument("--compile-budget-s", type=float, default=180.0,
-                        help="skip the remaining compile rows once the run has spent this long on them")
+    parser.add_argument("--compile-budget-s", type=_seconds, default=180.0,
+                        help="skip the remaining compile rows once the run has spent this long on them (inf: never)")
     parser.add_argument("--tiny", action="store_true", help="small dims, a few layers (runs on a CPU; for the test)")
-    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--name", default="model_h200")
+    parser.add_argument("--device", choices=DEVICES, default=None, help="cuda (default when available) or cpu")
+    bk.add_output_args(parser, None, f"{FULL_NAME}; --tiny: {TINY_NAME}")
     return parser
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+# the bounds of the numeric arguments: past them a run only fails later (out of memory) or never ends
+MAX_LAYERS = 256  # the deepest decoder of the families here has 48; Llama-3.1-405B has 126
+MAX_BATCH = 4096  # the static cache holds batch x (PROMPT_LEN + steps) tokens per layer
+DEVICES = ("cuda", "cpu")
+# --name's defaults: a --tiny run (a test, a CPU) never replaces the committed results/model_h200.*
+FULL_NAME, TINY_NAME = "model_h200", "model_tiny"
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value >= 0:  # NaN included
+        raise argparse.ArgumentTypeError(f"must be >= 0 (inf: no budget), got {text!r}")
     return value
-
-
-def _batches(text: str) -> tuple:
-    return tuple(_positive(v) for v in text.split(",") if v.strip())
 
 
 def _methods(text: str) -> tuple:
@@ -773,7 +777,8 @@ def main(argv=None) -> int:
     for method in args.graphs:
         budget = time.perf_counter() + args.compile_budget_s
         run_method(method, model, linears, args.batches, device, args, sec, budget, shape, twins)
-        json_path, md_path = write(env, sec, args.out, args.name)  # after every method: a timeout keeps the rest
+        # after every method: a timeout keeps the rest
+        json_path, md_path = write(env, sec, args.out, args.name or (TINY_NAME if args.tiny else FULL_NAME))
     print(bk.render_markdown(env, [sec]).split("\n", 3)[-1], flush=True)
     print(f"wrote {json_path} and {md_path}")
     return 0

@@ -59,14 +59,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import qpn.torch_bridge  # noqa: F401  (registers the ops)
+from qpn.benchmarks import bench_dispatch  # (the graph timing of bench_dispatch's table)
+from qpn.benchmarks import bench_kernels as bk  # (write_atomic, profiled_kernels)
 from qpn.ref.codecs import E8M0_BIAS, decode_e2m1
 from qpn.ref.formats import MX_BLOCK, QPN2, QPN8, QPNMX, WeightFormat
 from qpn.ref.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
 from qpn.torch_bridge import PackedExperts, pack_mxfp4, packed_weight_class
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_dispatch  # noqa: E402  (the graph timing of bench_dispatch's table)
-import bench_kernels as bk  # noqa: E402  (write_atomic, profiled_kernels)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_kernels as bk  # noqa: E402  (Context: the graph timing and the read ceiling)
+from qpn.benchmarks import bench_kernels as bk  # (Context: the graph timing and the read ceiling)
 
 SHAPES = {"28672x8192": (28672, 8192), "gpt-oss gate_up 5760x2880": (5760, 2880),
           "gpt-oss down 2880x2880": (2880, 2880)}

@@ -37,8 +37,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_kernels as bk  # noqa: E402  (write_atomic)
+from qpn.benchmarks import bench_kernels as bk  # (write_atomic)
 
 GIB = 1 << 30
 GPT_OSS_20B = {"hidden": 2880, "layers": 24, "heads": 64, "kv_heads": 8, "head_dim": 64, "experts": 32, "top_k": 4,
@@ -122,7 +121,7 @@ def report(m: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, default=bk.DEFAULT_OUT)
     args = parser.parse_args(argv)
     text = report(GPT_OSS_20B)
     print(text)

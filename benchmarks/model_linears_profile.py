@@ -14,26 +14,15 @@ cannot remove. Writes NAME.md / NAME.json (bench_kernels.write_results).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import bench_kernels as bk  # noqa: E402
+from qpn.benchmarks import bench_kernels as bk
+from qpn.benchmarks import bench_model as bm
 
 PROFILED = 5  # eager steps under the profiler
 TOP = 6  # kernel names listed per row
-
-
-def _bench_model():
-    spec = importlib.util.spec_from_file_location("bench_model", HERE / "bench_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def new_section() -> bk.Section:
@@ -61,10 +50,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="model_linears_profile.py", description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path, default=bk.DEFAULT_OUT)
     parser.add_argument("--name", default="model_linears_h200")
     args = parser.parse_args(argv)
-    bm = _bench_model()
     device = torch.device("cuda")
     shape = bm.MODELS["llama8b"]
     layers = args.layers or shape.dims["num_hidden_layers"]

@@ -9,8 +9,7 @@ import sys
 import cupy as cp
 import numpy as np
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_decode import MID_VARIANTS, G, _launch_variant, _qpn2_copies, _qpn8_copies, shipped_macros  # noqa: E402
+from qpn.benchmarks.bench_decode import MID_VARIANTS, G, _launch_variant, _qpn2_copies, _qpn8_copies, shipped_macros
 
 
 class _Ctx:  # minimal stand-in for bench_kernels.Context: cp, and time_calls = 2 launches, no timing

@@ -19,8 +19,8 @@ import sys
 
 import cupy as cp
 import numpy as np
-from bench_decode import team_variant
 
+from qpn.benchmarks.bench_decode import team_variant
 from qpn.cupy_kernels import gemm
 from qpn.cupy_kernels import linear as L
 from qpn.cupy_kernels.loader import kernel

@@ -44,13 +44,13 @@ def _load(name: str, path: Path):
 
 @pytest.fixture(scope="module")
 def bench():
-    """bench_decode.py as the CLI loads it (it puts benchmarks/ on sys.path for `ablate`)."""
+    """bench_decode.py, loaded from its file (it imports `ablate` as qpn.benchmarks.ablate)."""
     return _load("qpn_bench_decode_test", BENCH / "bench_decode.py")
 
 
 @pytest.fixture(scope="module")
 def ablate(bench):
-    return sys.modules["ablate"]
+    return sys.modules["qpn.benchmarks.ablate"]
 
 
 @pytest.fixture(scope="module")
