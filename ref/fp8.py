@@ -33,6 +33,7 @@ Numerics policy
 
 from __future__ import annotations
 
+from functools import cache
 from typing import NamedTuple
 
 import numpy as np
@@ -40,7 +41,8 @@ import numpy.typing as npt
 
 from .checks import require_array, require_no_nan_e4m3, require_positive_scale, require_weight_to_quantize
 from .codecs import E4M3_MAX, decode_e4m3, encode_e4m3
-from .dtypes import round_to
+from .dtypes import BF16, FP16, require_dtype, round_to
+from .float_classes import class_table, lookup_classes
 from .formats import FP8_BLOCK, FP8_GRANULARITIES
 from .lookup import lookup_blocks
 
@@ -101,8 +103,14 @@ def fp8_quantize(w: np.ndarray, granularity: str, weight_scale: np.ndarray | Non
         padded = np.zeros((nb * FP8_BLOCK, kb * FP8_BLOCK), dtype=np.float32)  # zeros never raise amax
         padded[:n, :k] = abs_w
         group_amax = padded.reshape(nb, FP8_BLOCK, kb, FP8_BLOCK).max(axis=(1, 3))
-    group_amax = np.asarray(group_amax, dtype=np.float32)
+    del abs_w
+    return _encode(w32, fp8_scale(group_amax, granularity), granularity, quotient_dtype)
 
+
+def fp8_scale(group_amax: npt.ArrayLike, granularity: str) -> np.ndarray:
+    """`fp8_quantize`'s scale of groups with these amax(|w|) (finite, >= 0): RN32(amax / 448), 1.0 for an
+    all-zero group; ValueError where the division underflows to 0. float32, group_amax's shape."""
+    group_amax = np.asarray(group_amax, dtype=np.float32)
     scale = group_amax / FP8_SCALE_DIVISOR  # one fp32 division per group
     if np.any((scale == 0) & (group_amax > 0)):
         tiny = float(group_amax[(scale == 0) & (group_amax > 0)].max())
@@ -110,8 +118,7 @@ def fp8_quantize(w: np.ndarray, granularity: str, weight_scale: np.ndarray | Non
             f"w has a {granularity} group with amax(|w|) = {tiny:.3e}, so amax/448 underflows to 0 in fp32; "
             "rescale the weight (multiply by a power of two) before quantizing"
         )
-    scale = np.where(group_amax == 0, np.float32(1.0), scale).astype(np.float32)
-    return _encode(w32, scale, granularity, quotient_dtype)
+    return np.where(group_amax == 0, np.float32(1.0), scale).astype(np.float32)
 
 
 def _scale_shape(granularity: str, n: int, k: int) -> tuple[int, ...]:
@@ -119,11 +126,30 @@ def _scale_shape(granularity: str, n: int, k: int) -> tuple[int, ...]:
 
 
 def _encode(w32: np.ndarray, scale: np.ndarray, granularity: str, quotient_dtype: str | None) -> FP8Weight:
+    """codes = encode_e4m3(RN32(w / scale)) (rounded to quotient_dtype first if given); w32 is the caller's
+    own float32 copy and is overwritten by the quotient."""
     n, k = w32.shape
-    quotient = w32 / _expand_scale(scale, granularity, n, k)  # RN32
     if quotient_dtype is not None:
-        quotient = round_to(quotient_dtype, quotient)
-    return FP8Weight(weight=encode_e4m3(quotient), weight_scale=scale)  # e4m3 RNE with saturation
+        require_dtype(quotient_dtype)
+    if granularity == "block" and n % FP8_BLOCK == 0 and k % FP8_BLOCK == 0:  # whole blocks: a broadcast view
+        blocks = w32.reshape(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+        np.divide(blocks, scale[:, None, :, None], out=blocks)  # RN32, the same division per element
+    else:
+        divisor = {"tensor": lambda: scale.reshape(()), "channel": lambda: scale.reshape(n, 1),
+                   "block": lambda: _expand_scale(scale, granularity, n, k)}[granularity]()
+        np.divide(w32, divisor, out=w32)  # RN32
+    if quotient_dtype == FP16:
+        w32 = round_to(FP16, w32).astype(np.float32)  # exact widening: e4m3 of the fp16 value
+    return FP8Weight(weight=lookup_classes(w32, _e4m3_table(quotient_dtype == BF16)), weight_scale=scale)
+
+
+@cache
+def _e4m3_table(bf16_quotient: bool) -> np.ndarray:
+    """encode_e4m3 (e4m3 RNE with saturation), after ModelOpt's bf16 quotient rounding if asked, as a
+    ref/float_classes.py table; 0x7F (e4m3 NaN, which every reader rejects) for NaN classes."""
+    if bf16_quotient:
+        return class_table(lambda x: encode_e4m3(round_to(BF16, x)), nan_code=0x7F)
+    return class_table(encode_e4m3, nan_code=0x7F)
 
 
 # ----------------------------------------------------------------------------- scales

@@ -40,6 +40,7 @@ Numerics policy
 
 from __future__ import annotations
 
+from functools import cache
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -48,6 +49,7 @@ import numpy.typing as npt
 
 from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape, require_weight_to_quantize
 from .codecs import E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3
+from .float_classes import class_table, lookup_classes
 from .geometry import GROUP_K
 from .global_scale import global_scale_per_row
 
@@ -137,27 +139,19 @@ def nvfp4_quantize(w: np.ndarray, weight_scale_2: float | np.floating | None = N
       5. pack, element 2j in the low nibble.
     Rejects NaN/inf (ValueError). An all-zero W gives weight_scale_2 = 1.0 (module docstring).
     """
-    w32 = _validate_weight_to_quantize(w)
+    w32 = _validate_weight_to_quantize(w)  # a float32 copy of its own: the steps below work in place
     n, k = w32.shape
     blocks = w32.reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
-    abs_blocks = np.abs(blocks)
-    block_amax = abs_blocks.max(axis=-1)  # float32 [N, K/16], exact
-    amax = block_amax.max()
+    # amax(|block|) = max(max, -min): exact (negation is), and no |W| temporary
+    block_amax = np.maximum(blocks.max(axis=-1), -blocks.min(axis=-1))  # float32 [N, K/16]
 
     if weight_scale_2 is not None:
         weight_scale_2 = np.float32(weight_scale_2)
         if not (np.isfinite(weight_scale_2) and weight_scale_2 > 0):
             raise ValueError(f"weight_scale_2 must be a finite fp32 value > 0, got {float(weight_scale_2)!r}; "
                              "leave it out to take ModelOpt's amax / 2688")
-    elif amax == 0:
-        weight_scale_2 = np.float32(1.0)  # ModelOpt ONNX exporter's rule; its torch path gives NaN
     else:
-        weight_scale_2 = np.float32(amax) / NVFP4_GLOBAL_DIVISOR  # step 1: one fp32 division
-        if weight_scale_2 == 0:
-            raise ValueError(
-                f"w has amax(|w|) = {float(amax):.3e}, so weight_scale_2 = amax/2688 underflows to 0 in fp32 "
-                "and every block scale would divide by zero; rescale the weight (multiply by a power of two)"
-            )
+        weight_scale_2 = nvfp4_global_scale(block_amax.max())
 
     if weight_scale is None:  # step 2 (the divisor 6 * weight_scale_2 is its own fp32 product, as in ModelOpt)
         block_scale = block_amax / (np.float32(6.0) * weight_scale_2)
@@ -175,20 +169,42 @@ def nvfp4_quantize(w: np.ndarray, weight_scale_2: float | np.floating | None = N
     block_multiplier = decode_e4m3(weight_scale) * weight_scale_2  # RN32, float32 [N, K/16]
     if np.any(block_multiplier == 0):  # only for amax deep in fp32's subnormals (below ~1e-36)
         raise ValueError(
-            f"w has amax(|w|) = {float(amax):.3e}, so e4m3 block scale * weight_scale_2 underflows to 0 in fp32 "
-            "and the weights would divide by zero; rescale the weight (multiply by a power of two)"
+            f"w has amax(|w|) = {float(block_amax.max()):.3e}, so e4m3 block scale * weight_scale_2 underflows "
+            "to 0 in fp32 and the weights would divide by zero; rescale the weight (multiply by a power of two)"
         )
-    scaled = (blocks / block_multiplier[..., None]).reshape(n, k)
+    scaled = np.divide(blocks, block_multiplier[..., None], out=blocks).reshape(n, k)
 
-    # step 4: ModelOpt's sign is (x < 0); -0.0 must therefore encode as +0 (code 0), see docstring
-    scaled = np.where(scaled == 0, np.float32(0.0), scaled)
-    codes = encode_e2m1(scaled)
+    # step 4: ModelOpt's sign is (x < 0); -0.0 must therefore encode as +0 (code 0), see docstring.
+    # x + (+0.0) is x for every x but -0.0, which becomes +0.0 (IEEE 754 round-to-nearest; numpy never flushes
+    # subnormals), so this one in-place pass is np.where(scaled == 0, 0.0, scaled).
+    scaled += np.float32(0.0)
+    codes = lookup_classes(scaled, _e2m1_table())  # = encode_e2m1(scaled) (ref/float_classes.py)
 
     return NVFP4Weight(
         weight_packed=pack_nibbles(codes),
         weight_scale=weight_scale,
         weight_scale_2=np.array(weight_scale_2, dtype=np.float32),
     )
+
+
+def nvfp4_global_scale(amax: float | np.floating) -> np.float32:
+    """Step 1 of `nvfp4_quantize` for a weight with amax(|W|) = amax (finite, >= 0): RN32(amax / 2688), or
+    1.0 for an all-zero weight (module docstring); ValueError where the division underflows to 0."""
+    amax = np.float32(amax)
+    if amax == 0:
+        return np.float32(1.0)  # ModelOpt ONNX exporter's rule; its torch path gives NaN
+    weight_scale_2 = amax / NVFP4_GLOBAL_DIVISOR  # step 1: one fp32 division
+    if weight_scale_2 == 0:
+        raise ValueError(
+            f"w has amax(|w|) = {float(amax):.3e}, so weight_scale_2 = amax/2688 underflows to 0 in fp32 "
+            "and every block scale would divide by zero; rescale the weight (multiply by a power of two)"
+        )
+    return np.float32(weight_scale_2)
+
+
+@cache
+def _e2m1_table() -> np.ndarray:
+    return class_table(encode_e2m1, nan_code=0xFF)  # 0xFF: no 4-bit code, pack_nibbles refuses it
 
 
 def _validate_weight_to_quantize(w: np.ndarray) -> np.ndarray:
