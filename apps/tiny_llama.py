@@ -12,7 +12,8 @@ embeddings, norms and lm_head in fp16, lm_head excluded from quantization as Mod
 The tokenizer is character-level (every printable ASCII character and the newline are a token,
 plus <unk>, <s>, </s>), built with the `tokenizers` library that vLLM and transformers bring, and
 saved with transformers' `PreTrainedTokenizerFast.save_pretrained`: nothing is downloaded. Its
-vocabulary is the model's, so every token the model can produce decodes to text. The weights are
+vocabulary is the model's, so every token the model can produce decodes to text. It carries a chat
+template (CHAT_TEMPLATE), so vLLM's chat endpoint (`client.chat.completions`) serves it too. The weights are
 random, so the text is gibberish; what the folder shows is the serving path (plugin, loading,
 the qpn kernels, the tokenizer) end to end. tests/test_vllm_server.py serves it with vLLM's
 OpenAI-compatible server.
@@ -40,6 +41,10 @@ HEAD_DIM = HIDDEN // HEADS
 SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: config.json's bos / eos ids
 VOCABULARY = (*SPECIALS, *(chr(c) for c in range(32, 127)), "\n")
 INIT_STD = 0.08  # Llama's 0.02 would make the next-token distribution nearly flat
+# The chat template (Jinja, as Hugging Face tokenizers carry it): "role: content" lines, then "assistant: " for the
+# reply. vLLM's chat endpoint refuses a model without one (400); every character it adds is in VOCABULARY.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
 LINEAR_SHAPES = {  # leaf -> (N, K)
     "self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
     "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HIDDEN),
@@ -103,7 +108,7 @@ def tokenizer() -> Any:
     tok.decoder = decoders.Fuse()  # tokens are joined as they are, no spaces between them
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   clean_up_tokenization_spaces=False)
+                                   clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE)
 
 
 def write_tiny_llama(folder: str | os.PathLike[str], seed: int = 0) -> None:

