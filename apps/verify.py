@@ -39,10 +39,8 @@ def format_name(format: str, granularity: str | None) -> str:
     return format.upper() if granularity is None else f"{format.upper()}/{granularity}"
 
 
-DEFAULT_MS = (1, 40)  # activation rows for the linear check: a decode M and one past the decode/prefill split (32)
-MAX_M = 4096  # `qpn verify --m`'s bound: past every decode / GEMM / dense switch (dispatch.DESCRIBE_MS ends at 1024)
-DEFAULT_SEED = 0
-MAX_SEED = 2**64 - 1  # a 64-bit seed (numpy's SeedSequence takes any non-negative int: the bound keeps it one word)
+DEFAULT_MS, MAX_M = (1, 40), 4096  # a decode M, one past the decode split (32); --m's bound: past all switches
+DEFAULT_SEED, MAX_SEED = 0, 2**64 - 1  # a 64-bit seed (numpy's SeedSequence takes any int >= 0: one word is plenty)
 EXPERT_PROJECTIONS = ("w13", "w2")  # MXFP4Experts' two weights: gate then up [2I, H], down [H, I]
 T = TypeVar("T")
 
