@@ -30,7 +30,6 @@ import os
 import shutil
 import socket
 import struct
-import subprocess
 import sys
 
 import numpy as np
@@ -41,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_error_locations as el  # noqa: E402
 import tiny_llama as tl  # noqa: E402
 import vllm_standin as st  # noqa: E402
+from conftest import run_child  # noqa: E402
 
 from qpn import ref  # noqa: E402
 from qpn.torch_bridge import vllm as vm  # noqa: E402
@@ -217,7 +217,7 @@ def test_served_llm_reports_the_checkpoint_tensor_and_the_layer(tmp_path):
     cmd = [sys.executable, os.path.join(HERE, "vllm_run.py"), str(tmp_path / "ckpt"), str(tmp_path / "out.json"),
            "--quantization", "qpn"]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, start_new_session=True)
+    proc = run_child(cmd, capture_output=True, text=True, env=env, start_new_session=True)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-4000:]
     want = (f"ValueError: checkpoint tensor '{ATTN0}.q_proj.weight_scale' in {tmp_path / 'ckpt' / 'model.safetensors'} "
