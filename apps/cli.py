@@ -5,6 +5,7 @@ holds the stop signals during the imports of this module).
     qpn verify PATH [--upstream] [--m 1,40]         check every layer on every backend present
     qpn inspect PATH                                per-layer table: format, shape, scales, bytes, packability
     qpn inspect [PATH] --dispatch [--family F]      the kernel path of each call shape, per device family
+    qpn quantize SRC OUT --format F [--method M]    quantize a Hugging Face float model (weight-only)
     qpn bench [kernels|decode|model] [ARGS...]      the kernel / model benchmarks (GPU only)
     qpn demo [--device auto|cpu|cuda] [--keep DIR]  all-MiniLM-L6-v2 end to end
 
@@ -18,8 +19,10 @@ qpn may not replace) - reported as one clear message, never a traceback; 3 the m
 command needs (`qpn bench` without a CUDA GPU, `qpn demo --device cuda` without one, the demo's model
 package missing); 128 + the signal when stopped: 130 Ctrl-C (SIGINT), 143 SIGTERM, 129 SIGHUP - each
 removes the temporary folder of a write in progress first (during start-up there is none: one line,
-and out); 141 when the reader of stdout went away (`qpn verify ... | head`: stops at the next line,
-quietly, as a CLI killed by SIGPIPE would).
+and out), except after `qpn pack`'s commit point (the swap that puts the new folder in place): the pack
+has succeeded, so a stop signal then is only noted and the pack finishes, exit 0; 141 when the reader
+of stdout went away (`qpn verify ... | head`: stops at the next line, quietly, as a CLI killed by SIGPIPE
+would).
 """
 
 from __future__ import annotations
@@ -301,9 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="qpn",
         description="NVFP4 / FP8 weight-only linears for GPUs without FP4/FP8 units: pack, verify and inspect "
-                    "quantized checkpoints, benchmark the kernels, run the MiniLM demo.",
+                    "quantized checkpoints, quantize float models, benchmark the kernels, run the MiniLM demo.",
         epilog="Exit codes: 0 success, 1 a check failed, 2 bad input, 3 missing hardware (bench without a GPU); "
-               "stopped: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (the temporary folder of a write is removed first), "
+               "stopped: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (the temporary folder of a write is removed first; "
+               "after qpn pack's swap, its commit point, a stop signal is only noted: exit 0), "
                "141 stdout closed (`qpn verify | head`).",
     )
     parser.add_argument("--version", action="version", version=f"qpn {__version__}")
