@@ -55,17 +55,6 @@ def f32(value: float) -> bytes:
     return struct.pack("<f", value)
 
 
-def poke(folder, tensor: str, index: tuple[int, ...], raw: bytes) -> None:
-    """Overwrite element `index` of `tensor` in folder/model.safetensors with the bytes `raw`, in place."""
-    path = os.path.join(folder, "model.safetensors")
-    header = ref.read_safetensors_header(path)
-    info = header.tensors[tensor]
-    flat = int(np.ravel_multi_index(index, info.shape)) if index else 0
-    with open(path, "r+b") as f:
-        f.seek(header.data_start + info.data_offsets[0] + flat * len(raw))
-        f.write(raw)
-
-
 def read_tensor(folder, tensor: str) -> np.ndarray:
     return np.array(ref.read_safetensors(os.path.join(folder, "model.safetensors")).tensors[tensor].array)
 
@@ -147,7 +136,7 @@ def vllm_loader():
 def test_vllm_load_error_names_the_checkpoint_tensor_and_the_layer(vllm_loader, tmp_path, case):
     _, algo, tensor, index, raw, says = case
     tl.write_tiny_llama(tmp_path / "ckpt", algo)
-    poke(tmp_path / "ckpt", tensor, index, raw)
+    el.poke(tmp_path / "ckpt", tensor, index, raw)
     with pytest.raises(ValueError) as info:
         vllm_loader(tmp_path / "ckpt")
     file = tmp_path / "ckpt" / "model.safetensors"
@@ -186,7 +175,7 @@ def test_vllm_fp16_overflow_names_both_tensors_and_the_files_block(vllm_loader, 
     tl.write_tiny_llama(tmp_path / "ckpt", "NVFP4")
     scales = f"{ATTN0}.v_proj.weight_scale"
     row, block = first_overflow(read_tensor(tmp_path / "ckpt", scales), OVERFLOW_G)
-    poke(tmp_path / "ckpt", f"{ATTN0}.v_proj.weight_scale_2", (), f32(OVERFLOW_G))
+    el.poke(tmp_path / "ckpt", f"{ATTN0}.v_proj.weight_scale_2", (), f32(OVERFLOW_G))
     with pytest.raises(ValueError) as info:
         vllm_loader(tmp_path / "ckpt")
     message = str(info.value)
@@ -213,7 +202,7 @@ def test_served_llm_reports_the_checkpoint_tensor_and_the_layer(tmp_path):
     the user sees it in the log; the main process only says "Engine core initialization failed"."""
     pytest.importorskip("vllm", reason="vLLM is not installed here")
     tl.write_tiny_llama(tmp_path / "ckpt", "FP8")
-    poke(tmp_path / "ckpt", f"{ATTN0}.q_proj.weight_scale", (), NAN32)
+    el.poke(tmp_path / "ckpt", f"{ATTN0}.q_proj.weight_scale", (), NAN32)
     cmd = [sys.executable, os.path.join(HERE, "vllm_run.py"), str(tmp_path / "ckpt"), str(tmp_path / "out.json"),
            "--quantization", "qpn"]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
