@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,8 +30,12 @@ LAYER_SHAPES = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (KV, H
                 "self_attn.v_proj": (KV, HIDDEN), "self_attn.o_proj": (HIDDEN, HIDDEN),
                 "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
                 "mlp.up_proj": (INTERMEDIATE, HIDDEN), "mlp.down_proj": (HIDDEN, INTERMEDIATE)}
-CHILD = ("import resource, sys; from qpn.apps.cli import main; rc = main(sys.argv[1:]); "
-         "print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+# The child's peak RSS is its address space's high-water mark (VmHWM, reset by exec), not getrusage's
+# ru_maxrss: Linux carries ru_maxrss across fork + exec, so it would report this parent's peak (writing the
+# model) whenever that is higher.
+CHILD = ("import sys; from qpn.apps.cli import main; rc = main(sys.argv[1:]); "
+         "print('peak_kib', [line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')][0]); "
+         "sys.exit(rc)")
 
 
 def bf16(rng: np.random.Generator, shape: tuple[int, ...]) -> StoredTensor:
@@ -67,15 +72,29 @@ def write_model(folder: str, layers: int, vocab: int) -> int:
     return total
 
 
-def run(src: str, out: str, fmt: str, method: str) -> tuple[float, int]:
+def run(src: str, out: str, fmt: str, method: str, qpn_parent: str | None) -> tuple[float, int]:
+    """(seconds, peak RSS bytes) of `qpn quantize` in a child; qpn_parent: a folder whose `qpn` the child
+    imports instead of this one (--baseline)."""
+    env = dict(os.environ, PYTHONPATH=qpn_parent) if qpn_parent else None
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", CHILD, "quantize", src, out, "--format", fmt, "--method", method,
-                           "-q", "--overwrite"], capture_output=True, text=True, check=False)
+                           "-q", "--overwrite"], capture_output=True, text=True, check=False, env=env)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"qpn quantize {fmt} {method} failed ({done.returncode}): {done.stderr.strip()}")
-    rss = int(done.stdout.split("maxrss_kib")[-1].split()[0]) * 1024
+    rss = int(done.stdout.split("peak_kib")[-1].split()[0]) * 1024
+    shutil.rmtree(out)  # the next run's disk space
     return seconds, rss
+
+
+def baseline_parent(work: str, commit: str) -> str:
+    """A folder holding `qpn` as it was at `commit` (git archive of this repository)."""
+    parent = os.path.join(work, "baseline")
+    os.makedirs(os.path.join(parent, "qpn"))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", repo, "archive", commit], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", os.path.join(parent, "qpn")], input=archive, check=True)
+    return parent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", default="nvfp4:rtn,nvfp4:mse,fp8:rtn", help="FORMAT:METHOD,...")
     p.add_argument("--work", help="folder for the checkpoints (default: a temporary one)")
     p.add_argument("--out", help="append the markdown table to this file")
+    p.add_argument("--baseline", metavar="COMMIT", help="also time qpn as it was at this commit, same source")
     return p
 
 
@@ -98,12 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"`qpn quantize`, {args.layers} Llama-3.1-8B layers + vocab {args.vocab}: {size / 1e6:.0f} MB of bf16 "
                  f"source; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average "
                  f"{load:.1f} at the start; python {platform.python_version()}, numpy {np.__version__}", "",
-                 "| format | method | seconds | MB/s of source | peak RSS (MB) |", "|---|---|---|---|---|"]
+                 "| qpn | format | method | seconds | MB/s of source | peak RSS (MB) |", "|---|---|---|---|---|---|"]
+        versions = [("this tree", None)]
+        if args.baseline:
+            versions.insert(0, (args.baseline, baseline_parent(work, args.baseline)))
         for item in args.runs.split(","):
             fmt, method = item.split(":")
-            seconds, rss = run(src, os.path.join(work, f"out-{fmt}-{method}"), fmt, method)
-            lines.append(f"| {fmt} | {method} | {seconds:.1f} | {size / 1e6 / seconds:.1f} | {rss / 1e6:.0f} |")
-            print(lines[-1], flush=True)
+            for label, parent in versions:
+                seconds, rss = run(src, os.path.join(work, f"out-{fmt}-{method}"), fmt, method, parent)
+                lines.append(f"| {label} | {fmt} | {method} | {seconds:.1f} | {size / 1e6 / seconds:.1f} | "
+                             f"{rss / 1e6:.0f} |")
+                print(lines[-1], flush=True)
+        lines.append(f"load average at the end {os.getloadavg()[0]:.1f}")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -41,18 +41,20 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import __version__
+from ..ref.checks import require_weight_to_quantize
 from ..ref.dtypes import BF16, FP16, bf16_from_bits
-from ..ref.formats import MX_BLOCK
-from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d, fp8_quantize
+from ..ref.formats import FP8_BLOCK, MX_BLOCK
+from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d, fp8_quantize, fp8_scale
 from ..ref.geometry import GROUP_K
 from ..ref.mxfp4 import mxfp4_quantize
-from ..ref.nvfp4 import NVFP4_GLOBAL_DIVISOR, nvfp4_quantize
+from ..ref.nvfp4 import NVFP4_GLOBAL_DIVISOR, nvfp4_global_scale, nvfp4_quantize
 from ..ref.scale_search import fp8_quantize_mse, nvfp4_quantize_mse
 from .atomic import TargetRules, atomic_folder, write_json
 from .checkpoint import CheckpointError, FP8Linear, MXFP4Linear, NVFP4Linear, QuantizedLinear
@@ -60,7 +62,7 @@ from .compressed_tensors import CT_MXFP4_FORMAT, CompressedTensors
 from .folder import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SAVED_METADATA, SINGLE_FILE, weight_files
 from .modelopt import ModelOpt
 from .producer import Producer
-from .safetensors_io import SafetensorsFile, StoredTensor, read_safetensors_header, write_safetensors
+from .safetensors_io import SafetensorsFile, StoredTensor, TensorInfo, read_safetensors_header, write_safetensors
 
 SHARD_BYTES = 1 << 30  # an output shard is written when its tensors reach 1 GiB (the bound on queued output)
 DEFAULT_EXCLUDE = ("*embed_tokens", "*lm_head", "*.mlp.gate", "*.block_sparse_moe.gate", "*router*")
@@ -70,6 +72,16 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM's qkv_proj, gate_up_proj
 FLOAT_TAGS = {"F32": None, "BF16": BF16, "F16": FP16}  # source tag -> the dtype ModelOpt's FP8 quotient takes
 METHODS = ("rtn", "mse")
+# Values per row slice: a weight is quantized in slices of whole rows (whole 128-row blocks for FP8_PB_WO) once
+# its tensor-wide scale is known, so the quantizer's float32 temporaries (~10 of a slice) stay in the caches
+# and memory holds the source tensor, its output and a few slices (module docstring).
+SLICE_VALUES = 1 << 18
+WORKERS = min(4, os.cpu_count() or 1)  # slices run on a thread pool (numpy releases the GIL in its loops)
+# A float source tag -> (its unsigned bit carrier, the mask of everything but the sign, the +inf pattern):
+# IEEE floats are sign-magnitude, so the largest |w| has the largest masked pattern and a finite tensor's
+# largest pattern is below +inf's - an exact amax and finiteness check in two integer passes (`_amax`).
+_MAGNITUDE_BITS = {"BF16": (np.uint16, 0x7FFF, 0x7F80), "F16": (np.uint16, 0x7FFF, 0x7C00),
+                   "F32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000)}
 _SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
 
 
@@ -140,11 +152,30 @@ def _is_linear_weight(name: str, tag: str, shape: Sequence[int]) -> bool:
     return name.endswith(".weight") and tag in FLOAT_TAGS and len(shape) == 2
 
 
-def _float32(stored: StoredTensor) -> np.ndarray:
-    """A float source tensor as float32 values, exactly (bf16 travels as bit patterns)."""
+def _float32(stored: StoredTensor, rows: slice = slice(None)) -> np.ndarray:
+    """Rows of a float source tensor as float32 values, exactly (bf16 travels as bit patterns)."""
     if stored.dtype == "BF16":
-        return bf16_from_bits(stored.array)
-    return stored.array.astype(np.float32)
+        return bf16_from_bits(stored.array[rows])
+    return stored.array[rows].astype(np.float32)
+
+
+def _row_slices(n: int, k: int, multiple: int) -> list[slice]:
+    """Slices of about SLICE_VALUES values of an [n, k] weight, each a multiple of `multiple` rows but the last."""
+    rows = -(-max(1, SLICE_VALUES // k) // multiple) * multiple
+    return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
+
+
+def _amax(stored: StoredTensor, slices: Sequence[slice], pool: Executor) -> np.float32:
+    """amax(|w|) of a finite float source tensor (`_MAGNITUDE_BITS`); ValueError naming the first NaN / inf
+    value (the ref's own check, run on the whole tensor only then)."""
+    carrier, magnitude, inf = _MAGNITUDE_BITS[stored.dtype]
+    bits = stored.array.view(carrier)
+    largest = carrier(max(pool.map(lambda rows: (bits[rows] & carrier(magnitude)).max(), slices)))
+    if largest >= inf:
+        require_weight_to_quantize(_float32(stored))  # raises, with the index as the file holds it
+    if stored.dtype == "BF16":
+        return np.float32(bf16_from_bits(largest))
+    return np.float32(largest.view(stored.array.dtype))
 
 
 def _not_ours(folder: str) -> str | None:
@@ -219,31 +250,72 @@ class _Source:
 
 class _ShardWriter:
     """Queues output tensors and writes a shard each time SHARD_BYTES are queued (the final names, which
-    need the shard count, are given at `finish`)."""
+    need the shard count, are given at `finish`).
+
+    A shard is written (and fsynced) by one background thread while the next tensors are quantized. Memory:
+    `make_room` keeps the shard being written + the queue + the source tensor read next within
+    shard_bytes * 3 / 2 (waiting for the write when they would not fit), so a model's peak holds about that
+    plus one tensor's output and the quantizer's slices, whatever the model's size. Call `close` before
+    the folder is removed or committed: it waits for the write in flight.
+    """
 
     def __init__(self, folder: str, shard_bytes: int) -> None:
         self.folder, self.shard_bytes = folder, shard_bytes
         self.queued: dict[str, StoredTensor] = {}
         self.parts: list[tuple[str, list[str]]] = []  # (temporary file, its tensors)
         self.total = 0
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="qpn-quantize-write")
+        self._writing: Future[None] | None = None
+        self._writing_bytes = 0
+
+    def _queued_bytes(self) -> int:
+        return sum(t.nbytes for t in self.queued.values())
+
+    def make_room(self, info: TensorInfo) -> None:
+        """Before a source tensor of this header entry is read (its output is at most its size): start writing
+        the queue if the tensor would take it past shard_bytes, and wait for the write in flight if the
+        memory budget (class docstring) needs it."""
+        begin, end = info.data_offsets
+        if self.queued and self._queued_bytes() + end - begin > self.shard_bytes:
+            self._flush()
+        if self._writing_bytes + self._queued_bytes() + end - begin > self.shard_bytes * 3 // 2:
+            self._wait()
 
     def add(self, tensors: Mapping[str, StoredTensor]) -> None:
         self.queued.update(tensors)
-        if sum(t.nbytes for t in self.queued.values()) >= self.shard_bytes:
+        if self._queued_bytes() >= self.shard_bytes:
             self._flush()
+
+    def _wait(self) -> None:
+        if self._writing is not None:
+            writing, self._writing, self._writing_bytes = self._writing, None, 0
+            writing.result()  # a failed write raises here
 
     def _flush(self) -> None:
         if not self.queued:
             return
+        self._wait()  # one shard in flight at a time
         part = os.path.join(self.folder, f".part-{len(self.parts):05d}.safetensors")
-        write_safetensors(part, self.queued, SAVED_METADATA)
-        self.parts.append((part, sorted(self.queued)))
-        self.total += sum(t.nbytes for t in self.queued.values())
-        self.queued = {}
+        queued, self.queued = self.queued, {}
+        self.parts.append((part, sorted(queued)))
+        self._writing_bytes = sum(t.nbytes for t in queued.values())
+        self.total += self._writing_bytes
+        self._writing = self._io.submit(write_safetensors, part, queued, SAVED_METADATA)
+
+    def close(self) -> None:
+        """Wait for a write still in flight, which only a failure elsewhere leaves (`finish` waits for the last
+        and raises its error): that failure is the one to report, so this write's own error is dropped."""
+        try:
+            self._wait()
+        except Exception:  # noqa: BLE001 - see the docstring; KeyboardInterrupt still propagates
+            pass
+        finally:
+            self._io.shutdown()
 
     def finish(self) -> list[str]:
         """Rename the parts to model.safetensors or model-i-of-n.safetensors (+ the index); the file names."""
         self._flush()
+        self._wait()
         count = len(self.parts)
         names = [SINGLE_FILE] if count == 1 else [_SHARD_NAME.format(i + 1, count) for i in range(count)]
         for (part, _), name in zip(self.parts, names, strict=True):
@@ -284,7 +356,7 @@ def _configs(fmt: QuantizeFormat, excluded: Sequence[str]) -> tuple[dict[str, An
 
 
 def _shared_scales(source: _Source, candidates: Mapping[str, str], fmt: QuantizeFormat,
-                   progress: Callable[..., Iterable]) -> dict[str, np.float32]:
+                   progress: Callable[..., Iterable], pool: Executor) -> dict[str, np.float32]:
     """module -> the scale its fused group shares (ModelOpt's exporter form; module docstring)."""
     block = fmt.granularity == "block"
     if fmt.quant_algo != "NVFP4" and not block:
@@ -300,7 +372,7 @@ def _shared_scales(source: _Source, candidates: Mapping[str, str], fmt: Quantize
         n, k = opened.header.tensors[tensor_name].shape
         if block and fp8_block_grid(n, k) != (1, 1):
             continue  # ModelOpt shares only one-block scales (module docstring)
-        amax[module] = np.abs(_float32(opened.read(tensor_name))).max()
+        amax[module] = _amax(opened.read(tensor_name), _row_slices(n, k, 1), pool)
         groups.setdefault(key, []).append(module)
     divisor = NVFP4_GLOBAL_DIVISOR if fmt.quant_algo == "NVFP4" else np.float32(448)
     shared: dict[str, np.float32] = {}
@@ -313,24 +385,63 @@ def _shared_scales(source: _Source, candidates: Mapping[str, str], fmt: Quantize
     return shared
 
 
-def _quantize_one(fmt: QuantizeFormat, method: str, module: str, w32: np.ndarray, source_tag: str,
-                  shared: np.float32 | None) -> QuantizedLinear:
-    """One weight -> the checkpoint data model's linear (checked there) in the format's layout."""
-    if fmt.quant_algo == "NVFP4":
-        q = (nvfp4_quantize_mse if method == "mse" else nvfp4_quantize)(w32, shared)
-        return NVFP4Linear(module, q.weight_packed, q.weight_scale, q.weight_scale_2)
-    if fmt.quant_algo == "MXFP4":
-        mx = mxfp4_quantize(w32)
-        return MXFP4Linear(module, mx.blocks, mx.scales)
+def _quantize_one(fmt: QuantizeFormat, method: str, module: str, stored: StoredTensor,
+                  shared: np.float32 | None, pool: Executor) -> QuantizedLinear:
+    """One weight -> the checkpoint data model's linear (checked there) in the format's layout: the ref
+    quantizer run on row slices (SLICE_VALUES) with the tensor-wide scale found first, the same bytes as on
+    the whole tensor (every other rule is local to a row, an NVFP4 / MXFP4 block or a 128x128 FP8 block)."""
+    n, k = stored.shape
     granularity = fmt.granularity
-    assert granularity is not None  # every FP8 format names its granularity
-    quotient = FLOAT_TAGS[source_tag] if granularity == "tensor" else None  # ModelOpt's export (ref/fp8.py)
-    if shared is not None:
-        f8 = fp8_quantize(w32, granularity, np.full(fp8_block_grid(*w32.shape), shared, np.float32), quotient)
+    slices = _row_slices(n, k, FP8_BLOCK if granularity == "block" else 1)
+    amax = _amax(stored, slices, pool)
+    quantize: Callable[[np.ndarray, slice], tuple[np.ndarray, ...]]
+    if fmt.quant_algo == "NVFP4":
+        g = shared if shared is not None else nvfp4_global_scale(amax)
+        nvfp4 = nvfp4_quantize_mse if method == "mse" else nvfp4_quantize
+
+        def quantize(w32: np.ndarray, _: slice) -> tuple[np.ndarray, ...]:
+            return nvfp4(w32, g)[:2]
+    elif fmt.quant_algo == "MXFP4":
+        def quantize(w32: np.ndarray, _: slice) -> tuple[np.ndarray, ...]:
+            return tuple(mxfp4_quantize(w32))
     else:
-        f8 = (fp8_quantize_mse(w32, granularity, quotient) if method == "mse"
-              else fp8_quantize(w32, granularity, quotient_dtype=quotient))
-    return FP8Linear(module, f8.weight, f8.weight_scale, granularity)
+        assert granularity is not None  # every FP8 format names its granularity
+        quotient = FLOAT_TAGS[stored.dtype] if granularity == "tensor" else None  # ModelOpt's export (ref/fp8.py)
+        if shared is not None:  # a one-block FP8_PB_WO weight: one slice
+            scale: np.ndarray | None = np.full(fp8_block_grid(n, k), shared, np.float32)
+        elif granularity == "tensor" and method == "rtn":
+            scale = fp8_scale(amax, granularity)
+        elif granularity == "tensor":  # the search weighs the whole tensor's error: one slice
+            slices = [slice(0, n)]
+            scale = None
+        else:
+            scale = None  # per row / per 128-row block: the ref finds each slice's own
+
+        def quantize(w32: np.ndarray, rows: slice) -> tuple[np.ndarray, ...]:
+            if scale is not None:  # tensor: the scalar; block: the slice's rows of the grid
+                given = scale if granularity == "tensor" else scale[rows.start // FP8_BLOCK:-(-rows.stop // FP8_BLOCK)]
+                return tuple(fp8_quantize(w32, granularity, given, quotient))
+            if method == "mse":
+                return tuple(fp8_quantize_mse(w32, granularity, quotient))
+            return tuple(fp8_quantize(w32, granularity, quotient_dtype=quotient))
+
+    # The codes (output 0: a row per weight row) go straight into their rows of one array, the scales (1/16
+    # of that or less) are concatenated: memory holds the output once. Slices end in order: deterministic.
+    codes: np.ndarray | None = None
+    scales = []
+    for rows, (part_codes, part_scales) in zip(slices, pool.map(lambda r: quantize(_float32(stored, r), r), slices),
+                                               strict=True):
+        if codes is None:
+            codes = np.empty((n, *part_codes.shape[1:]), part_codes.dtype)
+        codes[rows] = part_codes
+        scales.append(part_scales)
+    assert codes is not None  # n >= 1: one slice at least
+    if fmt.quant_algo == "NVFP4":
+        return NVFP4Linear(module, codes, np.concatenate(scales), np.asarray(g, np.float32))
+    if fmt.quant_algo == "MXFP4":
+        return MXFP4Linear(module, codes, np.concatenate(scales))
+    assert granularity is not None
+    return FP8Linear(module, codes, scales[0] if granularity == "tensor" else np.concatenate(scales), granularity)
 
 
 def _stored(producer: Producer, linear: QuantizedLinear) -> dict[str, StoredTensor]:
@@ -363,6 +474,7 @@ def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]
                                               "model.safetensors or shards)")
     source = _Source(src_path)
     report = QuantizeReport()
+    pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="qpn-quantize")
     try:
         linear_weights = {}
         for name, opened in source.tensors():
@@ -376,29 +488,33 @@ def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]
         if not linear_weights:
             raise CheckpointError(src_path, None, f"has no 2-D float linear weight to quantize as {fmt} (all "
                                                   f"{len(report.excluded)} excluded); check --exclude")
-        shared = _shared_scales(source, linear_weights, qfmt, progress) if shared_fused_scales else {}
+        shared = _shared_scales(source, linear_weights, qfmt, progress, pool) if shared_fused_scales else {}
         qc, hf_quant_config = _configs(qfmt, sorted(report.excluded))
         producer: Producer = ModelOpt(qc, CONFIG_FILE) if qfmt.modelopt else CompressedTensors(qc, CONFIG_FILE)
         config = dict(source.config, quantization_config=qc)
         with atomic_folder(out_path, overwrite=overwrite, protected=(src_path,), **TARGET_RULES) as tmp:
             writer = _ShardWriter(tmp, shard_bytes)
-            total = sum(len(f.header.tensors) for f in source.files.values())
-            for name, opened in progress(source.tensors(), desc=f"quantize {fmt} ({method})", total=total,
-                                         unit="tensor"):
-                tensor = opened.read(name)
-                report.source_bytes += tensor.nbytes
-                module = _module(name) if name.endswith(".weight") else None
-                if module is None or module not in linear_weights:
-                    writer.add({name: tensor})
-                    continue
-                try:
-                    linear = _quantize_one(qfmt, method, module, _float32(tensor), tensor.dtype, shared.get(module))
-                except ValueError as exc:  # NaN / inf weights, or scales beyond fp32: the ref's words
-                    raise CheckpointError(opened.path, name, f"cannot be quantized as {fmt}: {exc}") from None
-                report.quantized.append(module)
-                writer.add(_stored(producer, linear))
-            report.files = writer.finish()
-            report.output_bytes = writer.total
+            try:
+                total = sum(len(f.header.tensors) for f in source.files.values())
+                for name, opened in progress(source.tensors(), desc=f"quantize {fmt} ({method})", total=total,
+                                             unit="tensor"):
+                    writer.make_room(opened.header.tensors[name])
+                    tensor = opened.read(name)
+                    report.source_bytes += tensor.nbytes
+                    module = _module(name) if name.endswith(".weight") else None
+                    if module is None or module not in linear_weights:
+                        writer.add({name: tensor})
+                        continue
+                    try:
+                        linear = _quantize_one(qfmt, method, module, tensor, shared.get(module), pool)
+                    except ValueError as exc:  # NaN / inf weights, or scales beyond fp32: the ref's words
+                        raise CheckpointError(opened.path, name, f"cannot be quantized as {fmt}: {exc}") from None
+                    report.quantized.append(module)
+                    writer.add(_stored(producer, linear))
+                report.files = writer.finish()
+                report.output_bytes = writer.total
+            finally:
+                writer.close()  # before atomic_folder removes or commits the folder
             write_json(os.path.join(tmp, CONFIG_FILE), config)
             if hf_quant_config is not None:
                 write_json(os.path.join(tmp, HF_QUANT_CONFIG_FILE), hf_quant_config)
@@ -408,6 +524,7 @@ def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]
                     shutil.copyfile(path, os.path.join(tmp, side))
                     report.copied.append(side)
     finally:
+        pool.shutdown(cancel_futures=True)  # after Ctrl-C: the slices queued are dropped, the running ones end
         source.close()
     return report
 

@@ -251,3 +251,120 @@ def test_interrupt_leaves_nothing_behind(float_model, tmp_path, monkeypatch, cap
     parent.mkdir()
     assert cli.main(["quantize", float_model, str(parent / "out"), "--format", "nvfp4", "-q"]) == 130
     assert os.listdir(parent) == [] and len(calls) == 5
+
+
+# ----------------------------------------------------------------------------- the sliced quantizer
+
+# (rows, K) chosen against SLICE_VALUES = 1000 below: rows not a multiple of the slice's rows, ragged 128x128
+# FP8 blocks in both directions (300 = 2 * 128 + 44 rows, K = 96 or 288 = 2 * 128 + 32), one row
+SLICED_SHAPES = ((300, 96), (131, 288), (1, 32))
+SOURCE_TAGS = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+
+
+def _awkward_weight(shape: tuple[int, int], tag: str) -> StoredTensor:
+    """Normal weights with the cases the rules treat apart: outliers, an all-zero row and 16-block, -0.0."""
+    rng = np.random.default_rng(sum(shape))
+    w = rng.standard_normal(shape).astype(np.float32) * np.float32(0.02)
+    w.flat[:: 97] *= np.float32(40)  # outliers, so blocks' scales differ from the tensor's
+    w[-1] = 0.0
+    w[0, :16] = -0.0
+    if tag == "BF16":
+        return StoredTensor((w.view(np.uint32) >> 16).astype(np.uint16), "BF16")  # truncation: bf16 values
+    return StoredTensor(w.astype(SOURCE_TAGS[tag]), tag)
+
+
+def _whole_tensor_ref(fmt: str, method: str, w32: np.ndarray, tag: str) -> tuple[np.ndarray, ...]:
+    """The ref quantizer on the whole weight: what the sliced path must write."""
+    from qpn.ref.fp8 import fp8_quantize
+    from qpn.ref.mxfp4 import mxfp4_quantize
+    from qpn.ref.nvfp4 import nvfp4_quantize
+    from qpn.ref.scale_search import fp8_quantize_mse, nvfp4_quantize_mse
+
+    if fmt == "nvfp4":
+        return tuple((nvfp4_quantize_mse if method == "mse" else nvfp4_quantize)(w32))
+    if fmt == "mxfp4":
+        return tuple(mxfp4_quantize(w32))
+    granularity = FORMATS[fmt].granularity
+    quotient = {"BF16": "bfloat16", "F16": "float16", "F32": None}[tag] if granularity == "tensor" else None
+    if method == "mse":
+        return tuple(fp8_quantize_mse(w32, granularity, quotient))
+    return tuple(fp8_quantize(w32, granularity, quotient_dtype=quotient))
+
+
+@pytest.mark.parametrize("tag", sorted(SOURCE_TAGS))
+@pytest.mark.parametrize("shape", SLICED_SHAPES)
+@pytest.mark.parametrize("fmt_method", [(f, m) for f in sorted(FORMATS) for m in FORMATS[f].methods])
+def test_sliced_quantizer_writes_the_whole_tensor_bytes(monkeypatch, fmt_method, shape, tag):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qpn.checkpoints import quantize as module
+
+    fmt, method = fmt_method
+    if shape[1] % FORMATS[fmt].k_multiple:
+        pytest.skip(f"{fmt} does not group K = {shape[1]}")
+    monkeypatch.setattr(module, "SLICE_VALUES", 1000)  # many slices: 10 rows of K = 96, 3 of K = 288, 128 for blocks
+    stored = _awkward_weight(shape, tag)
+    with ThreadPoolExecutor(2) as pool:
+        linear = module._quantize_one(FORMATS[fmt], method, "layer", stored, None, pool)
+    expected = _whole_tensor_ref(fmt, method, module._float32(stored), tag)
+    got = {"nvfp4": ("weight_packed", "weight_scale", "global_scale"), "mxfp4": ("blocks", "scales")}.get(
+        fmt, ("weight", "weight_scale"))
+    for field_name, want in zip(got, expected, strict=True):
+        have = np.asarray(getattr(linear, field_name))
+        assert have.dtype == want.dtype and np.array_equal(have.reshape(want.shape), want), field_name
+
+
+def test_nan_in_a_later_slice_names_the_files_index(monkeypatch):
+    """Finiteness is judged on the whole tensor first: the index is the tensor's, not the slice's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qpn.checkpoints import quantize as module
+
+    monkeypatch.setattr(module, "SLICE_VALUES", 1000)
+    stored = _awkward_weight((300, 96), "BF16")
+    bits = stored.array.copy()
+    bits[250, 7] = 0x7F80  # +inf, in the 26th slice of 10 rows
+    with ThreadPoolExecutor(2) as pool, pytest.raises(ValueError, match=r"first at index \(250, 7\)"):
+        module._quantize_one(FORMATS["nvfp4"], "rtn", "layer", StoredTensor(bits, "BF16"), None, pool)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_quantizer_memory_is_slices_not_the_tensor(fmt):
+    """Peak numpy memory while one [2048, 4096] bf16 weight (16 MiB) is quantized: its output (4 MiB NVFP4,
+    8 MiB FP8), the checkpoint data model's check of it (FP8Linear's NaN-byte mask: twice the codes) and a few
+    slices per worker, below twice the source's size. The whole-tensor ref quantizers the path ran before
+    needed 190 MiB (NVFP4) and 568 MiB (FP8) for this weight (tracemalloc, before the check)."""
+    import tracemalloc
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qpn.checkpoints import quantize as module
+
+    stored = _awkward_weight((2048, 4096), "BF16")
+    with ThreadPoolExecutor(2) as pool:
+        module._quantize_one(FORMATS[fmt], "rtn", "warm", _awkward_weight((16, 4096), "BF16"), None, pool)
+        tracemalloc.start()
+        try:
+            module._quantize_one(FORMATS[fmt], "rtn", "layer", stored, None, pool)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 2 * stored.nbytes, f"{peak / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("name", ["e2m1", "e4m3", "e4m3 of the bf16 quotient"])
+def test_class_tables_equal_their_rules_on_every_float32(name):
+    """ref/float_classes.py: each table entry equals its rule at both ends of its class's interval; the rules
+    are monotone in |x| per sign, so they then equal the table on every float32 but NaN (2^32 values)."""
+    from qpn.ref.codecs import encode_e2m1, encode_e4m3
+    from qpn.ref.dtypes import round_to
+    from qpn.ref.float_classes import class_points, lookup_classes
+    from qpn.ref.fp8 import _e4m3_table
+    from qpn.ref.nvfp4 import _e2m1_table
+
+    table, rule = {"e2m1": (_e2m1_table(), encode_e2m1), "e4m3": (_e4m3_table(False), encode_e4m3),
+                   "e4m3 of the bf16 quotient": (_e4m3_table(True), lambda x: encode_e4m3(round_to("bfloat16", x)))
+                   }[name]
+    for low_bits in (1, 0x7FFF):  # the smallest and largest magnitude of each class
+        points = class_points(low_bits)
+        points = points[~np.isnan(points)]
+        assert np.array_equal(lookup_classes(points, table), rule(points)), low_bits
