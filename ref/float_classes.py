@@ -24,8 +24,12 @@ out-of-range one); callers feed finite or +-inf values only (a finite weight ove
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import numpy as np
+
+from .codecs import encode_e2m1, encode_e4m3
+from .dtypes import BF16, round_to
 
 CLASS_SHIFT = 15  # the bits below bf16's half bit
 _STICKY_MASK = (1 << CLASS_SHIFT) - 1  # 0x7FFF = 0111_1111_1111_1111
@@ -58,4 +62,19 @@ def lookup_classes(x: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table.take(key)
 
 
-__all__ = ["CLASS_COUNT", "class_points", "class_table", "lookup_classes"]
+@cache
+def e2m1_table() -> np.ndarray:
+    """`encode_e2m1` as a class table; 0xFF (no 4-bit code: `pack_nibbles` refuses it) for NaN classes."""
+    return class_table(encode_e2m1, nan_code=0xFF)
+
+
+@cache
+def e4m3_table(bf16_first: bool = False) -> np.ndarray:
+    """`encode_e4m3` (after `round_to("bfloat16", .)` if bf16_first: ModelOpt's per-tensor FP8 quotient) as a
+    class table; 0x7F (e4m3 NaN, which every reader rejects) for NaN classes."""
+    if bf16_first:
+        return class_table(lambda x: encode_e4m3(round_to(BF16, x)), nan_code=0x7F)
+    return class_table(encode_e4m3, nan_code=0x7F)
+
+
+__all__ = ["CLASS_COUNT", "class_points", "class_table", "e2m1_table", "e4m3_table", "lookup_classes"]

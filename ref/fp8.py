@@ -33,16 +33,15 @@ Numerics policy
 
 from __future__ import annotations
 
-from functools import cache
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from .checks import require_array, require_no_nan_e4m3, require_positive_scale, require_weight_to_quantize
-from .codecs import E4M3_MAX, decode_e4m3, encode_e4m3
+from .codecs import E4M3_MAX, decode_e4m3
 from .dtypes import BF16, FP16, require_dtype, round_to
-from .float_classes import class_table, lookup_classes
+from .float_classes import e4m3_table, lookup_classes
 from .formats import FP8_BLOCK, FP8_GRANULARITIES
 from .lookup import lookup_blocks
 
@@ -140,16 +139,8 @@ def _encode(w32: np.ndarray, scale: np.ndarray, granularity: str, quotient_dtype
         np.divide(w32, divisor, out=w32)  # RN32
     if quotient_dtype == FP16:
         w32 = round_to(FP16, w32).astype(np.float32)  # exact widening: e4m3 of the fp16 value
-    return FP8Weight(weight=lookup_classes(w32, _e4m3_table(quotient_dtype == BF16)), weight_scale=scale)
-
-
-@cache
-def _e4m3_table(bf16_quotient: bool) -> np.ndarray:
-    """encode_e4m3 (e4m3 RNE with saturation), after ModelOpt's bf16 quotient rounding if asked, as a
-    ref/float_classes.py table; 0x7F (e4m3 NaN, which every reader rejects) for NaN classes."""
-    if bf16_quotient:
-        return class_table(lambda x: encode_e4m3(round_to(BF16, x)), nan_code=0x7F)
-    return class_table(encode_e4m3, nan_code=0x7F)
+    # = encode_e4m3(quotient), after round_to(BF16, .) for a bf16 quotient (ref/float_classes.py)
+    return FP8Weight(weight=lookup_classes(w32, e4m3_table(quotient_dtype == BF16)), weight_scale=scale)
 
 
 # ----------------------------------------------------------------------------- scales

@@ -43,6 +43,7 @@ import numpy.typing as npt
 from .checks import require_array, require_no_nan_e8m0, require_shape
 from .codecs import E8M0_BIAS, E8M0_NAN, decode_e2m1, encode_e2m1
 from .dtypes import FP16
+from .float_classes import e2m1_table, lookup_classes
 from .formats import MX_BLOCK, QPNMX
 from .geometry import TILE_N
 from .linear import FP32_TRUNCATING_UNIT_ROUNDOFF, linear, linear_bounds
@@ -76,12 +77,18 @@ def mxfp4_quantize(w: npt.ArrayLike) -> MXFP4Weight:
                          f"values), got shape {w.shape}; pad K with zero columns")
     if not np.isfinite(w).all():
         raise ValueError("w contains NaN or inf, which MXFP4 cannot represent; clean the tensor before quantizing")
-    blocks = w.astype(np.float64).reshape(*w.shape[:-1], -1, MX_BLOCK)  # exact: every float dtype fits float64
+    # float32 for float32 / float16 / bfloat16-valued input (exact), float64 for wider input
+    work = np.float32 if w.dtype.itemsize <= 4 else np.float64
+    blocks = w.astype(work).reshape(*w.shape[:-1], -1, MX_BLOCK)
     amax = np.abs(blocks).max(axis=-1)
     _, exponent = np.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2 amax) = e - 1, exactly
-    x = np.where(amax > 0, exponent.astype(np.int64) - 1 - E2M1_EMAX, E8M0_MIN_EXP)
+    x = np.where(amax > 0, exponent.astype(np.int32) - 1 - E2M1_EMAX, E8M0_MIN_EXP)
     x = np.clip(x, E8M0_MIN_EXP, E8M0_MAX_EXP)
-    codes = encode_e2m1(np.ldexp(blocks, -x[..., None]))  # exact power-of-two scaling, one RNE
+    # w / 2^X: |w| <= amax < 2^(X + 3), so no overflow; exact but where a float32 result falls below 2^-126,
+    # far under e2m1's first midpoint 0.25, where any rounding keeps code 0 and the sign (as float64 would)
+    scaled = np.ldexp(blocks, -x[..., None])
+    codes = (encode_e2m1(scaled) if work is np.float64
+             else lookup_classes(scaled, e2m1_table()))  # = encode_e2m1(scaled) (ref/float_classes.py)
     packed = pack_nibbles(codes.reshape(*codes.shape[:-1], MX_BLOCK))
     return MXFP4Weight(packed, (x + E8M0_BIAS).astype(np.uint8))
 

@@ -40,7 +40,7 @@ Numerics policy
 
 from __future__ import annotations
 
-from functools import cache
+from functools import lru_cache
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -48,8 +48,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .checks import require_array, require_multiple, require_no_nan_e4m3, require_shape, require_weight_to_quantize
-from .codecs import E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3, encode_e2m1, encode_e4m3
-from .float_classes import class_table, lookup_classes
+from .codecs import E2M1_MAX, E4M3_MAX, decode_e2m1, decode_e4m3
+from .float_classes import e2m1_table, e4m3_table, lookup_classes
 from .geometry import GROUP_K
 from .global_scale import global_scale_per_row
 
@@ -142,8 +142,8 @@ def nvfp4_quantize(w: np.ndarray, weight_scale_2: float | np.floating | None = N
     w32 = _validate_weight_to_quantize(w)  # a float32 copy of its own: the steps below work in place
     n, k = w32.shape
     blocks = w32.reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
-    # amax(|block|) = max(max, -min): exact (negation is), and no |W| temporary
-    block_amax = np.maximum(blocks.max(axis=-1), -blocks.min(axis=-1))  # float32 [N, K/16]
+    # float32 [N, K/16], exact; not needed when both scales are given (a scale search's candidates)
+    block_amax = np.abs(blocks).max(axis=-1) if weight_scale_2 is None or weight_scale is None else None
 
     if weight_scale_2 is not None:
         weight_scale_2 = np.float32(weight_scale_2)
@@ -151,13 +151,15 @@ def nvfp4_quantize(w: np.ndarray, weight_scale_2: float | np.floating | None = N
             raise ValueError(f"weight_scale_2 must be a finite fp32 value > 0, got {float(weight_scale_2)!r}; "
                              "leave it out to take ModelOpt's amax / 2688")
     else:
+        assert block_amax is not None
         weight_scale_2 = nvfp4_global_scale(block_amax.max())
 
     if weight_scale is None:  # step 2 (the divisor 6 * weight_scale_2 is its own fp32 product, as in ModelOpt)
+        assert block_amax is not None
         block_scale = block_amax / (np.float32(6.0) * weight_scale_2)
         block_scale[block_scale == 0] = np.float32(1.0)
         block_scale = np.clip(block_scale, E4M3_MIN_SUBNORMAL, np.float32(E4M3_MAX))
-        weight_scale = encode_e4m3(block_scale)
+        weight_scale = lookup_classes(block_scale, e4m3_table())  # = encode_e4m3(block_scale)
     else:
         weight_scale = require_array("weight_scale", weight_scale, np.uint8, ndim=2)
         require_shape("weight_scale", weight_scale, (n, k // NVFP4_BLOCK))
@@ -169,7 +171,7 @@ def nvfp4_quantize(w: np.ndarray, weight_scale_2: float | np.floating | None = N
     block_multiplier = decode_e4m3(weight_scale) * weight_scale_2  # RN32, float32 [N, K/16]
     if np.any(block_multiplier == 0):  # only for amax deep in fp32's subnormals (below ~1e-36)
         raise ValueError(
-            f"w has amax(|w|) = {float(block_amax.max()):.3e}, so e4m3 block scale * weight_scale_2 underflows "
+            f"w has amax(|w|) = {float(np.abs(w32).max()):.3e}, so e4m3 block scale * weight_scale_2 underflows "
             "to 0 in fp32 and the weights would divide by zero; rescale the weight (multiply by a power of two)"
         )
     scaled = np.divide(blocks, block_multiplier[..., None], out=blocks).reshape(n, k)
@@ -178,7 +180,7 @@ def nvfp4_quantize(w: np.ndarray, weight_scale_2: float | np.floating | None = N
     # x + (+0.0) is x for every x but -0.0, which becomes +0.0 (IEEE 754 round-to-nearest; numpy never flushes
     # subnormals), so this one in-place pass is np.where(scaled == 0, 0.0, scaled).
     scaled += np.float32(0.0)
-    codes = lookup_classes(scaled, _e2m1_table())  # = encode_e2m1(scaled) (ref/float_classes.py)
+    codes = lookup_classes(scaled, e2m1_table())  # = encode_e2m1(scaled) (ref/float_classes.py)
 
     return NVFP4Weight(
         weight_packed=pack_nibbles(codes),
@@ -200,11 +202,6 @@ def nvfp4_global_scale(amax: float | np.floating) -> np.float32:
             "and every block scale would divide by zero; rescale the weight (multiply by a power of two)"
         )
     return np.float32(weight_scale_2)
-
-
-@cache
-def _e2m1_table() -> np.ndarray:
-    return class_table(encode_e2m1, nan_code=0xFF)  # 0xFF: no 4-bit code, pack_nibbles refuses it
 
 
 def _validate_weight_to_quantize(w: np.ndarray) -> np.ndarray:
@@ -294,6 +291,15 @@ def _pair_table(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(pairs).view(_PAIR_UNIT[values.dtype]).reshape(-1)
 
 
+@lru_cache(maxsize=8)
+def _pair_table_of(g_bits: int, dtype: str) -> np.ndarray:
+    """The pair table of the fp32 global scale with bits g_bits (built once: a weight's row slices and a scale
+    search's candidates decode with one g). Read only."""
+    table = _pair_table(nvfp4_value_table(np.uint32(g_bits).view(np.float32), dtype))
+    table.flags.writeable = False
+    return table
+
+
 def _dequantize_by_table(weight_packed: np.ndarray, weight_scale: np.ndarray, g_rows: np.ndarray,
                          dtype: npt.DTypeLike) -> np.ndarray:
     """W[n, 2j], W[n, 2j+1] = pair table of g(n) [scale[n, j/8] << 8 | weight_packed[n, j]] (validated inputs)."""
@@ -306,13 +312,10 @@ def _dequantize_by_table(weight_packed: np.ndarray, weight_scale: np.ndarray, g_
     # slices of at most _ROWS_PER_LOOKUP rows that never straddle a change of g (g is per 32-row tile)
     g_changes = (np.flatnonzero(g_bits[1:] != g_bits[:-1]) + 1).tolist()
     edges = sorted(set(range(0, n, _ROWS_PER_LOOKUP)) | set(g_changes) | {n})
-    tables: dict[int, np.ndarray] = {}  # g's bits -> its pair table
     for start, stop in pairwise(edges):
-        key = int(g_bits[start])
-        if key not in tables:
-            tables[key] = _pair_table(nvfp4_value_table(g_rows[start], dtype))
+        table = _pair_table_of(int(g_bits[start]), dtype.str)
         index = (scale_index[start:stop] | byte_blocks[start:stop]).reshape(stop - start, half_k)
-        np.take(tables[key], index, out=out[start:stop], mode="clip")  # every index < 65536 by construction
+        np.take(table, index, out=out[start:stop], mode="clip")  # every index < 65536 by construction
     return out.view(dtype).reshape(n, 2 * half_k)
 
 

@@ -35,10 +35,11 @@ FP8_SCALE_FACTORS = (1.0, 0.96875, 0.9375, 0.90625, 0.875)  # 1 - j/32: RTN firs
 _E4M3_SMALLEST_BYTE, _E4M3_LARGEST_BYTE = 0x01, 0x7E  # positive finite e4m3 scales (0x7F is NaN)
 
 
-def _squared_error(w32: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """float64 (w - values)^2 elementwise: both fp32, the difference exact in float64."""
-    diff = w32.astype(np.float64) - values
-    return diff * diff
+def _squared_error(w64: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """float64 (w - values)^2 elementwise: w64 the fp32 weights in float64, values fp32: the difference exact."""
+    diff = w64 - values
+    diff *= diff
+    return diff
 
 
 def nvfp4_quantize_mse(w: np.ndarray, weight_scale_2: float | np.floating | None = None) -> NVFP4Weight:
@@ -48,6 +49,7 @@ def nvfp4_quantize_mse(w: np.ndarray, weight_scale_2: float | np.floating | None
     w32 = np.asarray(w, dtype=np.float32)
     n, k = w32.shape
     g = np.float32(rtn.weight_scale_2)
+    w64 = w32.astype(np.float64)  # once: every candidate's error takes it
     best = rtn
     best_error = None
     for offset in NVFP4_BYTE_OFFSETS:
@@ -57,7 +59,7 @@ def nvfp4_quantize_mse(w: np.ndarray, weight_scale_2: float | np.floating | None
             shifted = np.clip(rtn.weight_scale.astype(np.int16) + offset, _E4M3_SMALLEST_BYTE, _E4M3_LARGEST_BYTE)
             candidate = nvfp4_quantize(w32, g, shifted.astype(np.uint8))
         values = nvfp4_dequantize_fp32(candidate.weight_packed, candidate.weight_scale, g)
-        error = _squared_error(w32, values).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK).sum(axis=-1)
+        error = _squared_error(w64, values).reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK).sum(axis=-1)
         if best_error is None:
             best_error = error
             continue
@@ -75,12 +77,13 @@ def fp8_quantize_mse(w: np.ndarray, granularity: str, quotient_dtype: str | None
     rtn = fp8_quantize(w, granularity, quotient_dtype=quotient_dtype)
     w32 = np.asarray(w, dtype=np.float32)
     n, k = w32.shape
+    w64 = w32.astype(np.float64)  # once: every candidate's error takes it
     best, best_error = rtn, None
     for factor in FP8_SCALE_FACTORS:
         scale = (rtn.weight_scale * np.float32(factor)).astype(np.float32)  # RN32
         candidate = rtn if factor == 1.0 else fp8_quantize(w32, granularity, scale, quotient_dtype)
         values = decode_e4m3(candidate.weight) * fp8_scale_map(candidate.weight_scale, n, k)  # RN32
-        error = _group_sums(_squared_error(w32, values), granularity)
+        error = _group_sums(_squared_error(w64, values), granularity)
         if best_error is None:
             best_error = error
             continue

@@ -357,14 +357,26 @@ def test_class_tables_equal_their_rules_on_every_float32(name):
     are monotone in |x| per sign, so they then equal the table on every float32 but NaN (2^32 values)."""
     from qpn.ref.codecs import encode_e2m1, encode_e4m3
     from qpn.ref.dtypes import round_to
-    from qpn.ref.float_classes import class_points, lookup_classes
-    from qpn.ref.fp8 import _e4m3_table
-    from qpn.ref.nvfp4 import _e2m1_table
+    from qpn.ref.float_classes import class_points, e2m1_table, e4m3_table, lookup_classes
 
-    table, rule = {"e2m1": (_e2m1_table(), encode_e2m1), "e4m3": (_e4m3_table(False), encode_e4m3),
-                   "e4m3 of the bf16 quotient": (_e4m3_table(True), lambda x: encode_e4m3(round_to("bfloat16", x)))
+    table, rule = {"e2m1": (e2m1_table(), encode_e2m1), "e4m3": (e4m3_table(), encode_e4m3),
+                   "e4m3 of the bf16 quotient": (e4m3_table(True), lambda x: encode_e4m3(round_to("bfloat16", x)))
                    }[name]
     for low_bits in (1, 0x7FFF):  # the smallest and largest magnitude of each class
         points = class_points(low_bits)
         points = points[~np.isnan(points)]
         assert np.array_equal(lookup_classes(points, table), rule(points)), low_bits
+
+
+def test_mxfp4_float32_path_equals_the_float64_rule():
+    """mxfp4_quantize works in float32 for float32 / float16 input: the same bytes as its float64 path on
+    random float32 bit patterns (subnormals to 2^128), blocks 2^-140 .. 2^120 wide, and float16 weights."""
+    from qpn.ref.mxfp4 import mxfp4_quantize
+
+    rng = np.random.default_rng(3)
+    any_bits = rng.integers(0, 1 << 32, size=(1024, 256), dtype=np.uint64).astype(np.uint32).view(np.float32)
+    scaled = rng.standard_normal((1024, 256)) * np.exp2(rng.integers(-140, 120, size=(1024, 1)))
+    half = (rng.standard_normal((1024, 256)) * 1000).astype(np.float16)
+    for w in (np.where(np.isfinite(any_bits), any_bits, np.float32(1.5)), scaled.astype(np.float32), half):
+        fast, wide = mxfp4_quantize(w), mxfp4_quantize(w.astype(np.float64))
+        assert np.array_equal(fast.blocks, wide.blocks) and np.array_equal(fast.scales, wide.scales)
