@@ -3,8 +3,12 @@
 SRC is a Hugging Face folder: config.json (no quantization_config yet) + model.safetensors, or shards
 listed in model.safetensors.index.json; weights F32 / BF16 / F16. Each tensor is read alone with file
 reads (`SafetensorsFile`: a file that changes under the read is an error, never a SIGBUS), quantized if
-it is a linear weight qpn quantizes, and queued for an output shard; a shard is written when it holds
-SHARD_BYTES, so memory holds one source tensor, its quantized form and at most one output shard.
+it is a linear weight qpn quantizes, and queued for an output shard; a shard is written (by a background
+thread) when it holds SHARD_BYTES. A weight is quantized in row slices of SLICE_VALUES values on WORKERS
+threads, after one pass for its amax (the tensor-wide scale): the ref quantizer runs per slice with that
+scale given, so its float32 temporaries are a few slices, not the tensor, and the bytes are the whole
+tensor's (every other rule is local to a row, a 16 / 32-block or a 128x128 block: tests). Memory: about
+1.5 shards (`_ShardWriter`) + one source tensor + its output + the slices in flight.
 
 Which weights are quantized: every 2-D `*.weight` of a float dtype whose module is not excluded. Excluded,
 as ModelOpt excludes them by default: embeddings, lm_head, MoE routers / gates (`*.mlp.gate`,
@@ -492,6 +496,21 @@ def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]
         qc, hf_quant_config = _configs(qfmt, sorted(report.excluded))
         producer: Producer = ModelOpt(qc, CONFIG_FILE) if qfmt.modelopt else CompressedTensors(qc, CONFIG_FILE)
         config = dict(source.config, quantization_config=qc)
+
+        def output_of(name: str, opened: SafetensorsFile) -> dict[str, StoredTensor]:
+            """The output tensors of source tensor `name`: itself, or its module's quantized tensors."""
+            tensor = opened.read(name)
+            report.source_bytes += tensor.nbytes
+            module = _module(name) if name.endswith(".weight") else None
+            if module is None or module not in linear_weights:
+                return {name: tensor}
+            try:
+                linear = _quantize_one(qfmt, method, module, tensor, shared.get(module), pool)
+            except ValueError as exc:  # NaN / inf weights, or scales beyond fp32: the ref's words
+                raise CheckpointError(opened.path, name, f"cannot be quantized as {fmt}: {exc}") from None
+            report.quantized.append(module)
+            return _stored(producer, linear)
+
         with atomic_folder(out_path, overwrite=overwrite, protected=(src_path,), **TARGET_RULES) as tmp:
             writer = _ShardWriter(tmp, shard_bytes)
             try:
@@ -499,18 +518,7 @@ def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]
                 for name, opened in progress(source.tensors(), desc=f"quantize {fmt} ({method})", total=total,
                                              unit="tensor"):
                     writer.make_room(opened.header.tensors[name])
-                    tensor = opened.read(name)
-                    report.source_bytes += tensor.nbytes
-                    module = _module(name) if name.endswith(".weight") else None
-                    if module is None or module not in linear_weights:
-                        writer.add({name: tensor})
-                        continue
-                    try:
-                        linear = _quantize_one(qfmt, method, module, tensor, shared.get(module), pool)
-                    except ValueError as exc:  # NaN / inf weights, or scales beyond fp32: the ref's words
-                        raise CheckpointError(opened.path, name, f"cannot be quantized as {fmt}: {exc}") from None
-                    report.quantized.append(module)
-                    writer.add(_stored(producer, linear))
+                    writer.add(output_of(name, opened))  # no reference to the source tensor stays here
                 report.files = writer.finish()
                 report.output_bytes = writer.total
             finally:
