@@ -59,7 +59,7 @@ from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d, fp8_quantize, fp8_scale
 from ..ref.geometry import GROUP_K
 from ..ref.mxfp4 import mxfp4_quantize
 from ..ref.nvfp4 import NVFP4_GLOBAL_DIVISOR, nvfp4_global_scale, nvfp4_quantize
-from ..ref.scale_search import fp8_quantize_mse, nvfp4_quantize_mse
+from ..ref.scale_search import fp8_quantize_mse, fp8_scale_candidates, fp8_tensor_row_errors, nvfp4_quantize_mse
 from .atomic import TargetRules, atomic_folder, write_json
 from .checkpoint import CheckpointError, FP8Linear, MXFP4Linear, NVFP4Linear, QuantizedLinear
 from .compressed_tensors import CT_MXFP4_FORMAT, CompressedTensors
@@ -415,9 +415,12 @@ def _quantize_one(fmt: QuantizeFormat, method: str, module: str, stored: StoredT
             scale: np.ndarray | None = np.full(fp8_block_grid(n, k), shared, np.float32)
         elif granularity == "tensor" and method == "rtn":
             scale = fp8_scale(amax, granularity)
-        elif granularity == "tensor":  # the search weighs the whole tensor's error: one slice
-            slices = [slice(0, n)]
-            scale = None
+        elif granularity == "tensor":  # mse: the scale whose sum of the rows' errors is least (ref/scale_search.py)
+            candidates = fp8_scale_candidates(fp8_scale(amax, granularity))
+            row_errors = list(pool.map(lambda r: fp8_tensor_row_errors(_float32(stored, r), candidates, quotient),
+                                       slices))
+            totals = [np.concatenate([e[c] for e in row_errors]).sum() for c in range(len(candidates))]
+            scale = candidates[int(np.argmin(totals))]  # the first least, as the search's strict < keeps it
         else:
             scale = None  # per row / per 128-row block: the ref finds each slice's own
 

@@ -12,12 +12,15 @@ checkpoint-semantics fp32 decode (NVFP4: RN32(e2m1 * RN32(e4m3 * g)); FP8: RN32(
   0x01..0x7E. A searched block scale is no longer amax / 6, so a reader that assumes it is (none does)
   would be wrong; the global scale is unchanged.
 - FP8: each group (the tensor, a row, a 128x128 block) tries RTN's scale amax / 448 times
-  FP8_SCALE_FACTORS (fp32 products: any fp32 value is a storable scale).
+  FP8_SCALE_FACTORS (fp32 products: any fp32 value is a storable scale). A tensor's error is the sum
+  of its rows' sums, so a streaming caller judges a weight slice by slice (`fp8_tensor_row_errors`).
 - Candidates are tried in order, RTN's first, and a block keeps an earlier candidate on a tie, so no
   group's error exceeds RTN's: the search can only win.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -79,8 +82,7 @@ def fp8_quantize_mse(w: np.ndarray, granularity: str, quotient_dtype: str | None
     n, k = w32.shape
     w64 = w32.astype(np.float64)  # once: every candidate's error takes it
     best, best_error = rtn, None
-    for factor in FP8_SCALE_FACTORS:
-        scale = (rtn.weight_scale * np.float32(factor)).astype(np.float32)  # RN32
+    for factor, scale in zip(FP8_SCALE_FACTORS, fp8_scale_candidates(rtn.weight_scale), strict=True):
         candidate = rtn if factor == 1.0 else fp8_quantize(w32, granularity, scale, quotient_dtype)
         values = decode_e4m3(candidate.weight) * fp8_scale_map(candidate.weight_scale, n, k)  # RN32
         error = _group_sums(_squared_error(w64, values), granularity)
@@ -94,11 +96,27 @@ def fp8_quantize_mse(w: np.ndarray, granularity: str, quotient_dtype: str | None
     return best
 
 
+def fp8_scale_candidates(rtn_scale: np.ndarray) -> list[np.ndarray]:
+    """The scales `fp8_quantize_mse` tries for groups whose RTN scale is rtn_scale, in order: RN32(scale * f)."""
+    return [(rtn_scale * np.float32(factor)).astype(np.float32) for factor in FP8_SCALE_FACTORS]
+
+
+def fp8_tensor_row_errors(w: np.ndarray, scales: Sequence[np.ndarray], quotient_dtype: str | None = None
+                          ) -> np.ndarray:
+    """float64 [len(scales), N]: each row's squared error under each per-tensor scale. The tensor's error is
+    the sum of its rows' (`_group_sums`), so rows of a weight may be judged slice by slice and their sums
+    joined: the first scale whose error is least is `fp8_quantize_mse`'s ("tensor")."""
+    w32 = np.asarray(w, dtype=np.float32)
+    w64 = w32.astype(np.float64)
+    return np.stack([_squared_error(w64, decode_e4m3(fp8_quantize(w32, "tensor", scale, quotient_dtype).weight)
+                                    * scale).sum(axis=1) for scale in scales])  # RN32 values, as fp8_scale_map's
+
+
 def _group_sums(values: np.ndarray, granularity: str) -> np.ndarray:
     """Sums of [N, K] `values` per scale group, in the scale's shape (ragged 128x128 blocks: what is there)."""
     n, k = values.shape
     if granularity == "tensor":
-        return values.sum()
+        return values.sum(axis=1).sum()  # the rows' sums, summed (fp8_tensor_row_errors)
     if granularity == "channel":
         return values.sum(axis=1)
     rows, cols = fp8_block_grid(n, k)
@@ -116,4 +134,5 @@ def _group_mask(wins: np.ndarray, granularity: str, n: int, k: int) -> np.ndarra
     return np.repeat(np.repeat(wins, FP8_BLOCK, axis=0)[:n], FP8_BLOCK, axis=1)[:, :k]
 
 
-__all__ = ["FP8_SCALE_FACTORS", "NVFP4_BYTE_OFFSETS", "fp8_quantize_mse", "nvfp4_quantize_mse"]
+__all__ = ["FP8_SCALE_FACTORS", "NVFP4_BYTE_OFFSETS", "fp8_quantize_mse", "fp8_scale_candidates",
+           "fp8_tensor_row_errors", "nvfp4_quantize_mse"]
