@@ -59,7 +59,13 @@ from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d, fp8_quantize, fp8_scale
 from ..ref.geometry import GROUP_K
 from ..ref.mxfp4 import mxfp4_quantize
 from ..ref.nvfp4 import NVFP4_GLOBAL_DIVISOR, nvfp4_global_scale, nvfp4_quantize
-from ..ref.scale_search import fp8_quantize_mse, fp8_scale_candidates, fp8_tensor_row_errors, nvfp4_quantize_mse
+from ..ref.scale_search import (
+    fp8_quantize_mse,
+    fp8_scale_candidates,
+    fp8_tensor_row_errors,
+    mxfp4_quantize_mse,
+    nvfp4_quantize_mse,
+)
 from .atomic import TargetRules, atomic_folder, write_json
 from .checkpoint import CheckpointError, FP8Linear, MXFP4Linear, NVFP4Linear, QuantizedLinear
 from .compressed_tensors import CT_MXFP4_FORMAT, CompressedTensors
@@ -109,7 +115,7 @@ FORMATS = {f.name: f for f in (
     QuantizeFormat("fp8", "FP8", 1, granularity="tensor"),
     QuantizeFormat("fp8-channel", "FP8_PER_CHANNEL_PER_TOKEN", 1, granularity="channel"),
     QuantizeFormat("fp8-block", "fp8_pb_wo", 1, granularity="block"),  # ModelOpt 0.47 writes it in lower case
-    QuantizeFormat("mxfp4", "MXFP4", MX_BLOCK, methods=("rtn",)),  # MXFP4's mse search: not yet
+    QuantizeFormat("mxfp4", "MXFP4", MX_BLOCK),
 )}
 
 
@@ -406,8 +412,10 @@ def _quantize_one(fmt: QuantizeFormat, method: str, module: str, stored: StoredT
         def quantize(w32: np.ndarray, _: slice) -> tuple[np.ndarray, ...]:
             return nvfp4(w32, g)[:2]
     elif fmt.quant_algo == "MXFP4":
+        mxfp4 = mxfp4_quantize_mse if method == "mse" else mxfp4_quantize
+
         def quantize(w32: np.ndarray, _: slice) -> tuple[np.ndarray, ...]:
-            return tuple(mxfp4_quantize(w32))
+            return tuple(mxfp4(w32))
     else:
         assert granularity is not None  # every FP8 format names its granularity
         quotient = FLOAT_TAGS[stored.dtype] if granularity == "tensor" else None  # ModelOpt's export (ref/fp8.py)
@@ -473,8 +481,7 @@ def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]
         raise ValueError(f"format must be one of {sorted(FORMATS)}, got {fmt!r}")
     qfmt = FORMATS[fmt]
     if method not in qfmt.methods:
-        raise ValueError(f"method must be one of {qfmt.methods} for {fmt}, got {method!r}"
-                         + ("; MXFP4's scale search is not written yet: use rtn" if method in METHODS else ""))
+        raise ValueError(f"method must be one of {qfmt.methods} for {fmt}, got {method!r}")
     src_path, out_path = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
     if not os.path.isdir(src_path):
         raise CheckpointError(src_path, None, "is not a folder; pass a Hugging Face model folder (config.json + "

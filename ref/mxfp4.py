@@ -69,6 +69,26 @@ class MXFP4Weight(NamedTuple):
 
 def mxfp4_quantize(w: npt.ArrayLike) -> MXFP4Weight:
     """float weight [..., K] (K % 32 == 0, finite) -> MXFP4Weight under the OCP rule (module docstring)."""
+    blocks = _weight_blocks(w)
+    amax = np.abs(blocks).max(axis=-1)
+    _, exponent = np.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2 amax) = e - 1, exactly
+    x = np.where(amax > 0, exponent.astype(np.int32) - 1 - E2M1_EMAX, E8M0_MIN_EXP)
+    return _encode_blocks(blocks, np.clip(x, E8M0_MIN_EXP, E8M0_MAX_EXP))
+
+
+def mxfp4_quantize_with_scales(w: npt.ArrayLike, scales: np.ndarray) -> MXFP4Weight:
+    """float weight [..., K] (as `mxfp4_quantize` takes it) with the given e8m0 scale bytes [..., K/32]
+    (0x00..0xFE; a scale search's): codes = e2m1 round-half-even of w / 2^(s - 127), saturating at +-6."""
+    blocks = _weight_blocks(w)
+    scales = require_array("scales", scales, np.uint8)
+    require_shape("scales", scales, blocks.shape[:-1])
+    require_no_nan_e8m0("scales", scales)
+    return _encode_blocks(blocks, scales.astype(np.int32) - E8M0_BIAS)
+
+
+def _weight_blocks(w: npt.ArrayLike) -> np.ndarray:
+    """A validated weight as [..., K/32, 32] blocks: float32 for float32 / float16 / bfloat16-valued input
+    (exact), float64 for wider input."""
     w = np.asarray(w)
     if not np.issubdtype(w.dtype, np.floating):
         raise ValueError(f"w must be a floating-point array, got dtype {w.dtype}; MXFP4 quantizes real weights")
@@ -77,17 +97,16 @@ def mxfp4_quantize(w: npt.ArrayLike) -> MXFP4Weight:
                          f"values), got shape {w.shape}; pad K with zero columns")
     if not np.isfinite(w).all():
         raise ValueError("w contains NaN or inf, which MXFP4 cannot represent; clean the tensor before quantizing")
-    # float32 for float32 / float16 / bfloat16-valued input (exact), float64 for wider input
     work = np.float32 if w.dtype.itemsize <= 4 else np.float64
-    blocks = w.astype(work).reshape(*w.shape[:-1], -1, MX_BLOCK)
-    amax = np.abs(blocks).max(axis=-1)
-    _, exponent = np.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): floor(log2 amax) = e - 1, exactly
-    x = np.where(amax > 0, exponent.astype(np.int32) - 1 - E2M1_EMAX, E8M0_MIN_EXP)
-    x = np.clip(x, E8M0_MIN_EXP, E8M0_MAX_EXP)
-    # w / 2^X: |w| <= amax < 2^(X + 3), so no overflow; exact but where a float32 result falls below 2^-126,
-    # far under e2m1's first midpoint 0.25, where any rounding keeps code 0 and the sign (as float64 would)
+    return w.astype(work).reshape(*w.shape[:-1], -1, MX_BLOCK)
+
+
+def _encode_blocks(blocks: np.ndarray, x: np.ndarray) -> MXFP4Weight:
+    """Blocks [..., K/32, 32] with scale exponents X [..., K/32] (int, -127..127) -> MXFP4Weight."""
+    # w / 2^X is exact but where a float32 result falls below 2^-126, far under e2m1's first midpoint 0.25,
+    # where any rounding keeps code 0 and the sign (as float64 would); beyond 6 it saturates either way
     scaled = np.ldexp(blocks, -x[..., None])
-    codes = (encode_e2m1(scaled) if work is np.float64
+    codes = (encode_e2m1(scaled) if scaled.dtype == np.float64
              else lookup_classes(scaled, e2m1_table()))  # = encode_e2m1(scaled) (ref/float_classes.py)
     packed = pack_nibbles(codes.reshape(*codes.shape[:-1], MX_BLOCK))
     return MXFP4Weight(packed, (x + E8M0_BIAS).astype(np.uint8))

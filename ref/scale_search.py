@@ -14,6 +14,8 @@ checkpoint-semantics fp32 decode (NVFP4: RN32(e2m1 * RN32(e4m3 * g)); FP8: RN32(
 - FP8: each group (the tensor, a row, a 128x128 block) tries RTN's scale amax / 448 times
   FP8_SCALE_FACTORS (fp32 products: any fp32 value is a storable scale). A tensor's error is the sum
   of its rows' sums, so a streaming caller judges a weight slice by slice (`fp8_tensor_row_errors`).
+- MXFP4: each 32-element block tries its OCP e8m0 scale byte and the bytes MXFP4_EXPONENT_OFFSETS away
+  (within 0x00..0xFE); the error is exact (float64 values, `mxfp4_values`).
 - Candidates are tried in order, RTN's first, and a block keeps an earlier candidate on a tie, so no
   group's error exceeds RTN's: the search can only win.
 """
@@ -27,6 +29,7 @@ import numpy as np
 from .codecs import decode_e4m3
 from .formats import FP8_BLOCK
 from .fp8 import FP8Weight, fp8_block_grid, fp8_quantize, fp8_scale_map
+from .mxfp4 import MXFP4Weight, mxfp4_quantize, mxfp4_quantize_with_scales, mxfp4_values
 from .nvfp4 import NVFP4_BLOCK, NVFP4Weight, nvfp4_dequantize_fp32, nvfp4_quantize
 
 # RTN's byte first. Measured on random 1024 x 2048 weights (normal; Student-t, 5 dof): among offsets -3..+8,
@@ -34,8 +37,12 @@ from .nvfp4 import NVFP4_BLOCK, NVFP4Weight, nvfp4_dequantize_fp32, nvfp4_quanti
 # 6, which puts the rest on e2m1's finer half); these five reach 0.74 / 0.80 of RTN's squared error, all
 # twelve 0.73 / 0.79 at twice the time.
 NVFP4_BYTE_OFFSETS = (0, -1, 1, 4, 5)
-FP8_SCALE_FACTORS = (1.0, 0.96875, 0.9375, 0.90625, 0.875)  # 1 - j/32: RTN first, then finer grids that clip
+FP8_SCALE_FACTORS = (1.0, 0.96875, 0.9375, 0.90625, 0.875)
+# RTN's e8m0 exponent first, then twice it (the OCP rule puts a block's amax in [4, 8) * 2^X, so amax beyond 6
+# saturates: +1 stops that) and half it (more saturation, finer steps for the rest)
+MXFP4_EXPONENT_OFFSETS = (0, 1, -1)  # 1 - j/32: RTN first, then finer grids that clip
 _E4M3_SMALLEST_BYTE, _E4M3_LARGEST_BYTE = 0x01, 0x7E  # positive finite e4m3 scales (0x7F is NaN)
+E8M0_LARGEST_BYTE = 0xFE  # 2^127 (0xFF is NaN)
 
 
 def _squared_error(w64: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -96,6 +103,30 @@ def fp8_quantize_mse(w: np.ndarray, granularity: str, quotient_dtype: str | None
     return best
 
 
+def mxfp4_quantize_mse(w: np.ndarray) -> MXFP4Weight:
+    """float weight [..., K] -> MXFP4Weight whose e8m0 block scales minimise each block's squared error
+    (module docstring); w as `mxfp4_quantize` takes it."""
+    rtn = mxfp4_quantize(w)
+    w64 = np.asarray(w, dtype=np.float64)
+    best, best_error = rtn, None
+    for offset in MXFP4_EXPONENT_OFFSETS:
+        if offset == 0:
+            candidate = rtn
+        else:
+            shifted = np.clip(rtn.scales.astype(np.int16) + offset, 0, E8M0_LARGEST_BYTE).astype(np.uint8)
+            candidate = mxfp4_quantize_with_scales(w, shifted)
+        values = mxfp4_values(candidate.blocks, candidate.scales)  # float64, exact
+        error = _squared_error(w64, values).reshape(*candidate.scales.shape, -1).sum(axis=-1)
+        if best_error is None:
+            best_error = error
+            continue
+        wins = error < best_error  # strict: a tie keeps the earlier candidate (RTN's first)
+        best_error = np.where(wins, error, best_error)
+        best = MXFP4Weight(np.where(wins[..., None], candidate.blocks, best.blocks),
+                           np.where(wins, candidate.scales, best.scales))
+    return best
+
+
 def fp8_scale_candidates(rtn_scale: np.ndarray) -> list[np.ndarray]:
     """The scales `fp8_quantize_mse` tries for groups whose RTN scale is rtn_scale, in order: RN32(scale * f)."""
     return [(rtn_scale * np.float32(factor)).astype(np.float32) for factor in FP8_SCALE_FACTORS]
@@ -134,5 +165,5 @@ def _group_mask(wins: np.ndarray, granularity: str, n: int, k: int) -> np.ndarra
     return np.repeat(np.repeat(wins, FP8_BLOCK, axis=0)[:n], FP8_BLOCK, axis=1)[:, :k]
 
 
-__all__ = ["FP8_SCALE_FACTORS", "NVFP4_BYTE_OFFSETS", "fp8_quantize_mse", "fp8_scale_candidates",
-           "fp8_tensor_row_errors", "nvfp4_quantize_mse"]
+__all__ = ["FP8_SCALE_FACTORS", "MXFP4_EXPONENT_OFFSETS", "NVFP4_BYTE_OFFSETS", "fp8_quantize_mse",
+           "fp8_scale_candidates", "fp8_tensor_row_errors", "mxfp4_quantize_mse", "nvfp4_quantize_mse"]

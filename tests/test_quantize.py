@@ -214,7 +214,7 @@ def test_bad_input_is_one_line_and_exit_2(float_model, tmp_path, capsys):
         (_nan_model(float_model, tmp_path), str(tmp_path / "o3"), "--format", "fp8"):
             "model.layers.1.mlp.up_proj.weight",
         (float_model, str(user), "--format", "nvfp4", "--overwrite"): "notes.txt",
-        (float_model, str(tmp_path / "o4"), "--format", "mxfp4", "--method", "mse"): "--method rtn",
+        (float_model, str(tmp_path / "o4"), "--format", "mxfp4", "--exclude", "*"): "check --exclude",
         (float_model, str(tmp_path / "o5"), "--format", "nvfp4", "--shard-mib", "0"): "at least 1",
     }
     for argv, words in cases.items():
@@ -278,12 +278,12 @@ def _whole_tensor_ref(fmt: str, method: str, w32: np.ndarray, tag: str) -> tuple
     from qpn.ref.fp8 import fp8_quantize
     from qpn.ref.mxfp4 import mxfp4_quantize
     from qpn.ref.nvfp4 import nvfp4_quantize
-    from qpn.ref.scale_search import fp8_quantize_mse, nvfp4_quantize_mse
+    from qpn.ref.scale_search import fp8_quantize_mse, mxfp4_quantize_mse, nvfp4_quantize_mse
 
     if fmt == "nvfp4":
         return tuple((nvfp4_quantize_mse if method == "mse" else nvfp4_quantize)(w32))
     if fmt == "mxfp4":
-        return tuple(mxfp4_quantize(w32))
+        return tuple((mxfp4_quantize_mse if method == "mse" else mxfp4_quantize)(w32))
     granularity = FORMATS[fmt].granularity
     quotient = {"BF16": "bfloat16", "F16": "float16", "F32": None}[tag] if granularity == "tensor" else None
     if method == "mse":
