@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import torch
 from torch import nn
@@ -45,22 +44,26 @@ def is_quantized_folder(folder: str) -> bool:
         return "quantization_config" in json.load(f)
 
 
-def from_pretrained(folder: str | os.PathLike[str], *, device: Device = None, dtype: torch.dtype | None = None,
-                    **config_kwargs: Any) -> nn.Module:
+def from_pretrained(folder: str | os.PathLike[str], *, device: Device = None, dtype: torch.dtype | None = None
+                    ) -> nn.Module:
     """The model in `folder` as a transformers causal LM in eval mode, its quantized layers qpn's.
 
     device: where the model goes (None: the CPU). dtype: the dtype of the unquantized tensors and of the
     activations (QPNLinear takes fp16 or bf16 as they are and fp32 through fp16); None: the config's `dtype`,
-    else float16. config_kwargs override config.json's values (e.g. `attn_implementation="eager"`).
+    else float16.
     The folder's generation_config.json, if any, becomes the model's generation config, as transformers does.
     Errors: a ValueError naming what does not fit (a folder tensor, a model tensor, a layer's shape).
     """
-    import transformers
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(f"qpn.from_pretrained builds transformers models and needs transformers ({exc}); "
+                          "pip install transformers") from None
 
     folder = os.fspath(folder)
     target = torch.device(device) if device is not None else torch.device("cpu")
     quantized = is_quantized_folder(folder)
-    config = transformers.AutoConfig.from_pretrained(folder, **config_kwargs)
+    config = transformers.AutoConfig.from_pretrained(folder)
     if dtype is None:
         dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float16
     if not quantized:
