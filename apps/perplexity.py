@@ -13,13 +13,17 @@ fp16 matmuls are slow, and qpn's linears take fp32 through fp16 anyway).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from .arguments import Parser, integer_in, path_name
+from .output import EXIT_BAD_INPUT
+
+MAX_TOKENS = 1 << 24
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -47,7 +51,13 @@ def text_ids(tokenizer_folder: str | os.PathLike[str], text_path: str | os.PathL
 
     with open(text_path, encoding="utf-8") as f:
         text = f.read()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer_folder))
+    folder = os.fspath(tokenizer_folder)
+    if not os.path.isdir(folder):  # transformers would take the name for a model hub's
+        raise ValueError(f"{folder} is not a folder; pass a model folder holding its tokenizer")
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); the first folder's "
+                         "tokenizer reads the text: put a folder with one first")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.int64)
     return ids[:max_tokens] if max_tokens is not None else ids
 
@@ -72,28 +82,33 @@ def score(model: Any, ids: Any, window: int = 512) -> Scores:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qpn.apps.perplexity", description=__doc__.split("\n\n")[0])
-    parser.add_argument("text", help="a UTF-8 text file")
-    parser.add_argument("folders", nargs="+", metavar="FOLDER", help="model folders; the first is the reference")
-    parser.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
-    parser.add_argument("--tokens", type=int, default=None, help="score only the text's first N tokens")
+    parser = Parser(prog="python -m qpn.apps.perplexity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("text", type=path_name, help="a UTF-8 text file")
+    parser.add_argument("folders", type=path_name, nargs="+", metavar="FOLDER",
+                        help="model folders; the first is the reference")
+    parser.add_argument("--window", type=integer_in(2, MAX_TOKENS, "--window"), default=512,
+                        help="tokens per window (default 512)")
+    parser.add_argument("--tokens", type=integer_in(2, MAX_TOKENS, "--tokens"), default=None,
+                        help="score only the text's first N tokens")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     args = parser.parse_args(argv)
     import torch
 
-    from ..torch_bridge.pretrained import from_pretrained
+    from ..torch_bridge.pretrained import from_pretrained, is_quantized_folder
 
     try:
         ids = text_ids(args.folders[0], args.text, args.tokens)
+        for folder in args.folders:  # every folder's config before any scoring: a bad last one stops at once
+            is_quantized_folder(folder)
         reference = None
         print(f"{len(ids)} tokens, windows of {args.window}")
         for folder in args.folders:
             scores = score(from_pretrained(folder, dtype=getattr(torch, args.dtype)), ids, args.window)
             reference = reference or scores
             print(f"{folder}: perplexity {scores.perplexity:.4f}, top-1 agreement {scores.agreement(reference):.4f}")
-    except (OSError, ValueError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        print(f"{parser.prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever it said
+        return EXIT_BAD_INPUT
     return 0
 
 

@@ -110,6 +110,8 @@ def test_a_plain_folder_is_transformers_own():
 def test_a_folder_without_config_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"has no config\.json; it must be a Hugging Face model folder on disk"):
         qpn.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"nowhere is not a folder; pass a Hugging Face model folder on disk"):
+        qpn.from_pretrained(tmp_path / "nowhere")  # never a model hub's name
 
 
 def test_import_qpn_stays_light():

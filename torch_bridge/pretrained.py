@@ -34,6 +34,8 @@ def is_quantized_folder(folder: str) -> bool:
     """A `qpn pack` folder, or one whose config.json has a quantization_config or that has hf_quant_config.json
     (the producers' two ways of saying it, as qpn's checkpoint reader takes them). A ValueError where `folder`
     holds no config.json: a folder on disk is required (nothing is downloaded)."""
+    if not os.path.isdir(folder):  # transformers would take the name for a model hub's
+        raise ValueError(f"from_pretrained: {folder} is not a folder; pass a Hugging Face model folder on disk")
     config_path = os.path.join(folder, CONFIG_FILE)
     if not os.path.isfile(config_path):
         raise ValueError(f"from_pretrained: {folder} has no {CONFIG_FILE}; it must be a Hugging Face model folder "
