@@ -502,6 +502,9 @@ def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]
         if not linear_weights:
             raise CheckpointError(src_path, None, f"has no 2-D float linear weight to quantize as {fmt} (all "
                                                   f"{len(report.excluded)} excluded); check --exclude")
+        if not any(fnmatch.fnmatchcase(m, "*lm_head") for m in report.excluded):
+            # a tied lm_head has no tensor, but vLLM builds a ParallelLMHead and quantizes it unless the list names it
+            report.excluded["lm_head"] = "tied to the embedding (no tensor of its own); ModelOpt lists it all the same"
         shared = _shared_scales(source, linear_weights, qfmt, progress, pool) if shared_fused_scales else {}
         qc, hf_quant_config = _configs(qfmt, sorted(report.excluded))
         producer: Producer = ModelOpt(qc, CONFIG_FILE) if qfmt.modelopt else CompressedTensors(qc, CONFIG_FILE)
