@@ -10,12 +10,12 @@ scale given, so its float32 temporaries are a few slices, not the tensor, and th
 tensor's (every other rule is local to a row, a 16 / 32-block or a 128x128 block: tests). Memory: about
 1.5 shards (`_ShardWriter`) + one source tensor + its output + the slices in flight.
 
-Which weights are quantized: every 2-D `*.weight` of a float dtype whose module is not excluded. Excluded,
-as ModelOpt excludes them by default: embeddings, lm_head, MoE routers / gates (`*.mlp.gate`,
-`*router*`, Mixtral's `block_sparse_moe.gate`) - DEFAULT_EXCLUDE - and every `--exclude` glob (fnmatch on
-the module name); kept in the source dtype too: weights whose K the format cannot group (NVFP4 K % 16,
-MXFP4 K % 32). Everything else (norms, biases, buffers) is copied byte for byte. The excluded modules are
-listed in the config (`exclude_modules` / `ignore`) and returned.
+Which weights are quantized: every 2-D `*.weight` of a float dtype whose module is not excluded (per-expert
+MoE weights too, as Qwen3-MoE and Mixtral store them). Excluded, as ModelOpt excludes them by default:
+embeddings, lm_head, MoE routers / gates (`*.mlp.gate`, `*router*`, Mixtral's `block_sparse_moe.gate`) -
+DEFAULT_EXCLUDE - and every `--exclude` glob (fnmatch on the module name); kept in the source dtype too:
+weights whose K the format cannot group (NVFP4 K % 16, MXFP4 K % 32). Everything else (norms, biases,
+buffers) is copied byte for byte. The excluded modules are listed in the config (exclude_modules / ignore).
 
 Output (FORMATS): the producer's export layout and configs, weight-only (no input scales).
 - nvfp4, fp8, fp8-channel, fp8-block: ModelOpt 0.47's, as its exporter writes it (tensors, shapes,
@@ -28,11 +28,15 @@ Bytes (method "rtn"): what the producers' quantizers write for the same float we
 ref/fp8.py, ref/mxfp4.py; FP8 per-tensor rounds the quotient to the source dtype as ModelOpt's export
 does). Method "mse": each group's scale searched (ref/scale_search.py); same layout, any reader.
 
-Fused shards (q/k/v, gate/up of one module): by default each projection keeps its own scale, which qpn
-serves exactly. shared_fused_scales=True writes ModelOpt's exporter form instead: the group's NVFP4
-global scale is the largest member's and every member is re-quantized with it; FP8_PB_WO weights of
-one block share the largest scale the same way (ModelOpt 0.47 leaves FP8 tensor / channel scales per
-projection). It reads every weight once more first (the group's amax).
+gpt-oss (model_type "gpt_oss", stacked experts): gpt-oss's own MXFP4 format, checkpoints/quantize_gpt_oss.py.
+
+Fused shards (q/k/v, gate/up of one module; an expert's gate/up, Mixtral's w1/w3): by default each projection
+keeps its own scale, which qpn serves exactly. shared_fused_scales=True writes ModelOpt's exporter form
+instead: the group's NVFP4 global scale is the largest member's and every member is re-quantized with it;
+FP8_PB_WO weights of one block share the largest scale the same way; an expert's gate/up share its FP8
+per-tensor scale (transformers 5 fuses them into one gate_up_proj parameter per expert, which ModelOpt
+quantizes whole: tests/fixtures/modelopt/*moe_fp8, mixtral_fp8), while ModelOpt 0.47 leaves the other FP8
+tensor / channel scales per projection. It reads every weight once more first (the group's amax).
 
 The folder appears atomically (`atomic_folder`); overwrite replaces only a folder `qpn quantize` wrote
 (`_not_ours`). Copied beside the weights: SIDE_FILES (tokenizer, chat template, generation config).
@@ -58,7 +62,7 @@ from ..ref.formats import FP8_BLOCK, MX_BLOCK
 from ..ref.fp8 import fp8_block_grid, fp8_block_grid_4d, fp8_quantize, fp8_scale
 from ..ref.geometry import GROUP_K
 from ..ref.mxfp4 import mxfp4_quantize
-from ..ref.nvfp4 import NVFP4_GLOBAL_DIVISOR, nvfp4_global_scale, nvfp4_quantize
+from ..ref.nvfp4 import nvfp4_global_scale, nvfp4_quantize
 from ..ref.scale_search import (
     fp8_quantize_mse,
     fp8_scale_candidates,
@@ -72,6 +76,7 @@ from .compressed_tensors import CT_MXFP4_FORMAT, CompressedTensors
 from .folder import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SAVED_METADATA, SINGLE_FILE, weight_files
 from .modelopt import ModelOpt
 from .producer import Producer
+from .quantize_gpt_oss import gpt_oss_plan, is_gpt_oss, quantize_gpt_oss_experts
 from .safetensors_io import SafetensorsFile, StoredTensor, TensorInfo, read_safetensors_header, write_safetensors
 
 SHARD_BYTES = 1 << 30  # an output shard is written when its tensors reach 1 GiB (the bound on queued output)
@@ -79,7 +84,8 @@ DEFAULT_EXCLUDE = ("*embed_tokens", "*lm_head", "*.mlp.gate", "*.block_sparse_mo
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
               "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
               "chat_template.json", "generation_config.json")
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM's qkv_proj, gate_up_proj
+# vLLM's qkv_proj, gate_up_proj (w13 of a Mixtral expert)
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 FLOAT_TAGS = {"F32": None, "BF16": BF16, "F16": FP16}  # source tag -> the dtype ModelOpt's FP8 quotient takes
 METHODS = ("rtn", "mse")
 # Values per row slice: a weight is quantized in slices of whole rows (whole 128-row blocks for FP8_PB_WO) once
@@ -156,6 +162,12 @@ def _exclusion(module: str, tensor: Any, fmt: QuantizeFormat, exclude: Sequence[
     if k % fmt.k_multiple:
         return f"K = {k} is not a multiple of {fmt.k_multiple}, which {fmt.name} groups"
     return None
+
+
+def _in_expert(module: str) -> bool:
+    """Whether `module` is a projection of one expert (its parent ends in `.experts.<index>`)."""
+    head, _, index = module.rpartition(".")[0].rpartition(".")
+    return index.isdigit() and head.endswith(".experts")
 
 
 def _is_linear_weight(name: str, tag: str, shape: Sequence[int]) -> bool:
@@ -368,30 +380,30 @@ def _configs(fmt: QuantizeFormat, excluded: Sequence[str]) -> tuple[dict[str, An
 def _shared_scales(source: _Source, candidates: Mapping[str, str], fmt: QuantizeFormat,
                    progress: Callable[..., Iterable], pool: Executor) -> dict[str, np.float32]:
     """module -> the scale its fused group shares (ModelOpt's exporter form; module docstring)."""
-    block = fmt.granularity == "block"
-    if fmt.quant_algo != "NVFP4" and not block:
+    block, tensor = fmt.granularity == "block", fmt.granularity == "tensor"
+    if fmt.quant_algo != "NVFP4" and not block and not tensor:
         return {}
     amax: dict[str, np.float32] = {}
     groups: dict[tuple[str, int], list[str]] = {}
     for module, tensor_name in progress(candidates.items(), desc="amax of fused groups", total=len(candidates),
                                         unit="tensor"):
         key = _fused_key(module)
-        if key is None:
-            continue
+        if key is None or (tensor and not _in_expert(module)):
+            continue  # FP8 per tensor: ModelOpt shares only an expert's gate/up (module docstring)
         opened = source.files[source.file_of[tensor_name]]
         n, k = opened.header.tensors[tensor_name].shape
         if block and fp8_block_grid(n, k) != (1, 1):
             continue  # ModelOpt shares only one-block scales (module docstring)
         amax[module] = _amax(opened.read(tensor_name), _row_slices(n, k, 1), pool)
         groups.setdefault(key, []).append(module)
-    divisor = NVFP4_GLOBAL_DIVISOR if fmt.quant_algo == "NVFP4" else np.float32(448)
     shared: dict[str, np.float32] = {}
     for members in groups.values():
         if len(members) < 2:
             continue
         top = max(amax[m] for m in members)
-        for m in members:  # RN32(max amax / divisor) = max of the members' RN32(amax / divisor): division is monotone
-            shared[m] = np.float32(top) / divisor
+        # the scale of the largest amax is the members' largest scale (RN32(amax / divisor) is monotone)
+        scale = nvfp4_global_scale(top) if fmt.quant_algo == "NVFP4" else np.float32(fp8_scale(top, "tensor"))
+        shared.update(dict.fromkeys(members, scale))
     return shared
 
 
@@ -419,8 +431,10 @@ def _quantize_one(fmt: QuantizeFormat, method: str, module: str, stored: StoredT
     else:
         assert granularity is not None  # every FP8 format names its granularity
         quotient = FLOAT_TAGS[stored.dtype] if granularity == "tensor" else None  # ModelOpt's export (ref/fp8.py)
-        if shared is not None:  # a one-block FP8_PB_WO weight: one slice
+        if shared is not None and granularity == "block":  # a one-block FP8_PB_WO weight: one slice
             scale: np.ndarray | None = np.full(fp8_block_grid(n, k), shared, np.float32)
+        elif shared is not None:  # an expert's gate / up: their fused parameter's scale
+            scale = np.asarray(shared, np.float32)
         elif granularity == "tensor" and method == "rtn":
             scale = fp8_scale(amax, granularity)
         elif granularity == "tensor":  # mse: the scale whose sum of the rows' errors is least (ref/scale_search.py)
@@ -470,6 +484,57 @@ def _stored(producer: Producer, linear: QuantizedLinear) -> dict[str, StoredTens
     return stored
 
 
+@dataclass
+class _Plan:
+    """What `quantize_checkpoint` writes: the 2-D linears to quantize (module -> tensor) in the producer's layout,
+    or gpt-oss's stacked experts tensors; config.json and hf_quant_config.json (or None)."""
+
+    linears: dict[str, str]
+    experts: set[str]
+    config: dict[str, Any]
+    hf_quant_config: dict[str, Any] | None
+    producer: Producer | None
+
+
+def _plan(source: _Source, fmt: QuantizeFormat, exclude: Sequence[str], report: QuantizeReport) -> _Plan:
+    """Which source tensors are quantized and the configs (module docstring); fills report.excluded."""
+    if is_gpt_oss(source.config):
+        tensors = {name: (opened.header.tensors[name], opened.path) for name, opened in source.tensors()}
+        experts, report.excluded, config = gpt_oss_plan(source.config, os.path.join(source.folder, CONFIG_FILE),
+                                                        tensors, fmt.name, exclude)
+        return _Plan({}, set(experts), config, None, None)
+    linears = {}
+    for name, opened in source.tensors():
+        info = opened.header.tensors[name]
+        if _is_linear_weight(name, info.dtype, info.shape):
+            why = _exclusion(_module(name), info, fmt, exclude)
+            if why is None:
+                linears[_module(name)] = name
+            else:
+                report.excluded[_module(name)] = why
+    if not linears:
+        raise CheckpointError(source.folder, None, f"has no 2-D float linear weight to quantize as {fmt.name} (all "
+                                                   f"{len(report.excluded)} excluded); check --exclude")
+    if not any(fnmatch.fnmatchcase(m, "*lm_head") for m in report.excluded):
+        # a tied lm_head has no tensor, but vLLM builds a ParallelLMHead and quantizes it unless the list names it
+        report.excluded["lm_head"] = "tied to the embedding (no tensor of its own); ModelOpt lists it all the same"
+    qc, hf_quant_config = _configs(fmt, sorted(report.excluded))
+    producer: Producer = ModelOpt(qc, CONFIG_FILE) if fmt.modelopt else CompressedTensors(qc, CONFIG_FILE)
+    return _Plan(linears, set(), dict(source.config, quantization_config=qc), hf_quant_config, producer)
+
+
+def _write_beside(folder: str, src: str, plan: _Plan, report: QuantizeReport) -> None:
+    """The configs and the SIDE_FILES SRC holds, into the output folder."""
+    write_json(os.path.join(folder, CONFIG_FILE), plan.config)
+    if plan.hf_quant_config is not None:
+        write_json(os.path.join(folder, HF_QUANT_CONFIG_FILE), plan.hf_quant_config)
+    for side in SIDE_FILES:
+        path = os.path.join(src, side)
+        if os.path.isfile(path):
+            shutil.copyfile(path, os.path.join(folder, side))
+            report.copied.append(side)
+
+
 def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str, *,
                         method: str = "rtn", exclude: Sequence[str] = (), shared_fused_scales: bool = False,
                         overwrite: bool = False, progress: Callable[..., Iterable] = lambda it, **_: it,
@@ -490,39 +555,28 @@ def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]
     report = QuantizeReport()
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="qpn-quantize")
     try:
-        linear_weights = {}
-        for name, opened in source.tensors():
-            info = opened.header.tensors[name]
-            if _is_linear_weight(name, info.dtype, info.shape):
-                why = _exclusion(_module(name), info, qfmt, exclude)
-                if why is None:
-                    linear_weights[_module(name)] = name
-                else:
-                    report.excluded[_module(name)] = why
-        if not linear_weights:
-            raise CheckpointError(src_path, None, f"has no 2-D float linear weight to quantize as {fmt} (all "
-                                                  f"{len(report.excluded)} excluded); check --exclude")
-        if not any(fnmatch.fnmatchcase(m, "*lm_head") for m in report.excluded):
-            # a tied lm_head has no tensor, but vLLM builds a ParallelLMHead and quantizes it unless the list names it
-            report.excluded["lm_head"] = "tied to the embedding (no tensor of its own); ModelOpt lists it all the same"
-        shared = _shared_scales(source, linear_weights, qfmt, progress, pool) if shared_fused_scales else {}
-        qc, hf_quant_config = _configs(qfmt, sorted(report.excluded))
-        producer: Producer = ModelOpt(qc, CONFIG_FILE) if qfmt.modelopt else CompressedTensors(qc, CONFIG_FILE)
-        config = dict(source.config, quantization_config=qc)
+        plan = _plan(source, qfmt, exclude, report)
+        shared = _shared_scales(source, plan.linears, qfmt, progress, pool) if shared_fused_scales else {}
 
         def output_of(name: str, opened: SafetensorsFile) -> dict[str, StoredTensor]:
-            """The output tensors of source tensor `name`: itself, or its module's quantized tensors."""
+            """The output tensors of source tensor `name`: itself, or its quantized tensors."""
             tensor = opened.read(name)
             report.source_bytes += tensor.nbytes
             module = _module(name) if name.endswith(".weight") else None
-            if module is None or module not in linear_weights:
+            if name not in plan.experts and module not in plan.linears:
                 return {name: tensor}
             try:
-                linear = _quantize_one(qfmt, method, module, tensor, shared.get(module), pool)
+                if name in plan.experts:
+                    _, k, n = tensor.shape
+                    quantized = quantize_gpt_oss_experts(name, tensor, _row_slices(n, k, 1), method, pool)
+                else:
+                    assert module is not None and plan.producer is not None  # a linear of the producer's layout
+                    quantized = _stored(plan.producer, _quantize_one(qfmt, method, module, tensor,
+                                                                     shared.get(module), pool))
             except ValueError as exc:  # NaN / inf weights, or scales beyond fp32: the ref's words
                 raise CheckpointError(opened.path, name, f"cannot be quantized as {fmt}: {exc}") from None
-            report.quantized.append(module)
-            return _stored(producer, linear)
+            report.quantized.append(module if module in plan.linears else name)
+            return quantized
 
         with atomic_folder(out_path, overwrite=overwrite, protected=(src_path,), **TARGET_RULES) as tmp:
             writer = _ShardWriter(tmp, shard_bytes)
@@ -536,14 +590,7 @@ def quantize_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str]
                 report.output_bytes = writer.total
             finally:
                 writer.close()  # before atomic_folder removes or commits the folder
-            write_json(os.path.join(tmp, CONFIG_FILE), config)
-            if hf_quant_config is not None:
-                write_json(os.path.join(tmp, HF_QUANT_CONFIG_FILE), hf_quant_config)
-            for side in SIDE_FILES:
-                path = os.path.join(src_path, side)
-                if os.path.isfile(path):
-                    shutil.copyfile(path, os.path.join(tmp, side))
-                    report.copied.append(side)
+            _write_beside(tmp, src_path, plan, report)
     finally:
         pool.shutdown(cancel_futures=True)  # after Ctrl-C: the slices queued are dropped, the running ones end
         source.close()
