@@ -28,10 +28,10 @@ pytestmark = pytest.mark.vllm
 IDS = [1, 17, 42, 99, 7, 250, 3, 128, 64, 5, 200, 11]  # the MoE fixtures' reference prompt
 
 
-# Not fp8-channel yet: qpn's FusedMoE weight_loader (torch_bridge/vllm/moe_method.py) hands vLLM's per-channel loader
-# the file's [N] weight_scale where it copies into [N, 1] ("output with shape [128, 1] doesn't match the broadcast
-# shape [128, 128]"); no ModelOpt fixture holds per-channel experts. Add it here once that loader reshapes.
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+# fp8-channel: ModelOpt stores an expert's channel scales as [N], vLLM's per-channel loader copies [N, 1] (it failed
+# with "output with shape [128, 1] doesn't match the broadcast shape [128, 128]" until qpn's loader reshaped them);
+# no ModelOpt fixture holds per-channel experts, so this is the test that serves them.
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-channel", "nvfp4"])
 def test_vllm_serves_a_quantized_moe_like_its_dense_twin(float_moe, tmp_path, fmt):
     out = tmp_path / "q"
     quantize_checkpoint(float_moe["qwen3moe"], out, fmt)

@@ -104,6 +104,8 @@ def _expert_loader(vllm_loader: Callable[..., Any], rule: ValueRule, name: str, 
         def where() -> str:
             return checkpoint_where(expert_tensor(prefix, expert_id, shard_id, name), folder, prefix)
         _checked(rule, name, loaded_weight, where)
+        if getattr(param, "quant_method", None) == FusedMoeWeightScaleSupported.CHANNEL.value:
+            loaded_weight = loaded_weight.reshape(-1, 1)  # ModelOpt stores [N]; vLLM's channel loader copies [N, 1]
         return vllm_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=return_success)
     return weight_loader
 
