@@ -1,10 +1,11 @@
 """Run one real vLLM `LLM()` on the CPU and write what the tests compare, as JSON.
 
-    python tests/vllm_run.py MODEL OUT.json [--quantization qpn] [--tp 2] [--compile]
+    python tests/vllm_run.py MODEL OUT.json [--quantization qpn] [--tp 2] [--compile] [--max-model-len 64]
 
 It lives in its own process because vLLM sets up its distributed state, its compilation caches and
 its engine once per process (a second `LLM()` in one pytest process is not what a server does, and
-tensor parallelism spawns workers anyway). Greedy decoding (temperature 0) of PROMPTS (or --prompts), with:
+tensor parallelism spawns workers anyway). Greedy decoding (temperature 0, MAX_TOKENS or --max-tokens new tokens)
+of PROMPTS (or --prompts; each with its new tokens within --max-model-len, 64 by default: the tiny models), with:
 - "prompt_logprobs": per prompt, the log-probability of each prompt token given the tokens before
   it (teacher forcing: the same inputs for every model, so the numbers compare position by position);
 - "tokens" / "top2": per prompt, the generated token ids and, at each step, the two best
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile (vLLM's default) instead of eager")
     parser.add_argument("--dtype", default="half")
     parser.add_argument("--prompts", type=json.loads, default=PROMPTS, help="JSON list of token-id lists")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="new tokens per prompt")
+    parser.add_argument("--max-model-len", type=int, default=64, help="tokens per sequence, prompt and new ones")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need a few MB
@@ -57,9 +60,9 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=args.model, quantization=args.quantization, dtype=args.dtype, skip_tokenizer_init=True,
-              enforce_eager=not args.compile, max_model_len=64, seed=0, tensor_parallel_size=args.tp,
+              enforce_eager=not args.compile, max_model_len=args.max_model_len, seed=0, tensor_parallel_size=args.tp,
               distributed_executor_backend="mp" if args.tp > 1 else None)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, prompt_logprobs=1,
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=2, prompt_logprobs=1,
                             detokenize=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in args.prompts], params, use_tqdm=False)
     result = {"prompt_logprobs": [], "tokens": [], "top2": []}
