@@ -48,7 +48,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                                  shard_bytes=args.shard_mib << 20)
     seconds = time.perf_counter() - start
     copied = f"; copied {', '.join(report.copied)}" if report.copied else ""
-    print(f"quantized {plural(len(report.quantized), 'linear')} as {args.format} ({args.method}) -> {args.out} "
+    # "weights": a linear's each, or a gpt-oss layer's stacked experts tensors (gate_up_proj, down_proj)
+    print(f"quantized {plural(len(report.quantized), 'weight')} as {args.format} ({args.method}) -> {args.out} "
           f"({plural(len(report.files), 'weight file')}, {size_text(report.output_bytes)} from "
           f"{size_text(report.source_bytes)}) in {seconds:.1f} s{copied}")
     print(f"kept unquantized ({len(report.excluded)}):")
