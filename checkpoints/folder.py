@@ -46,7 +46,7 @@ import copy
 import json
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -349,16 +349,17 @@ def _shards(stored: Mapping[str, StoredTensor], max_shard_bytes: int | None) -> 
     return [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", group) for i, group in enumerate(groups)]
 
 
-def _not_saved_by_qpn(folder: str) -> str | None:
-    """None if `folder` holds only files save_checkpoint writes, each safetensors file marked with
-    SAVED_METADATA; else why not (overwrite=True never replaces a user's own checkpoint)."""
-    written = (CONFIG_FILE, HF_QUANT_CONFIG_FILE, SINGLE_FILE, INDEX_FILE)
+def not_written_by(folder: str, writer: str, side_files: Collection[str] = ()) -> str | None:
+    """None if `folder` holds only what `writer` (save_checkpoint, qpn quantize) writes - the configs, the
+    weights as model.safetensors or model-NNNNN-of-NNNNN.safetensors shards each marked with SAVED_METADATA,
+    and `side_files` - else why not (an overwrite never replaces a user's own checkpoint)."""
+    written = {CONFIG_FILE, HF_QUANT_CONFIG_FILE, SINGLE_FILE, INDEX_FILE, *side_files}
     entries = sorted(os.listdir(folder))
     foreign = [e for e in entries if not (e in written or _SHARD_FILE.match(e))
                or os.path.islink(os.path.join(folder, e)) or not os.path.isfile(os.path.join(folder, e))]
     if foreign:
         more = " ..." if len(foreign) > 5 else ""
-        return f"it holds {', '.join(foreign[:5])}{more}, which save_checkpoint does not write"
+        return f"it holds {', '.join(foreign[:5])}{more}, which {writer} does not write"
     weights = [e for e in entries if e.endswith(".safetensors")]
     for entry in weights:
         try:
@@ -366,8 +367,12 @@ def _not_saved_by_qpn(folder: str) -> str | None:
         except (OSError, ValueError):
             metadata = {}
         if metadata.get("writer") != SAVED_METADATA["writer"]:
-            return f"{entry} lacks save_checkpoint's mark (safetensors metadata writer={SAVED_METADATA['writer']!r})"
+            return f"{entry} lacks {writer}'s mark (safetensors metadata writer={SAVED_METADATA['writer']!r})"
     return None if weights else "it holds no safetensors file"
+
+
+def _not_saved_by_qpn(folder: str) -> str | None:
+    return not_written_by(folder, "save_checkpoint")
 
 
 SAVE_TARGET_RULES: TargetRules = {"ours": _not_saved_by_qpn, "what": "checkpoint"}

@@ -73,11 +73,19 @@ from ..ref.scale_search import (
 from .atomic import TargetRules, atomic_folder, write_json
 from .checkpoint import CheckpointError, FP8Linear, MXFP4Linear, NVFP4Linear, QuantizedLinear
 from .compressed_tensors import CT_MXFP4_FORMAT, CompressedTensors
-from .folder import CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, SAVED_METADATA, SINGLE_FILE, weight_files
+from .folder import (
+    CONFIG_FILE,
+    HF_QUANT_CONFIG_FILE,
+    INDEX_FILE,
+    SAVED_METADATA,
+    SINGLE_FILE,
+    not_written_by,
+    weight_files,
+)
 from .modelopt import ModelOpt
 from .producer import Producer
 from .quantize_gpt_oss import gpt_oss_plan, is_gpt_oss, quantize_gpt_oss_experts
-from .safetensors_io import SafetensorsFile, StoredTensor, TensorInfo, read_safetensors_header, write_safetensors
+from .safetensors_io import SafetensorsFile, StoredTensor, TensorInfo, write_safetensors
 
 SHARD_BYTES = 1 << 30  # an output shard is written when its tensors reach 1 GiB (the bound on queued output)
 DEFAULT_EXCLUDE = ("*embed_tokens", "*lm_head", "*.mlp.gate", "*.block_sparse_moe.gate", "*router*")
@@ -202,22 +210,7 @@ def _amax(stored: StoredTensor, slices: Sequence[slice], pool: Executor) -> np.f
 
 def _not_ours(folder: str) -> str | None:
     """None if `folder` holds only what `quantize` writes (its shards carry SAVED_METADATA's writer mark)."""
-    ours = {CONFIG_FILE, HF_QUANT_CONFIG_FILE, SINGLE_FILE, INDEX_FILE, *SIDE_FILES}
-    entries = sorted(os.listdir(folder))
-    foreign = [e for e in entries if not (e in ours or (e.startswith("model-") and e.endswith(".safetensors")))
-               or os.path.islink(os.path.join(folder, e)) or not os.path.isfile(os.path.join(folder, e))]
-    if foreign:
-        return f"it holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which qpn quantize " \
-               "does not write"
-    weights = [e for e in entries if e.endswith(".safetensors")]
-    for entry in weights:
-        try:
-            metadata = read_safetensors_header(os.path.join(folder, entry)).metadata or {}
-        except (OSError, ValueError):
-            metadata = {}
-        if metadata.get("writer") != SAVED_METADATA["writer"]:
-            return f"{entry} lacks qpn's mark (safetensors metadata writer={SAVED_METADATA['writer']!r})"
-    return None if weights else "it holds no safetensors file"
+    return not_written_by(folder, "qpn quantize", SIDE_FILES)
 
 
 TARGET_RULES: TargetRules = {"ours": _not_ours, "what": "quantized checkpoint", "flag": "--overwrite"}
