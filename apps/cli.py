@@ -227,16 +227,23 @@ def cmd_pack(args: argparse.Namespace) -> int:
 # qpn verify
 
 
+def _print_lines(lines: Sequence[str]) -> None:
+    """`lines` to stdout in one write, flushed: under PYTHONUNBUFFERED print() writes a text and its newline
+    apart, so a reader that leaves between the two (`qpn verify | head -3`) cut the report at a varying point."""
+    sys.stdout.write("".join(line + "\n" for line in lines))
+    sys.stdout.flush()
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     source = open_source(args.path, check_values=False)  # a bad value is reported as its layer's failure
     require_quantized_layers(source)
     backends = Backends.find()
     table = VerifyTable(source, args.upstream)
-    print("\n".join(verify_report_head(source, backends, args.m) + table.head()), flush=True)
+    _print_lines(verify_report_head(source, backends, args.m) + table.head())
     results, other = verify_source(source, ms=args.m, seed=args.seed, upstream=args.upstream,
                                    progress=_progress_of(args), backends=backends,
-                                   on_result=lambda r: print(table.row(r), flush=True))  # `| head` stops here
-    print("\n".join(verify_report_tail(source, results, other, args.upstream)))
+                                   on_result=lambda r: _print_lines([table.row(r)]))  # `| head` stops here
+    _print_lines(verify_report_tail(source, results, other, args.upstream))
     return EXIT_OK if all(r.ok for r in results) and not other else EXIT_FAILED
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -528,7 +529,8 @@ def test_a_file_that_appears_in_the_mount_point_during_the_fill_is_never_replace
 
 
 @POSIX
-def test_verify_into_a_closed_pipe_stops_early_and_quietly(tmp_path):
+@pytest.mark.parametrize("unbuffered", ["", "1"])  # PYTHONUNBUFFERED split print()'s text and newline: a race
+def test_verify_into_a_closed_pipe_stops_early_and_quietly(tmp_path, unbuffered):
     layers = {}
     for i in range(16):
         q = ref.nvfp4_quantize(float_weight(f"l{i}", 32, 64))
@@ -551,14 +553,32 @@ def test_verify_into_a_closed_pipe_stops_early_and_quietly(tmp_path):
         verify.verify_layer = counted
         sys.exit(cli.main(argv))
     """)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
     qpn = start_child([sys.executable, "-c", driver, str(log), "verify", str(src)], stdin=subprocess.PIPE,
-                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      env={**env, **({"PYTHONUNBUFFERED": unbuffered} if unbuffered else {})})
     head = subprocess.run(["head", "-3"], stdin=qpn.stdout, capture_output=True, timeout=HANG_GUARD_S)
     qpn.stdout.close()  # head has left, and the test's copy of the read end is closed: no reader remains
     _, err = qpn.communicate(timeout=HANG_GUARD_S)  # closes stdin: the first layer goes on
     assert len(head.stdout.decode().splitlines()) == 3
     assert qpn.returncode == 141 and err == b"", err  # 128 + SIGPIPE, as a CLI killed by SIGPIPE; no message
     assert len(log.read_text().splitlines()) == 1  # stopped at the first row after head left
+
+
+def test_a_report_block_goes_out_in_one_write(monkeypatch):
+    """What the race above needs: qpn verify's head block (and each row) is one write to stdout, so a reader
+    that leaves after N lines cannot fall between a text and its newline (print() writes them apart when
+    PYTHONUNBUFFERED is set: CI's and users' shells may set it)."""
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    cli._print_lines(["qpn verify x", "backends:", "layer | ..."])
+    assert writes == ["qpn verify x\nbackends:\nlayer | ...\n"]
 
 
 # ----------------------------------------------------------------------------------------------
